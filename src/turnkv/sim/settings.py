@@ -1,0 +1,111 @@
+"""Settings of one simulated engine, and the ``turnkv sim`` command line that fills them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from turnkv.sim.costs import LINKS, MODEL_SHAPES, CostModel
+from turnkv.sim.engine import EngineConfig
+from turnkv.sim.faults import Faults
+
+
+class SimSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=0, le=65535)
+    model: str = "sim-model"
+    template: Literal["keep", "strip"] = "keep"
+    chat_template: str | None = None
+    thinking: bool = True
+    retokenize_drift: bool = False
+    prompt_tokens_details: bool = False
+    engine: EngineConfig = Field(default_factory=EngineConfig)  # type: ignore[arg-type]
+    faults: Faults = Field(default_factory=Faults)  # type: ignore[arg-type]
+
+    @property
+    def version(self) -> str:
+        return {"0.26": "0.26.0", "0.33": "0.33.0"}[self.engine.compat]
+
+
+def add_sim_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=["prefill", "decode", "colocated"], default="colocated")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--model", default="sim-model", help="served model name")
+    p.add_argument("--template", choices=["keep", "strip"], default="keep",
+                   help="built-in chat template: keep earlier reasoning, or strip it as Qwen3 does")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (as vLLM's --chat-template)")
+    p.add_argument("--vllm-compat", choices=["0.26", "0.33"], default="0.26")
+    bool_flag(p, "prefix-caching", True, "local prefix caching (vLLM --enable-prefix-caching)")
+    bool_flag(p, "bidirectional", True, "kv_connector_extra_config.bidirectional_kv_xfer")
+    bool_flag(p, "thinking", True, "answers start with a <think> reasoning part")
+    p.add_argument("--kv-recompute-threshold", type=int, default=64)
+    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=480.0)
+    p.add_argument("--kv-lease-duration", type=float, default=30.0)
+    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, default=20000)
+    p.add_argument("--max-model-len", type=int, default=40960)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--side-channel-host", default="127.0.0.1")
+    p.add_argument("--side-channel-port", type=int, default=0, help="NIXL side channel port (0: any free port)")
+    p.add_argument("--clock-skew", type=float, default=0.0, help="seconds added to this engine's perf_counter")
+    p.add_argument("--retokenize-drift", action="store_true",
+                   help="some generated id sequences re-tokenize to different ids, as with BPE")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("cost model")
+    g.add_argument("--time-scale", type=float, default=1.0, help="multiplies every simulated duration; 0 = free")
+    g.add_argument("--link", choices=sorted(LINKS), default="host")
+    g.add_argument("--link-latency-ms", type=float, default=None, help="fixed cost per KV transfer")
+    g.add_argument("--link-gbps", type=float, default=None, help="KV transfer bandwidth in GB/s")
+    g.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-8b")
+    g.add_argument("--prefill-us-per-token", type=float, default=None)
+    g.add_argument("--prefill-floor-ms", type=float, default=None)
+    g.add_argument("--decode-itl-ms", type=float, default=None)
+    g.add_argument("--api-overhead-ms", type=float, default=None)
+    f = p.add_argument_group("faults (also settable at run time: POST /_sim/faults)")
+    f.add_argument("--fail-next", type=int, default=0, help="answer the next N generation requests with 500")
+    f.add_argument("--delay-ms", type=float, default=0.0)
+    f.add_argument("--drop-next", type=int, default=0, help="drop the next N streams mid-stream")
+    f.add_argument("--drop-after-chunks", type=int, default=2)
+
+
+def bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help_: str) -> None:
+    dest = name.replace("-", "_")
+    p.add_argument(f"--{name}", dest=dest, action="store_true", default=default, help=help_)
+    p.add_argument(f"--no-{name}", dest=dest, action="store_false")
+
+
+def settings_from_args(a: argparse.Namespace) -> SimSettings:
+    cost_overrides = {
+        k: v for k, v in {
+            "prefill_per_token_s": None if a.prefill_us_per_token is None else a.prefill_us_per_token / 1e6,
+            "prefill_floor_s": None if a.prefill_floor_ms is None else a.prefill_floor_ms / 1e3,
+            "decode_base_s": None if a.decode_itl_ms is None else a.decode_itl_ms / 1e3,
+            "api_overhead_s": None if a.api_overhead_ms is None else a.api_overhead_ms / 1e3,
+        }.items() if v is not None
+    }
+    costs = CostModel(
+        time_scale=a.time_scale, link=a.link, model_shape=a.model_shape,
+        link_fixed_s=None if a.link_latency_ms is None else a.link_latency_ms / 1e3,
+        link_bytes_per_s=None if a.link_gbps is None else a.link_gbps * 1e9, **cost_overrides,
+    )
+    engine = EngineConfig(
+        role=a.role, compat=a.vllm_compat, block_size=a.block_size, num_blocks=a.num_gpu_blocks,
+        prefix_caching=a.prefix_caching, bidirectional=a.bidirectional,
+        kv_recompute_threshold=a.kv_recompute_threshold, decoder_kv_blocks_ttl=a.decoder_kv_blocks_ttl,
+        kv_lease_duration=a.kv_lease_duration, kv_load_failure_policy=a.kv_load_failure_policy,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+        side_channel_host=a.side_channel_host, side_channel_port=a.side_channel_port, clock_skew_s=a.clock_skew,
+        seed=a.seed, costs=costs,
+    )
+    return SimSettings(
+        host=a.host, port=a.port, model=a.model, template=a.template, chat_template=a.chat_template,
+        thinking=a.thinking, retokenize_drift=a.retokenize_drift,
+        prompt_tokens_details=a.enable_prompt_tokens_details, engine=engine,
+        faults=Faults(fail_next=a.fail_next, delay_ms=a.delay_ms, drop_next=a.drop_next,
+                      drop_after_chunks=a.drop_after_chunks),
+    )
