@@ -19,6 +19,28 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from turnkv.config import ConfigError, load_settings
+    from turnkv.gateway.app import create_app
+    from turnkv.logging import configure_stdlib
+
+    try:
+        settings = load_settings(
+            args.config, prefill=args.prefill, decode=args.decode, render=args.render, redis_url=args.redis_url,
+            host=args.host, port=args.port, policy={"name": args.policy} if args.policy else None,
+            log_level=args.log_level,
+        )
+    except ConfigError as exc:
+        print(f"turnkv serve: {exc}", file=sys.stderr)
+        return 2
+    configure_stdlib(settings.log_level)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
+                access_log=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from turnkv.sim.settings import add_sim_arguments
 
@@ -28,6 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_arguments(sim)
     sim.add_argument("--log-level", default="warning")
     sim.set_defaults(func=_sim)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--prefill", nargs="+", default=None, metavar="URL", help="prefill engine URLs")
+    serve.add_argument("--decode", nargs="+", default=None, metavar="URL", help="decode engine URLs")
+    serve.add_argument("--render", default=None, metavar="URL", help="render service (default: a prefill engine)")
+    serve.add_argument("--redis-url", default=None, help="redis://host:port/db (default: in-process store)")
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--policy", default=None, help="adaptive | always-pull | never-pull | decode-local")
+    serve.add_argument("--config", default=None, help="YAML settings file")
+    serve.add_argument("--log-level", default=None)
+    serve.set_defaults(func=_serve)
     return parser
 
 

@@ -65,6 +65,7 @@ class Agreement:
     tokens: int  # agreeing tokens, block aligned unless the whole stored sequence agrees
     full: bool  # the prompt starts with the whole stored sequence
     diverges_at: int | None  # first block index that differs (None when full)
+    prompt_ended: bool = False  # no difference found, but the prompt is shorter than the stored sequence
 
 
 def agreement(stored: bytes, stored_tokens: int, prompt: Sequence[int], block_size: int) -> Agreement:
@@ -81,9 +82,11 @@ def agreement(stored: bytes, stored_tokens: int, prompt: Sequence[int], block_si
             return Agreement(n, False, i)
         n += block_size
     if n < full_blocks * block_size:
-        return Agreement(n, False, n // block_size)  # the prompt is shorter than the stored sequence
+        return Agreement(n, False, n // block_size, prompt_ended=True)
     if tail == 0:
         return Agreement(n, True, None)
-    if len(prompt) >= stored_tokens and mine[full_blocks * d:(full_blocks + 1) * d] == stored[full_blocks * d:]:
+    if len(prompt) < stored_tokens:
+        return Agreement(n, False, full_blocks, prompt_ended=True)
+    if mine[full_blocks * d:(full_blocks + 1) * d] == stored[full_blocks * d:]:
         return Agreement(stored_tokens, True, None)
     return Agreement(n, False, full_blocks)

@@ -1,0 +1,109 @@
+"""The gateway's exceptions. Every error a client can see is one of these, rendered in one place.
+
+* GatewayError                       status, OpenAI ``type`` and ``code``
+  x ClientError                      400 invalid_request_error: the request is wrong
+    - BodyTooLarge                   413
+    - ModelNotFound                  404 model_not_found
+  x UpstreamError                    an engine failed; carries ``leg`` and ``instance``
+    - UpstreamUnavailable            503: no instance could be reached
+    - UpstreamTimeout                504
+    - UpstreamStatus                 the engine answered an error status (its body is kept)
+    - UpstreamProtocolError          502: the engine answered something we cannot read
+* StoreError                         the conversation store failed; never rendered: the turn
+                                     degrades to plain P/D and the error is counted
+
+Foreign exceptions are translated once, at the edge: aiohttp in ``gateway.upstream``, redis in
+``state.redis``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GatewayError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class ClientError(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class BodyTooLarge(ClientError):
+    status = 413
+    code = "request_too_large"
+
+
+class ModelNotFound(ClientError):
+    status = 404
+    code = "model_not_found"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    type = "upstream_error"
+    kind = "error"
+
+    def __init__(self, message: str, *, leg: str, instance: str | None = None) -> None:
+        super().__init__(message)
+        self.leg = leg
+        self.instance = instance
+
+
+class UpstreamUnavailable(UpstreamError):
+    status = 503
+    code = "upstream_unavailable"
+    kind = "connect"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+    kind = "timeout"
+
+
+class UpstreamProtocolError(UpstreamError):
+    code = "upstream_protocol_error"
+    kind = "protocol"
+
+
+class UpstreamStatus(UpstreamError):
+    """The engine answered with an error status; 4xx bodies are passed to the client as they are."""
+
+    kind = "status"
+
+    def __init__(self, status: int, body: Any, *, leg: str, instance: str | None = None) -> None:
+        message = _message_of(body) or f"{leg} engine answered HTTP {status}"
+        super().__init__(message, leg=leg, instance=instance)
+        self.upstream_status = status
+        self.upstream_body = body
+        self.status = status if 400 <= status < 500 else 502
+        self.code = "upstream_status"
+
+    def body(self) -> dict[str, Any]:
+        if 400 <= self.upstream_status < 500 and isinstance(self.upstream_body, dict) and "error" in self.upstream_body:
+            return self.upstream_body
+        return super().body()
+
+
+def _message_of(body: Any) -> str | None:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        msg = body["error"].get("message")
+        return str(msg) if msg is not None else None
+    return None
+
+
+class StoreError(Exception):
+    """The conversation store failed or timed out."""

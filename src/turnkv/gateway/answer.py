@@ -1,0 +1,103 @@
+"""Digests of an answer's text, as streamed and as a client sends it back, to explain a refusal.
+
+The token chain decides whether KV may be reused; these digests only say why it may not: the
+client edited the answer, dropped its reasoning, or sent the same text that now tokenizes
+differently. Whitespace at the ends and JSON formatting of tool arguments are normalised away.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnkv.reuse.assess import EchoedAnswer
+from turnkv.state.record import text_digest
+
+
+def _canonical_args(args: Any) -> str:
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return args.strip()
+    return json.dumps(args, sort_keys=True, ensure_ascii=False)
+
+
+def answer_digest(content: str | None, tool_calls: Iterable[tuple[str, Any]]) -> str:
+    parts = [(content or "").strip()]
+    parts += [f"{name}\x00{_canonical_args(args)}" for name, args in tool_calls]
+    return text_digest("\x01".join(parts))
+
+
+def reasoning_digest(reasoning: str | None) -> str | None:
+    r = (reasoning or "").strip()
+    return text_digest(r) if r else None
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    return ""
+
+
+def _calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    out = []
+    for c in message.get("tool_calls") or []:
+        fn = c.get("function") if isinstance(c, Mapping) else None
+        if isinstance(fn, Mapping):
+            out.append((str(fn.get("name", "")), fn.get("arguments")))
+    return out
+
+
+def echoed_answer(messages: Sequence[Any]) -> EchoedAnswer | None:
+    """The last assistant message before the trailing user/tool messages, as digests."""
+    i = len(messages) - 1
+    while i >= 0 and isinstance(messages[i], Mapping) and messages[i].get("role") in ("user", "tool"):
+        i -= 1
+    if i < 0 or not isinstance(messages[i], Mapping) or messages[i].get("role") != "assistant":
+        return None
+    m = messages[i]
+    reasoning = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
+    rd = reasoning_digest(reasoning if isinstance(reasoning, str) else None)
+    return EchoedAnswer(answer_digest(_text(m.get("content")), _calls(m)), rd is not None, rd)
+
+
+@dataclass
+class AnswerAccumulator:
+    """Collects an answer's text from stream deltas or a full message."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [name, arguments]
+
+    def delta(self, d: Mapping[str, Any]) -> None:
+        if isinstance(d.get("content"), str):
+            self.content.append(d["content"])
+        r = d.get("reasoning") if d.get("reasoning") is not None else d.get("reasoning_content")
+        if isinstance(r, str):
+            self.reasoning.append(r)
+        for tc in d.get("tool_calls") or []:
+            if not isinstance(tc, Mapping):
+                continue
+            slot = self.calls.setdefault(int(tc.get("index", 0)), ["", ""])
+            fn = tc.get("function") or {}
+            if isinstance(fn.get("name"), str):
+                slot[0] += fn["name"]
+            if isinstance(fn.get("arguments"), str):
+                slot[1] += fn["arguments"]
+
+    def message(self, m: Mapping[str, Any]) -> None:
+        self.content.append(_text(m.get("content")))
+        r = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
+        if isinstance(r, str):
+            self.reasoning.append(r)
+        for i, (name, args) in enumerate(_calls(m)):
+            self.calls[i] = [name, args if isinstance(args, str) else json.dumps(args)]
+
+    def digests(self) -> tuple[str, str | None]:
+        calls = [(n, a) for _, (n, a) in sorted(self.calls.items())]
+        return answer_digest("".join(self.content), calls), reasoning_digest("".join(self.reasoning))

@@ -1,0 +1,163 @@
+"""``create_app(settings)``: the gateway as an ASGI app, with everything it owns built in its lifespan.
+
+The lifespan owns one aiohttp session, one store (Redis pool or in-process), the engine registry
+and three background loops (engine health and metrics, the pinned-memory report, the template
+audit), all cancelled when the app stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, TypedDict
+
+import aiohttp
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
+
+from turnkv.config import Settings
+from turnkv.errors import GatewayError, StoreError, UpstreamError
+from turnkv.gateway import routes
+from turnkv.gateway.audit import classify, engine_renderer
+from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpected
+from turnkv.gateway.metrics import GatewayMetrics
+from turnkv.gateway.registry import Registry
+from turnkv.gateway.services import Services, TemplateAudit
+from turnkv.gateway.upstream import Upstream
+from turnkv.logging import make_logger
+from turnkv.reuse.assess import TemplateClass
+from turnkv.reuse.cost import CostParams
+from turnkv.reuse.estimator import CostEstimator
+from turnkv.reuse.policies import build_policy
+from turnkv.state.base import ConversationStore
+from turnkv.state.guard import StoreGuard
+from turnkv.state.memory import MemoryStore
+from turnkv.state.redis import RedisStore
+
+AUDIT_ATTEMPTS = 30
+
+
+class State(TypedDict):
+    services: Services
+
+
+def cost_priors(settings: Settings) -> CostParams:
+    c = settings.costs
+    return CostParams(
+        link_fixed_s=c.link_fixed_ms / 1e3, link_bytes_per_s=c.link_gbps * 1e9,
+        kv_bytes_per_token=settings.kv_bytes_per_token, prefill_per_token_s=c.prefill_us_per_token / 1e6,
+        prefill_attn_s=c.prefill_attn_ns / 1e9, prefill_floor_s=c.prefill_floor_ms / 1e3, hop_s=c.hop_ms / 1e3,
+        recompute_threshold=c.recompute_threshold,
+    )
+
+
+def _store(settings: Settings) -> ConversationStore:
+    if settings.redis_url:
+        return RedisStore(settings.redis_url, namespace=settings.redis_namespace,
+                          timeout_s=settings.timeouts.redis_s)
+    return MemoryStore()
+
+
+async def _report_pinned(svc: Services) -> None:
+    seen: set[str] = set()
+    while True:
+        await asyncio.sleep(svc.settings.scrape_interval_s)
+        try:
+            pinned = await svc.store.pinned(time.time())
+        except StoreError:
+            continue
+        for url in seen - set(pinned):
+            for g in (svc.metrics.pinned_tokens, svc.metrics.pinned_bytes, svc.metrics.pinned_handles):
+                g.labels(url).set(0)
+        for url, p in pinned.items():
+            svc.metrics.pinned_tokens.labels(url).set(p.tokens)
+            svc.metrics.pinned_bytes.labels(url).set(p.tokens * svc.settings.kv_bytes_per_token)
+            svc.metrics.pinned_handles.labels(url).set(p.handles)
+        seen = set(pinned)
+        fixed, bw = svc.estimator.link.params()
+        svc.metrics.link_fixed_s.set(fixed)
+        svc.metrics.link_bytes_per_s.set(bw)
+
+
+async def _audit(svc: Services) -> None:
+    """Learn the served model names and classify the chat template, retrying until an engine answers."""
+    for _ in range(AUDIT_ATTEMPTS):
+        inst = svc.registry.pick("prefill")
+        base = svc.settings.render or (inst.url if inst else None)
+        if base is not None:
+            try:
+                if not svc.models:
+                    status, raw = await svc.upstream.get(base, "/v1/models")
+                    if status == 200:
+                        svc.models = [str(m["id"]) for m in json.loads(raw).get("data", [])]
+                if not svc.settings.template_audit:
+                    return
+                model = (svc.settings.models or svc.models or [None])[0]
+
+                async def post(body: dict[str, Any], base: str = base) -> dict[str, Any]:
+                    return await svc.upstream.post_json("render", base, "/v1/chat/completions/render", body,
+                                                        svc.upstream.headers(None, None))
+
+                cls, detail = await classify(engine_renderer(post, model))
+                svc.audit = TemplateAudit(cls, detail)
+                for c in TemplateClass:
+                    svc.metrics.template_class.labels(c.value).set(1 if c is cls else 0)
+                svc.log.info("template.audit", template_class=cls.value, detail=detail)
+                return
+            except (UpstreamError, ValueError, KeyError) as exc:
+                svc.audit = TemplateAudit(TemplateClass.UNKNOWN, f"audit failed: {exc}")
+        await asyncio.sleep(2.0)
+
+
+def create_app(settings: Settings) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[State]:
+        connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0, keepalive_timeout=30)
+        metrics = GatewayMetrics()
+        store = StoreGuard(
+            _store(settings), retry_s=settings.store_retry_s,
+            on_error=lambda op: metrics.redis_errors.labels(op).inc(),
+            on_state=lambda up: metrics.store_up.set(1 if up else 0),
+        )
+        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+            upstream = Upstream(session, settings.timeouts, settings.upstream_api_key)
+            registry = Registry(settings.prefill, settings.decode)
+            estimator = CostEstimator(cost_priors(settings))
+            registry.on_link_sample = estimator.link.observe
+            registry.on_restart = lambda inst: metrics.engine_restarts.labels(inst.role).inc()
+            svc = Services(
+                settings=settings, upstream=upstream, registry=registry, store=store,
+                policy=build_policy(settings.policy.name, settings.policy.params), estimator=estimator,
+                metrics=metrics, log=make_logger("turnkv.turn", json=settings.log_json),
+            )
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(registry.run(upstream, settings.health_interval_s, settings.scrape_interval_s)),
+                    tg.create_task(_report_pinned(svc)),
+                    tg.create_task(_audit(svc)),
+                ]
+                try:
+                    yield {"services": svc}
+                finally:
+                    for t in tasks:
+                        t.cancel()
+        await store.close()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/health", routes.health, methods=["GET"]),
+            Route("/ready", routes.ready, methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+        exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_exception,
+                            Exception: on_unexpected},
+    )
+    return app

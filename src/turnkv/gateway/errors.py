@@ -1,0 +1,43 @@
+"""The one place errors become responses: OpenAI-shaped JSON, or a final SSE event mid-stream."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from turnkv.errors import GatewayError
+
+log = logging.getLogger("turnkv.errors")
+
+
+def error_response(exc: GatewayError, request_id: str | None = None) -> JSONResponse:
+    headers = {"x-request-id": request_id} if request_id else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def sse_error_event(exc: GatewayError) -> bytes:
+    """Once the stream has started its status cannot change: the error is the last event."""
+    return b"data: " + json.dumps(exc.body(), separators=(",", ":")).encode() + b"\n\n"
+
+
+async def on_gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return error_response(exc, request.headers.get("x-request-id"))
+
+
+async def on_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=exc.status_code)
+
+
+async def on_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error", exc_info=exc)
+    body = {"error": {"message": "internal error in turnkv", "type": "internal_error", "param": None,
+                      "code": None}}
+    return JSONResponse(body, status_code=500)

@@ -1,0 +1,52 @@
+"""turnkv's Prometheus metrics, in a registry owned by the app (no globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def turn_bucket(turn: int) -> str:
+    if turn <= 5:
+        return str(max(turn, 1))
+    return "6-10" if turn <= 10 else "11+"
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("turnkv_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.ttft = Histogram("turnkv_ttft_seconds", "Gateway-side time to first token",
+                              ["turn", "outcome"], buckets=_TTFT_BUCKETS, registry=r)
+        self.prefill_seconds = Histogram("turnkv_prefill_seconds", "Prefill call duration", ["action"],
+                                         buckets=_TTFT_BUCKETS, registry=r)
+        self.decisions = Counter("turnkv_reuse_decisions", "Reuse decisions", ["outcome", "action", "reason"],
+                                 registry=r)
+        self.tokens = Counter("turnkv_tokens", "Prompt tokens by how they were obtained, and generated tokens",
+                              ["kind"], registry=r)
+        self.upstream_errors = Counter("turnkv_upstream_errors", "Engine call failures", ["leg", "kind"],
+                                       registry=r)
+        self.retries = Counter("turnkv_retries", "Retried engine calls", ["leg", "reason"], registry=r)
+        self.redis_errors = Counter("turnkv_redis_errors", "Conversation store failures", ["op"], registry=r)
+        self.store_up = Gauge("turnkv_store_up", "1 when the conversation store answers", registry=r)
+        self.captures = Counter("turnkv_handle_captures", "Decode handles captured or missed", ["result"],
+                                registry=r)
+        self.render_mismatch = Counter("turnkv_render_mismatch",
+                                       "Turns whose rendered prompt differed from the decode engine's", registry=r)
+        self.pinned_tokens = Gauge("turnkv_pinned_kv_tokens", "Decode KV tokens pinned by live handles",
+                                   ["decode"], registry=r)
+        self.pinned_bytes = Gauge("turnkv_pinned_kv_bytes", "Decode KV bytes pinned by live handles", ["decode"],
+                                  registry=r)
+        self.pinned_handles = Gauge("turnkv_pinned_handles", "Live handles per decode engine", ["decode"],
+                                    registry=r)
+        self.template_class = Gauge("turnkv_template_class", "1 for the chat template's audited class",
+                                    ["class"], registry=r)
+        self.engine_restarts = Counter("turnkv_engine_restarts", "Engine restarts noticed", ["role"], registry=r)
+        self.link_bytes_per_s = Gauge("turnkv_link_bytes_per_second", "Estimated KV link bandwidth", registry=r)
+        self.link_fixed_s = Gauge("turnkv_link_fixed_seconds", "Estimated KV transfer fixed cost", registry=r)
+        self.store_up.set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

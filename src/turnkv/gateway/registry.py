@@ -1,0 +1,153 @@
+"""The engines turnkv routes to: health, load, version and restarts, and which one a turn uses.
+
+Picks are made on the current view: healthy instances first, the preferred one (the engine that
+holds the conversation's KV or its prefix) unless it is much busier than the least busy, else the
+least busy, round-robin among equals. Background probes refresh health, version and the engines'
+own metrics (process start time, to notice restarts; NIXL transfer stats, for the link estimate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from turnkv.errors import UpstreamError
+from turnkv.gateway.upstream import Upstream
+
+log = logging.getLogger("turnkv.registry")
+AFFINITY_SLACK = 8  # in-flight requests a preferred instance may have above the least busy one
+
+
+@dataclass
+class Instance:
+    url: str
+    role: str
+    healthy: bool = True
+    in_flight: int = 0
+    epoch: float | None = None  # process_start_time_seconds from its /metrics
+    version: str | None = None
+    running: int = 0  # vllm:num_requests_running
+    _xfer: tuple[float, float, float] | None = field(default=None, repr=False)  # count, bytes, seconds
+
+
+def _version_tuple(v: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in (v or "").split(".")[:2])
+    except ValueError:
+        return ()
+
+
+class Registry:
+    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+        self.instances: dict[str, Instance] = {}
+        for role, urls in (("prefill", prefill), ("decode", decode)):
+            for u in urls:
+                self.instances[u] = Instance(u, role)
+        self._rr = itertools.count()
+        self.on_restart: Callable[[Instance], None] = lambda inst: None
+        self.on_link_sample: Callable[[float, float, float], None] = lambda b, s, c: None
+
+    def role(self, role: str) -> list[Instance]:
+        return [i for i in self.instances.values() if i.role == role]
+
+    def get(self, url: str | None) -> Instance | None:
+        return self.instances.get(url) if url else None
+
+    def pick(self, role: str, prefer: str | None = None, exclude: frozenset[str] = frozenset()) -> Instance | None:
+        pool = [i for i in self.role(role) if i.url not in exclude]
+        healthy = [i for i in pool if i.healthy] or pool
+        if not healthy:
+            return None
+        least = min(i.in_flight for i in healthy)
+        preferred = self.get(prefer)
+        if preferred is not None and preferred in healthy and preferred.in_flight <= least + AFFINITY_SLACK:
+            return preferred
+        ties = [i for i in healthy if i.in_flight == least]
+        return ties[next(self._rr) % len(ties)]
+
+    @contextlib.contextmanager
+    def busy(self, inst: Instance) -> Iterator[None]:
+        inst.in_flight += 1
+        try:
+            yield
+        finally:
+            inst.in_flight -= 1
+
+    def mark_failed(self, url: str) -> None:
+        inst = self.instances.get(url)
+        if inst is not None and inst.healthy:
+            log.warning("instance.unhealthy url=%s", url)
+            inst.healthy = False
+
+    def supports_prompt_token_ids(self, inst: Instance) -> bool:
+        """vLLM >= 0.32 takes the prompt as ``kv_transfer_params.prompt_token_ids`` on chat requests."""
+        return _version_tuple(inst.version) >= (0, 32)
+
+    # -- background refresh ------------------------------------------------------------------
+    async def probe(self, upstream: Upstream, inst: Instance) -> None:
+        try:
+            status, _ = await upstream.get(inst.url, "/health")
+            ok = status == 200
+        except UpstreamError:
+            ok = False
+        if ok != inst.healthy:
+            log.warning("instance.%s url=%s", "healthy" if ok else "unhealthy", inst.url)
+        inst.healthy = ok
+        if ok and inst.version is None:
+            with contextlib.suppress(UpstreamError, ValueError):
+                _, raw = await upstream.get(inst.url, "/version")
+                inst.version = str(json.loads(raw).get("version"))
+
+    async def scrape(self, upstream: Upstream, inst: Instance) -> None:
+        try:
+            status, raw = await upstream.get(inst.url, "/metrics")
+        except UpstreamError:
+            return
+        if status != 200:
+            return
+        self.apply_metrics(inst, raw.decode("utf-8", "replace"))
+
+    def apply_metrics(self, inst: Instance, text: str) -> None:
+        values: dict[str, float] = {}
+        try:
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    if s.name in ("process_start_time_seconds", "vllm:num_requests_running",
+                                  "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count",
+                                  "vllm:nixl_bytes_transferred_sum"):
+                        values[s.name] = values.get(s.name, 0.0) + float(s.value)
+        except ValueError:
+            return
+        start = values.get("process_start_time_seconds")
+        if start is not None:
+            if inst.epoch is not None and start != inst.epoch:
+                log.warning("instance.restarted url=%s", inst.url)
+                inst.epoch = start
+                self.on_restart(inst)
+            inst.epoch = start
+        inst.running = int(values.get("vllm:num_requests_running", 0))
+        count = values.get("vllm:nixl_xfer_time_seconds_count")
+        if count is None:
+            return
+        cur = (count, values.get("vllm:nixl_bytes_transferred_sum", 0.0), values.get("vllm:nixl_xfer_time_seconds_sum", 0.0))
+        prev, inst._xfer = inst._xfer, cur
+        if prev is not None and cur[0] > prev[0]:
+            dc = cur[0] - prev[0]
+            self.on_link_sample((cur[1] - prev[1]) / dc, (cur[2] - prev[2]) / dc, dc)
+
+    async def run(self, upstream: Upstream, health_s: float, scrape_s: float) -> None:
+        """Probe health every ``health_s`` and read metrics every ``scrape_s``, until cancelled."""
+        ticks = max(1, round(scrape_s / health_s))
+        for n in itertools.count():
+            insts = list(self.instances.values())
+            await asyncio.gather(*(self.probe(upstream, i) for i in insts))
+            if n % ticks == 0:
+                await asyncio.gather(*(self.scrape(upstream, i) for i in insts))
+            await asyncio.sleep(health_s)

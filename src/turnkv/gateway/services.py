@@ -1,0 +1,35 @@
+"""The long-lived objects a turn uses, built once per app in its lifespan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnkv.config import Settings
+from turnkv.gateway.metrics import GatewayMetrics
+from turnkv.gateway.registry import Registry
+from turnkv.gateway.upstream import Upstream
+from turnkv.reuse.assess import TemplateClass
+from turnkv.reuse.estimator import CostEstimator
+from turnkv.reuse.policies import ReusePolicy
+from turnkv.state.guard import StoreGuard
+
+
+@dataclass
+class TemplateAudit:
+    cls: TemplateClass = TemplateClass.UNKNOWN
+    detail: str = "not audited yet"
+
+
+@dataclass
+class Services:
+    settings: Settings
+    upstream: Upstream
+    registry: Registry
+    store: StoreGuard
+    policy: ReusePolicy
+    estimator: CostEstimator
+    metrics: GatewayMetrics
+    log: Any  # a structlog BoundLogger
+    audit: TemplateAudit = field(default_factory=TemplateAudit)
+    models: list[str] = field(default_factory=list)

@@ -1,0 +1,144 @@
+"""Reads the decode engine's output once, for two readers: the client and the next turn.
+
+For the client it removes what turnkv added to the request (token ids it did not ask for, the
+KV handle); for the next turn it collects D's prompt ids, generated ids, the handle (on the final
+chunk under vLLM >= 0.33 or with turnkv's plugin, or in the JSON body) and the answer's text.
+Works on SSE events and on a non-streaming body alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnkv.gateway.answer import AnswerAccumulator
+
+DONE = b"[DONE]"
+
+
+class SSESplitter:
+    """Splits bytes into SSE events; returns each event's data payload (``data:`` lines joined)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out = []
+        while True:
+            i = self._buf.find(b"\n\n")
+            j = self._buf.find(b"\r\n\r\n")
+            if i < 0 and j < 0:
+                return out
+            if j >= 0 and (i < 0 or j < i):
+                event, self._buf = self._buf[:j], self._buf[j + 4:]
+            else:
+                event, self._buf = self._buf[:i], self._buf[i + 2:]
+            lines = [ln[5:].lstrip(b" ") for ln in event.splitlines() if ln.startswith(b"data:")]
+            if lines:
+                out.append(b"\n".join(lines))
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._buf.strip())
+
+
+def frame(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@dataclass
+class DecodeCapture:
+    """What the decode leg produced, gathered while it is relayed."""
+
+    keep_token_ids: bool  # the client asked for return_token_ids itself
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    kv_transfer_params: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None
+    answer: AnswerAccumulator = field(default_factory=AnswerAccumulator)
+    usage: dict[str, Any] | None = None
+    chunks: int = 0
+
+    def chunk(self, payload: bytes) -> tuple[bytes, bool]:
+        """One SSE payload: the bytes to forward, and whether it carries generated tokens or text."""
+        if payload == DONE:
+            return payload, False
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return payload, False
+        if not isinstance(obj, dict):
+            return payload, False
+        if "error" in obj and "choices" not in obj:
+            self.error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
+            return payload, False
+        self.chunks += 1
+        changed = False
+        ptids = obj.get("prompt_token_ids")
+        if isinstance(ptids, list):
+            self.prompt_token_ids = ptids
+            if not self.keep_token_ids:
+                obj["prompt_token_ids"] = None
+                changed = True
+        if obj.get("kv_transfer_params") is not None:
+            if isinstance(obj["kv_transfer_params"], dict):
+                self.kv_transfer_params = obj["kv_transfer_params"]
+            obj["kv_transfer_params"] = None
+            changed = True
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        visible = False
+        for choice in obj.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            ids = choice.get("token_ids")
+            if isinstance(ids, list):
+                self.token_ids += ids
+                visible = visible or bool(ids)
+                if not self.keep_token_ids:
+                    choice["token_ids"] = None
+                    changed = True
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                self.answer.delta(delta)
+                if delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") \
+                        or delta.get("tool_calls"):
+                    visible = True
+            if choice.get("text"):
+                visible = True
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = str(choice["finish_reason"])
+                visible = True
+        return (_dumps(obj) if changed else payload), visible
+
+    def body(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """A non-streaming body: collect, and return it as the client should see it."""
+        if isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt_token_ids = obj["prompt_token_ids"]
+            if not self.keep_token_ids:
+                obj["prompt_token_ids"] = None
+        if isinstance(obj.get("kv_transfer_params"), dict):
+            self.kv_transfer_params = obj["kv_transfer_params"]
+        if "kv_transfer_params" in obj:
+            obj["kv_transfer_params"] = None
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        for choice in obj.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            if isinstance(choice.get("token_ids"), list):
+                self.token_ids = list(choice["token_ids"])
+                if not self.keep_token_ids:
+                    choice["token_ids"] = None
+            if isinstance(choice.get("message"), dict):
+                self.answer.message(choice["message"])
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = str(choice["finish_reason"])
+        return obj

@@ -1,0 +1,130 @@
+"""CAPTURE: after the answer, remember D's handle with the hash chain of the tokens it holds.
+
+D's own token ids are the authority: its prompt ids and generated ids, cut to the handle's
+``remote_num_tokens``. A handle that is inconsistent with them is not stored. Also: when a turn
+fails before P used the claimed handle, the record is put back, so one failure does not cost the
+conversation its reuse. Ends the turn with one log event and its metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from turnkv.errors import StoreError
+from turnkv.gateway.metrics import turn_bucket
+from turnkv.gateway.turn.context import TurnContext
+from turnkv.reuse.chain import ChainBuilder
+from turnkv.state.base import ClaimStatus
+from turnkv.state.record import ConversationRecord
+
+# the store keeps a record this long past its last usable moment, to tell "expired" from "none"
+EXPIRED_GRACE_S = 120.0
+
+
+def _handle_ok(h: dict[str, Any] | None, seq_len: int, block_size: int) -> str | None:
+    """None when the handle can be stored; otherwise why not."""
+    if not h:
+        return "no_handle"
+    groups = h.get("remote_block_ids")
+    n = h.get("remote_num_tokens")
+    if not h.get("do_remote_decode") or not isinstance(groups, list) or not groups or not isinstance(n, int):
+        return "not_a_decode_handle"
+    if n <= 0 or n > seq_len or any(len(g) * block_size < n for g in groups if isinstance(g, list)):
+        return "inconsistent_handle"
+    if not all(h.get(k) is not None for k in ("remote_engine_id", "remote_request_id", "remote_host",
+                                              "remote_port")):
+        return "incomplete_handle"
+    return None
+
+
+def build_record(ctx: TurnContext) -> ConversationRecord | str:
+    """The record for the next turn, or the reason there is none."""
+    cap = ctx.capture
+    s = ctx.svc.settings
+    if ctx.conversation is None:
+        return "no_session"
+    if cap.error is not None or cap.finish_reason is None:
+        return "failed"
+    if cap.kv_transfer_params is None:
+        return "no_handle_in_stream" if ctx.stream else "no_handle"
+    if cap.prompt_token_ids is None:
+        return "no_token_ids"
+    seq_len = len(cap.prompt_token_ids) + len(cap.token_ids)
+    why = _handle_ok(cap.kv_transfer_params, seq_len, s.block_size)
+    if why is not None:
+        return why
+    h = cap.kv_transfer_params
+    n = int(h["remote_num_tokens"])
+    prompt = cap.prompt_token_ids
+    if ctx.prompt_ids is not None and prompt != ctx.prompt_ids:
+        ctx.svc.metrics.render_mismatch.inc()
+    if ctx.prompt_chain is not None and prompt == ctx.prompt_ids and n >= len(prompt):
+        chain = ctx.prompt_chain.copy().extend(cap.token_ids[: n - len(prompt)])
+    else:
+        chain = ChainBuilder(s.block_size).extend((prompt + cap.token_ids)[:n])
+    answer, reasoning = cap.answer.digests()
+    d = ctx.svc.registry.get(ctx.decode_url)
+    now = time.time()
+    return ConversationRecord(
+        tenant=ctx.conversation.tenant, decode_url=str(ctx.decode_url), prefill_url=ctx.prefill_url,
+        handle=h, engine_id=str(h["remote_engine_id"]), engine_epoch=d.epoch if d else None, num_tokens=n,
+        chain=chain.digests(), block_size=s.block_size, prompt_tokens=len(prompt), answer_digest=answer,
+        reasoning_digest=reasoning, turn=ctx.turn_index, created_at=now, expires_at=now + s.handle_ttl_s,
+    )
+
+
+async def finish(ctx: TurnContext, *, ok: bool) -> None:
+    """Store the next record (or put the claimed one back), then account for the turn."""
+    svc = ctx.svc
+    conv = ctx.conversation
+    rec = build_record(ctx) if ok else "failed"
+    stored = False
+    if conv is not None:
+        try:
+            if isinstance(rec, ConversationRecord):
+                await svc.store.put(conv.key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
+                stored = True
+            elif not ctx.handle_spent and ctx.claim is not None and ctx.claim.status is ClaimStatus.FOUND \
+                    and ctx.claim.record is not None and ctx.claim.record.expires_at > time.time():
+                old = ctx.claim.record
+                await svc.store.put(conv.key, old, old.expires_at - time.time() + EXPIRED_GRACE_S)
+                rec = f"{rec}_kept_previous"
+            elif ctx.claimed:
+                await svc.store.release(conv.key)
+        except StoreError:
+            rec = "store_unavailable"
+    ctx.capture_result = "stored" if stored else str(rec)
+    svc.metrics.captures.labels(ctx.capture_result if stored or conv is not None else "no_session").inc()
+    _account(ctx)
+
+
+def _account(ctx: TurnContext) -> None:
+    svc = ctx.svc
+    m = svc.metrics
+    outcome = ctx.outcome
+    a = ctx.assessment
+    m.decisions.labels(outcome, ctx.action.value, ctx.reason.value).inc()
+    n_prompt = len(ctx.prompt_ids) if ctx.prompt_ids is not None else (
+        len(ctx.capture.prompt_token_ids) if ctx.capture.prompt_token_ids else 0)
+    reused = ctx.pull_tokens
+    cached = ctx.prefill_cached if ctx.prefill_cached is not None else ctx.expected_cached
+    computed = max(n_prompt - cached, 0)
+    m.tokens.labels("prompt").inc(n_prompt)
+    m.tokens.labels("pulled").inc(reused)
+    m.tokens.labels("computed").inc(computed)
+    m.tokens.labels("generated").inc(len(ctx.capture.token_ids))
+    ttft_ms = None
+    if ctx.first_token_at is not None:
+        ttft = ctx.first_token_at - ctx.started
+        ttft_ms = round(ttft * 1e3, 2)
+        m.ttft.labels(turn_bucket(ctx.turn_index), outcome).observe(ttft)
+    conv = ctx.conversation
+    svc.log.info(
+        "turn", request_id=ctx.request_id, conversation=conv.log_id if conv else None, turn=ctx.turn_index,
+        outcome=outcome, action=ctx.action.value, reason=ctx.reason.value,
+        matched_tokens=a.tokens if a else 0, tokens_pulled=reused, tokens_cached=cached, tokens_computed=computed,
+        prompt_tokens=n_prompt, generated_tokens=len(ctx.capture.token_ids), prefill=ctx.prefill_url,
+        decode=ctx.decode_url, prefill_ms=round(ctx.prefill_s * 1e3, 2), ttft_ms=ttft_ms,
+        capture=ctx.capture_result, retries=ctx.retries or None, estimates_ms=ctx.estimates or None,
+    )

@@ -1,0 +1,84 @@
+"""The state of one chat turn as it moves through its steps.
+
+A turn goes RENDER → PLAN → PREFILL → DECODE → DONE (decode-local skips PREFILL; a turn without a
+conversation, or whose render failed, goes straight to PREFILL with the client's messages).
+Each step reads and fills this context and names the next state; the driver runs them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from turnkv.gateway.identity import Conversation
+from turnkv.gateway.services import Services
+from turnkv.gateway.sse import DecodeCapture
+from turnkv.reuse.assess import Assessment, Reason
+from turnkv.reuse.chain import ChainBuilder
+from turnkv.reuse.cost import Action
+from turnkv.state.base import Claim
+
+
+class TurnState(enum.Enum):
+    RENDER = "render"
+    PLAN = "plan"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+@dataclass
+class TurnContext:
+    svc: Services
+    request_id: str
+    body: dict[str, Any]  # the client's body, without the fields only turnkv reads
+    stream: bool
+    authorization: str | None
+    conversation: Conversation | None
+    turn_index: int
+    path: str = "/v1/chat/completions"  # the client's endpoint; P and D get the same one
+    started: float = field(default_factory=time.perf_counter)
+    state: TurnState = TurnState.RENDER
+    # render
+    prompt_ids: list[int] | None = None
+    prompt_chain: ChainBuilder | None = None
+    claim: Claim | None = None
+    claimed: bool = False  # the store holds our in-flight marker
+    handle_spent: bool = False  # the claimed handle went to P: it cannot be put back
+    # plan
+    assessment: Assessment | None = None
+    reason: Reason = Reason.NO_SESSION
+    action: Action = Action.RECOMPUTE
+    estimates: dict[str, float] = field(default_factory=dict)
+    handle_for_prefill: dict[str, Any] | None = None
+    pull_tokens: int = 0
+    expected_cached: int = 0  # prompt tokens P should not have to compute (its cache, plus the pull)
+    prefill_url: str | None = None
+    decode_url: str | None = None
+    # prefill
+    prefill_params: dict[str, Any] | None = None  # P's kv_transfer_params, for D
+    prefill_cached: int | None = None
+    prefill_s: float = 0.0
+    # decode
+    decode_response: aiohttp.ClientResponse | None = None
+    decode_body: dict[str, Any] | None = None
+    capture: DecodeCapture = field(default_factory=lambda: DecodeCapture(keep_token_ids=False))
+    first_token_at: float | None = None
+    capture_result: str = "none"
+    retries: list[str] = field(default_factory=list)
+    tried_decode: set[str] = field(default_factory=set)
+
+    def headers(self) -> dict[str, str]:
+        return self.svc.upstream.headers(self.request_id, self.authorization)
+
+    @property
+    def outcome(self) -> str:
+        if self.action is Action.DECODE_LOCAL:
+            return "decode_local"
+        if self.action is Action.PULL and self.assessment is not None:
+            return self.assessment.outcome
+        return "none" if self.conversation is not None else "stateless"

@@ -1,0 +1,72 @@
+"""Runs one chat turn: the steps in order, then the answer as JSON or as a relayed stream.
+
+Follow a request here: ``render.run`` → ``plan.run`` → ``prefill.run`` → ``decode.run``, then
+``stream.relay`` (streaming) or the JSON path below, and ``capture.finish`` at the end of both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import anyio
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from turnkv.errors import GatewayError, UpstreamError
+from turnkv.gateway.turn import capture, decode, plan, prefill, render, stream
+from turnkv.gateway.turn.context import TurnContext, TurnState
+from turnkv.gateway.upstream import is_retryable
+from turnkv.reuse.cost import Action
+
+STEPS: dict[TurnState, Callable[[TurnContext], Awaitable[TurnState]]] = {
+    TurnState.RENDER: render.run,
+    TurnState.PLAN: plan.run,
+    TurnState.PREFILL: prefill.run,
+    TurnState.DECODE: decode.run,
+}
+
+
+async def advance(ctx: TurnContext) -> None:
+    while ctx.state is not TurnState.DONE:
+        ctx.state = await STEPS[ctx.state](ctx)
+
+
+async def rerun_without_handle(ctx: TurnContext) -> None:
+    """Run the turn again from PREFILL, as plain P/D: the decode leg failed before any output."""
+    ctx.retries.append("turn_rerun")
+    ctx.svc.metrics.retries.labels("decode", "rerun").inc()
+    if ctx.action in (Action.PULL, Action.DECODE_LOCAL):
+        ctx.action = Action.RECOMPUTE
+    ctx.handle_for_prefill, ctx.pull_tokens, ctx.prefill_params = None, 0, None
+    ctx.tried_decode.clear()
+    ctx.state = TurnState.PREFILL
+    await advance(ctx)
+
+
+async def _fail(ctx: TurnContext) -> None:
+    with anyio.CancelScope(shield=True), anyio.move_on_after(stream.FINISH_TIMEOUT_S):
+        await capture.finish(ctx, ok=False)
+
+
+async def run_turn(ctx: TurnContext) -> Response:
+    headers = {"x-request-id": ctx.request_id}
+    try:
+        try:
+            await advance(ctx)
+        except UpstreamError as exc:
+            if not (exc.leg == "decode" and is_retryable(exc) and "turn_rerun" not in ctx.retries):
+                raise
+            await rerun_without_handle(ctx)
+    except BaseException:
+        await _fail(ctx)
+        raise
+    if ctx.stream:
+        return StreamingResponse(stream.relay(ctx, rerun_without_handle), media_type="text/event-stream",
+                                 headers=headers)
+    try:
+        assert ctx.decode_body is not None
+        body = ctx.capture.body(ctx.decode_body)
+    except (GatewayError, AssertionError):
+        await _fail(ctx)
+        raise
+    await capture.finish(ctx, ok=True)
+    return JSONResponse(body, headers=headers)

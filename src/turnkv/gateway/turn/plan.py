@@ -1,0 +1,83 @@
+"""PLAN: decide how much of the stored decode KV this turn reuses, and how the turn runs.
+
+The token check (``reuse.assess``) says what may be reused and why not more; the policy says
+whether pulling it pays, or whether the decode engine should prefill the turn itself. A handle
+that is not pulled is handed to P with ``remote_num_tokens: 0`` so D frees its blocks at once.
+Transition: PLAN → PREFILL, or → DECODE for decode-local.
+"""
+
+from __future__ import annotations
+
+import time
+
+from turnkv.gateway.answer import echoed_answer
+from turnkv.gateway.turn.context import TurnContext, TurnState
+from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, release_handle, trim_handle
+from turnkv.reuse.cost import Action, TurnFacts, pulled_tokens
+from turnkv.state.base import ClaimStatus
+
+
+def _engine_view(ctx: TurnContext, url: str) -> EngineView | None:
+    inst = ctx.svc.registry.get(url)
+    return None if inst is None else EngineView(inst.healthy, inst.epoch)
+
+
+def _assess(ctx: TurnContext) -> Assessment | None:
+    claim = ctx.claim
+    if claim is None or ctx.prompt_ids is None or ctx.conversation is None:
+        return None
+    rec = claim.record
+    s = ctx.svc.settings
+    a = assess(
+        claim, ctx.prompt_ids, tenant=ctx.conversation.tenant, now=time.time(),
+        decode=_engine_view(ctx, rec.decode_url) if rec else None,
+        echoed=echoed_answer(ctx.body.get("messages") or []), template=ctx.svc.audit.cls, block_size=s.block_size,
+    )
+    if rec is not None and not ctx.svc.policy.checks_tokens and a.releasable:
+        # the unchecked baseline believes the handle covers the prompt, as vLLM's example proxy does
+        return Assessment(rec, rec.num_tokens, True, Reason.FULL_MATCH, True)
+    return a
+
+
+async def run(ctx: TurnContext) -> TurnState:
+    svc = ctx.svc
+    s = svc.settings
+    a = ctx.assessment = _assess(ctx)
+    rec = ctx.claim.record if ctx.claim is not None and ctx.claim.status is ClaimStatus.FOUND else None
+    if a is not None:
+        ctx.reason = a.reason
+    prefill = svc.registry.pick("prefill", prefer=rec.prefill_url if rec else None)
+    decode = svc.registry.pick("decode", prefer=rec.decode_url if rec else None)
+    ctx.prefill_url = prefill.url if prefill else None
+    ctx.decode_url = decode.url if decode else None
+    if a is None or ctx.prompt_ids is None:
+        if rec is not None and ctx.reason is Reason.RENDER_FAILED:
+            ctx.handle_for_prefill = release_handle(rec.handle)
+        return TurnState.PREFILL
+    bs = s.block_size
+    same_p = rec is not None and ctx.prefill_url == rec.prefill_url
+    p_cached = (rec.prompt_tokens // bs) * bs if rec is not None and same_p else 0
+    d_holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
+    facts = TurnFacts(
+        prompt_tokens=len(ctx.prompt_ids), reusable_tokens=a.tokens, prefill_cached_tokens=p_cached,
+        decode_cached_tokens=(a.tokens // bs) * bs if d_holds else 0, decode_local_possible=d_holds,
+        decode_busy=decode.running if decode is not None else 0,
+    )
+    costs = svc.estimator.params()
+    decision = svc.policy.decide(facts, costs)
+    ctx.action = decision.action
+    ctx.estimates = {k.value: round(v * 1e3, 3) for k, v in decision.estimates.items()}
+    if decision.reason is not None:
+        ctx.reason = decision.reason
+    ctx.expected_cached = p_cached
+    if decision.action is Action.PULL and rec is not None:
+        ctx.pull_tokens = pulled_tokens(costs, facts)
+        ctx.expected_cached = p_cached + ctx.pull_tokens
+        ctx.handle_for_prefill = trim_handle(rec.handle, a.tokens, bs)
+        return TurnState.PREFILL
+    if decision.action is Action.DECODE_LOCAL and rec is not None:
+        ctx.decode_url = rec.decode_url
+        return TurnState.DECODE
+    if rec is not None and a.releasable:
+        ctx.handle_for_prefill = release_handle(rec.handle)
+    return TurnState.PREFILL

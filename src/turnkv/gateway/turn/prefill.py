@@ -1,0 +1,103 @@
+"""PREFILL: run the prompt on a prefill engine with ``max_tokens: 1`` and get its handle for D.
+
+With token ids from RENDER, P gets exactly those ids (``/v1/completions``); otherwise the client's
+messages, changed as vLLM's P/D proxy changes them. A failed pull (P answers 5xx: expired handle,
+restarted D, broken link) is retried once on the same P without the handle; an unreachable or
+failing P is replaced by the next healthy one.
+Transition: PREFILL → DECODE.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamUnavailable
+from turnkv.gateway.turn.context import TurnContext, TurnState
+from turnkv.gateway.upstream import is_retryable
+from turnkv.reuse.assess import Reason
+from turnkv.reuse.cost import Action
+
+P_ONLY = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+          "remote_block_ids": None, "remote_host": None, "remote_port": None}
+_NOT_FOR_PREFILL = ("stream", "stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params",
+                    "return_token_ids", "n", "logprobs", "top_logprobs")
+
+
+def prefill_body(ctx: TurnContext, handle: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    params = dict(handle) if handle else dict(P_ONLY)
+    if ctx.prompt_ids is not None:
+        body: dict[str, Any] = {"model": ctx.body.get("model"), "prompt": ctx.prompt_ids, "max_tokens": 1,
+                                "stream": False, "kv_transfer_params": params}
+        if ctx.body.get("cache_salt") is not None:
+            body["cache_salt"] = ctx.body["cache_salt"]
+        return "/v1/completions", {k: v for k, v in body.items() if v is not None}
+    body = {k: v for k, v in ctx.body.items() if k not in _NOT_FOR_PREFILL}
+    body["stream"] = False
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["kv_transfer_params"] = params
+    return ctx.path, body
+
+
+async def run(ctx: TurnContext) -> TurnState:
+    svc = ctx.svc
+    handle = ctx.handle_for_prefill
+    tried: set[str] = set()
+    url = ctx.prefill_url
+    attempts = len(svc.registry.role("prefill")) + 1
+    last: UpstreamError | None = None
+    for _ in range(attempts):
+        inst = svc.registry.get(url) if url and url not in tried else svc.registry.pick(
+            "prefill", exclude=frozenset(tried))
+        if inst is None:
+            break
+        path, body = prefill_body(ctx, handle)
+        t0 = time.perf_counter()
+        ctx.handle_spent = ctx.handle_spent or handle is not None
+        try:
+            with svc.registry.busy(inst):
+                data = await svc.upstream.post_json("prefill", inst.url, path, body, ctx.headers())
+        except UpstreamError as exc:
+            last = exc
+            svc.metrics.upstream_errors.labels("prefill", exc.kind).inc()
+            if not is_retryable(exc):
+                raise
+            if isinstance(exc, UpstreamUnavailable):
+                svc.registry.mark_failed(inst.url)
+            if handle is not None and isinstance(exc, UpstreamStatus):
+                # P failed on D's handle (expired, D restarted, link failure): again, without it
+                svc.metrics.retries.labels("prefill", "pull_failed").inc()
+                ctx.retries.append("pull_failed")
+                if ctx.action is Action.PULL:
+                    ctx.reason, ctx.action = Reason.PULL_FAILED, Action.RECOMPUTE
+                handle, ctx.pull_tokens, ctx.expected_cached = None, 0, 0
+                url = inst.url
+                continue
+            svc.metrics.retries.labels("prefill", exc.kind).inc()
+            ctx.retries.append(f"prefill_{exc.kind}")
+            tried.add(inst.url)
+            url = None
+            continue
+        ctx.prefill_s = time.perf_counter() - t0
+        ctx.prefill_url = inst.url
+        ctx.prefill_params = data.get("kv_transfer_params") if isinstance(data.get("kv_transfer_params"),
+                                                                          dict) else None
+        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+        if isinstance(details.get("cached_tokens"), int):
+            ctx.prefill_cached = details["cached_tokens"]
+        _observe(ctx)
+        return TurnState.DECODE
+    raise last or UpstreamUnavailable("no prefill engine is available", leg="prefill")
+
+
+def _observe(ctx: TurnContext) -> None:
+    svc = ctx.svc
+    svc.metrics.prefill_seconds.labels(ctx.action.value).observe(ctx.prefill_s)
+    if ctx.prompt_ids is None:
+        return
+    n = len(ctx.prompt_ids)
+    cached = ctx.prefill_cached if ctx.prefill_cached is not None else ctx.expected_cached
+    svc.estimator.observe_prefill(new_tokens=n - cached, context_tokens=cached, pulled_tokens=ctx.pull_tokens,
+                                  seconds=ctx.prefill_s, block_size=svc.settings.block_size)

@@ -1,0 +1,75 @@
+"""RENDER: turn the messages into the exact token ids the engines will see, and claim the record.
+
+Both run at once. The engine's own ``/v1/chat/completions/render`` (or a render service) is the
+authority for tokenization. A render the client caused to fail is the client's error; a render
+the engine failed (or a store that failed) only costs this turn its reuse.
+Transition: RENDER → PLAN, or → PREFILL with the client's messages (no conversation, or degraded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from turnkv.errors import ClientError, StoreError, UpstreamError, UpstreamStatus
+from turnkv.gateway.turn.context import TurnContext, TurnState
+from turnkv.reuse.assess import Reason
+from turnkv.reuse.chain import ChainBuilder
+from turnkv.state.base import Claim, ClaimStatus
+
+_NOT_FOR_RENDER = ("stream", "stream_options", "kv_transfer_params", "max_tokens", "max_completion_tokens",
+                   "min_tokens", "n")
+
+
+async def _render(ctx: TurnContext) -> list[int]:
+    svc = ctx.svc
+    base = svc.settings.render
+    if base is None:
+        inst = svc.registry.pick("prefill")
+        if inst is None:
+            raise ClientError("no prefill engine is configured")
+        base = inst.url
+    body = {k: v for k, v in ctx.body.items() if k not in _NOT_FOR_RENDER}
+    data = await svc.upstream.post_json("render", base, "/v1/chat/completions/render", body, ctx.headers())
+    ids = data.get("token_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        raise UpstreamStatus(502, {"error": {"message": "render returned no token ids"}}, leg="render",
+                             instance=base)
+    return ids
+
+
+async def _claim(ctx: TurnContext) -> Claim | None:
+    assert ctx.conversation is not None
+    try:
+        claim = await ctx.svc.store.claim(ctx.conversation.key)
+    except StoreError:
+        return None
+    ctx.claimed = claim.status in (ClaimStatus.FOUND, ClaimStatus.CORRUPT)
+    return claim
+
+
+async def run(ctx: TurnContext) -> TurnState:
+    if ctx.conversation is None:
+        ctx.reason = Reason.NO_SESSION
+        return TurnState.PREFILL
+    if (ctx.body.get("n") or 1) != 1:
+        ctx.reason = Reason.UNSUPPORTED_REQUEST
+        return TurnState.PREFILL
+    results: list[Any] = await asyncio.gather(_render(ctx), _claim(ctx), return_exceptions=True)
+    rendered, claim = results
+    if isinstance(claim, BaseException):
+        raise claim
+    ctx.claim = claim
+    if isinstance(rendered, UpstreamStatus) and 400 <= rendered.upstream_status < 500:
+        raise rendered  # the messages themselves are wrong: the client hears the engine's words
+    if isinstance(rendered, UpstreamError):
+        ctx.svc.metrics.upstream_errors.labels("render", rendered.kind).inc()
+        ctx.reason = Reason.RENDER_FAILED
+        return TurnState.PLAN
+    if isinstance(rendered, BaseException):
+        raise rendered
+    ctx.prompt_ids = rendered
+    ctx.prompt_chain = ChainBuilder(ctx.svc.settings.block_size).extend(rendered)
+    if claim is None:
+        ctx.reason = Reason.STORE_UNAVAILABLE
+    return TurnState.PLAN

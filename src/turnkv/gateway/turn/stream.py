@@ -1,0 +1,98 @@
+"""Relays D's SSE answer to the client while CAPTURE's inputs are collected.
+
+Pull-based: a chunk is read from D only when the client has taken the last one, so back-pressure
+reaches D. Chunks before the first generated token are held back; if D fails before producing
+one (vLLM 0.26 can end such a stream with no error at all), the turn is run again through P
+without the handle and the client never notices. A failure after that becomes a final SSE error
+event. Leaving (the client went away, or the end) closes D's response, so D aborts the request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import anyio
+
+from turnkv.errors import GatewayError, UpstreamProtocolError
+from turnkv.gateway.errors import sse_error_event
+from turnkv.gateway.sse import DONE, SSESplitter, frame
+from turnkv.gateway.turn import capture
+from turnkv.gateway.turn.context import TurnContext
+
+FINISH_TIMEOUT_S = 5.0
+
+
+async def _read(ctx: TurnContext, held: list[bytes], released: bool) -> AsyncIterator[tuple[bytes, bool]]:
+    """Yields (bytes for the client, whether they are now released) from D's open response."""
+    resp = ctx.decode_response
+    assert resp is not None
+    splitter = SSESplitter()
+    async for data in resp.content.iter_any():
+        for payload in splitter.feed(data):
+            if payload == DONE:
+                return
+            out, visible = ctx.capture.chunk(payload)
+            if ctx.capture.error is not None and not released:
+                return  # failed before its first token: the caller may run the turn again
+            f = frame(out)
+            if released:
+                yield f, True
+            elif visible:
+                released = True
+                ctx.first_token_at = time.perf_counter()
+                yield b"".join(held) + f, True
+                held.clear()
+            else:
+                held.append(f)
+    ctx.capture.error = ctx.capture.error or {"message": "decode stream ended without [DONE]"}
+
+
+def _close(ctx: TurnContext) -> None:
+    resp, ctx.decode_response = ctx.decode_response, None
+    if resp is not None:
+        resp.close()
+        inst = ctx.svc.registry.get(ctx.decode_url)
+        if inst is not None:
+            inst.in_flight -= 1
+
+
+async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[None]]) -> AsyncIterator[bytes]:
+    svc = ctx.svc
+    held: list[bytes] = []
+    released = False
+    restarted = False
+    ok = False
+    try:
+        while True:
+            try:
+                async for out, released in _read(ctx, held, released):
+                    yield out
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                ctx.capture.error = {"message": f"decode stream broke: {type(exc).__name__}"}
+            finally:
+                _close(ctx)
+            if ctx.capture.error is None and (released or ctx.capture.finish_reason is not None):
+                break
+            svc.metrics.upstream_errors.labels("decode", "stream" if released else "empty_stream").inc()
+            if released or restarted:
+                yield sse_error_event(UpstreamProtocolError(
+                    str(ctx.capture.error.get("message") if ctx.capture.error else "decode failed"),
+                    leg="decode", instance=ctx.decode_url))
+                break
+            restarted = True
+            held.clear()
+            try:
+                await restart(ctx)
+            except GatewayError as exc:
+                yield sse_error_event(exc)
+                break
+        if held:
+            yield b"".join(held)
+        yield frame(DONE)
+        ok = ctx.capture.error is None and ctx.capture.finish_reason is not None
+    finally:
+        _close(ctx)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(FINISH_TIMEOUT_S):
+            await capture.finish(ctx, ok=ok)

@@ -1,0 +1,114 @@
+"""HTTP to the engines: one aiohttp session, per-leg timeouts, and the one place aiohttp errors are translated.
+
+Every call names its leg (render, prefill, decode, probe) and the instance, so an error can be
+counted and retried without parsing messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import aiohttp
+
+from turnkv.config import Timeouts
+from turnkv.errors import UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
+
+
+@contextlib.contextmanager
+def map_aiohttp_errors(leg: str, instance: str) -> Iterator[None]:
+    try:
+        yield
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeout(f"{leg} engine {instance} timed out", leg=leg, instance=instance) from exc
+    except (aiohttp.ClientConnectionError, OSError) as exc:
+        raise UpstreamUnavailable(f"{leg} engine {instance} unreachable: {type(exc).__name__}",
+                                  leg=leg, instance=instance) from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamProtocolError(f"{leg} engine {instance}: {type(exc).__name__}: {exc}",
+                                    leg=leg, instance=instance) from exc
+
+
+def _dumps(body: Any) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts, api_key: str | None = None) -> None:
+        self.session = session
+        self.t = timeouts
+        self._api_key = api_key
+        self._leg_timeouts = {
+            "render": aiohttp.ClientTimeout(total=timeouts.render_s, connect=timeouts.connect_s),
+            "prefill": aiohttp.ClientTimeout(total=timeouts.prefill_s, connect=timeouts.connect_s),
+            "decode": aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.decode_read_s),
+            "probe": aiohttp.ClientTimeout(total=timeouts.health_s, connect=timeouts.health_s),
+        }
+
+    def headers(self, request_id: str | None, authorization: str | None) -> dict[str, str]:
+        h = {"content-type": "application/json"}
+        if request_id:
+            h["x-request-id"] = request_id
+        auth = f"Bearer {self._api_key}" if self._api_key else authorization
+        if auth:
+            h["authorization"] = auth
+        return h
+
+    async def post_json(
+        self, leg: str, base: str, path: str, body: Any, headers: Mapping[str, str],
+    ) -> dict[str, Any]:
+        """POST and read a JSON body. Any status >= 400 raises ``UpstreamStatus`` with the body kept."""
+        with map_aiohttp_errors(leg, base):
+            async with self.session.post(base + path, data=_dumps(body), headers=headers,
+                                         timeout=self._leg_timeouts[leg]) as resp:
+                raw = await resp.read()
+                status = resp.status
+        try:
+            data = json.loads(raw) if raw else None
+        except ValueError:
+            data = None
+        if status >= 400:
+            raise UpstreamStatus(status, data, leg=leg, instance=base)
+        if not isinstance(data, dict):
+            raise UpstreamProtocolError(f"{leg} engine {base} answered a non-object body", leg=leg, instance=base)
+        return data
+
+    async def open_stream(
+        self, leg: str, base: str, path: str, body: Any, headers: Mapping[str, str],
+    ) -> aiohttp.ClientResponse:
+        """POST and return the open response once its status is known (2xx), for streaming."""
+        with map_aiohttp_errors(leg, base):
+            resp = await self.session.post(base + path, data=_dumps(body), headers=headers,
+                                           timeout=self._leg_timeouts[leg])
+            if resp.status >= 400:
+                try:
+                    raw = await resp.read()
+                finally:
+                    resp.release()
+                try:
+                    data = json.loads(raw) if raw else None
+                except ValueError:
+                    data = None
+                raise UpstreamStatus(resp.status, data, leg=leg, instance=base)
+        return resp
+
+    async def get(self, base: str, path: str) -> tuple[int, bytes]:
+        with map_aiohttp_errors("probe", base):
+            async with self.session.get(base + path, timeout=self._leg_timeouts["probe"]) as resp:
+                return resp.status, await resp.read()
+
+
+def is_retryable(exc: UpstreamError) -> bool:
+    """Whether another instance (or the same one, without a KV handle) may succeed."""
+    if isinstance(exc, UpstreamStatus):
+        return exc.upstream_status >= 500
+    return isinstance(exc, (UpstreamUnavailable, UpstreamTimeout, UpstreamProtocolError))
+
+
+async def cancel_quietly(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

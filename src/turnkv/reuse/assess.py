@@ -1,0 +1,151 @@
+"""Decides how much of a stored decode handle a new prompt may safely reuse, and why not more.
+
+Pure: given the claimed record, the new prompt's token ids and a few facts about the engines, it
+returns the number of tokens of D's KV that are exactly the new prompt's first tokens (block
+aligned unless D's whole sequence matches) and a reason code. The token chain is the authority;
+the facts only explain a divergence (reasoning dropped, answer edited, retokenized, history
+edited) or rule the handle out (expired, other tenant, engine restarted).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from turnkv.reuse.chain import agreement
+from turnkv.state.base import Claim, ClaimStatus
+from turnkv.state.record import ConversationRecord
+
+
+class Reason(enum.StrEnum):
+    FULL_MATCH = "full_match"
+    NO_SESSION = "no_session"
+    NO_RECORD = "no_record"
+    CONCURRENT_TURN = "concurrent_turn"
+    CORRUPT_RECORD = "corrupt_record"
+    STORE_UNAVAILABLE = "store_unavailable"
+    RENDER_FAILED = "render_failed"
+    UNSUPPORTED_REQUEST = "unsupported_request"
+    EXPIRED = "expired"
+    TENANT = "tenant"
+    ENGINE_RESTARTED = "engine_restarted"
+    DECODE_UNAVAILABLE = "decode_unavailable"
+    BLOCK_SIZE_CHANGED = "block_size_changed"
+    HISTORY_EDITED = "history_edited"
+    REASONING_STRIPPED = "reasoning_stripped"
+    ANSWER_EDITED = "answer_edited"
+    RETOKENIZED = "retokenized"
+    PROMPT_SHORTER = "prompt_shorter"
+    CHEAPER_TO_RECOMPUTE = "cheaper_to_recompute"
+    DECODE_LOCAL = "decode_local"
+    PULL_FAILED = "pull_failed"
+
+
+class TemplateClass(enum.StrEnum):
+    PRESERVES = "preserves"
+    DROPS_REASONING = "drops_reasoning"
+    REWRITES_HISTORY = "rewrites_history"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class EchoedAnswer:
+    """The previous answer as the client sent it back (digests of its stripped text)."""
+
+    answer_digest: str
+    has_reasoning: bool
+    reasoning_digest: str | None
+
+
+@dataclass(frozen=True)
+class EngineView:
+    healthy: bool
+    epoch: float | None  # process start time, when known
+
+
+@dataclass(frozen=True)
+class Assessment:
+    record: ConversationRecord | None
+    tokens: int  # reusable tokens of D's KV, 0 when none
+    full: bool
+    reason: Reason
+    releasable: bool  # the handle may still be pinned on a live D: release it if unused
+
+    @property
+    def outcome(self) -> str:
+        return "full" if self.full else ("partial" if self.tokens > 0 else "none")
+
+
+def _none(reason: Reason, record: ConversationRecord | None = None, releasable: bool = False) -> Assessment:
+    return Assessment(record, 0, False, reason, releasable)
+
+
+def assess(
+    claim: Claim, prompt: Sequence[int], *, tenant: str, now: float, decode: EngineView | None,
+    echoed: EchoedAnswer | None, template: TemplateClass, block_size: int,
+) -> Assessment:
+    if claim.status is ClaimStatus.MISSING:
+        return _none(Reason.NO_RECORD)
+    if claim.status is ClaimStatus.IN_FLIGHT:
+        return _none(Reason.CONCURRENT_TURN)
+    if claim.status is ClaimStatus.CORRUPT or claim.record is None:
+        return _none(Reason.CORRUPT_RECORD)
+    r = claim.record
+    if r.tenant != tenant:
+        return _none(Reason.TENANT)
+    if now >= r.expires_at:
+        return _none(Reason.EXPIRED, r)
+    if decode is None or not decode.healthy:
+        return _none(Reason.DECODE_UNAVAILABLE, r)
+    if decode.epoch is not None and r.engine_epoch is not None and decode.epoch != r.engine_epoch:
+        return _none(Reason.ENGINE_RESTARTED, r)
+    if r.block_size != block_size:
+        return _none(Reason.BLOCK_SIZE_CHANGED, r, releasable=True)
+    a = agreement(r.chain, r.num_tokens, prompt, block_size)
+    if a.full:
+        return Assessment(r, a.tokens, True, Reason.FULL_MATCH, True)
+    assert a.diverges_at is not None
+    start = a.diverges_at * block_size
+    reason = Reason.PROMPT_SHORTER if a.prompt_ended else explain(r, start, echoed, template, block_size)
+    return Assessment(r, a.tokens, False, reason, True)
+
+
+def explain(
+    r: ConversationRecord, diverge_start: int, echoed: EchoedAnswer | None, template: TemplateClass,
+    block_size: int,
+) -> Reason:
+    """Why the prompt leaves D's sequence at token ``diverge_start`` (the start of the first differing block)."""
+    if diverge_start + block_size <= r.prompt_tokens or echoed is None:
+        return Reason.HISTORY_EDITED  # the difference lies before the last answer
+    if echoed.answer_digest != r.answer_digest:
+        return Reason.ANSWER_EDITED
+    if r.had_reasoning and (not echoed.has_reasoning or template is TemplateClass.DROPS_REASONING):
+        return Reason.REASONING_STRIPPED
+    if r.had_reasoning and echoed.reasoning_digest != r.reasoning_digest:
+        return Reason.ANSWER_EDITED
+    if template is TemplateClass.REWRITES_HISTORY:
+        return Reason.HISTORY_EDITED
+    return Reason.RETOKENIZED
+
+
+def trim_handle(handle: dict[str, object], tokens: int, block_size: int) -> dict[str, object]:
+    """D's handle cut to its first ``tokens`` tokens, as P should pull it on the next turn."""
+    blocks = -(-tokens // block_size)
+    groups = handle.get("remote_block_ids") or []
+    assert isinstance(groups, list)
+    out = dict(handle)
+    out["remote_block_ids"] = [list(g)[:blocks] for g in groups]
+    out["remote_num_tokens"] = tokens
+    out["do_remote_decode"] = True
+    out["do_remote_prefill"] = False
+    return out
+
+
+def release_handle(handle: dict[str, object]) -> dict[str, object]:
+    """D's handle with nothing to pull: P only notifies D, which frees the pinned blocks at once."""
+    out = dict(handle)
+    out["remote_num_tokens"] = 0
+    out["do_remote_decode"] = True
+    out["do_remote_prefill"] = False
+    return out

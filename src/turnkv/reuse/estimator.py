@@ -1,0 +1,124 @@
+"""Learns the cost model's parameters online, from what the engines and the gateway measure.
+
+Link: each scrape of an engine's ``vllm:nixl_xfer_time_seconds`` and ``vllm:nixl_bytes_transferred``
+histograms gives, for the transfers since the last scrape, their mean size and mean time; a
+weighted least-squares line through those points gives the fixed cost and the bandwidth.
+Prefill: each prefill call the gateway makes gives (new tokens, context, seconds); a least-squares
+fit of ``hop + a*new + b*new*(context + new/2)`` gives the per-token and attention terms.
+Until enough varied points exist, the configured priors stand.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+
+from turnkv.reuse.cost import CostParams, transfer_s
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination for a small dense system; None when it is singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[piv][c]) < 1e-18:
+            return None
+        m[c], m[piv] = m[piv], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                for k in range(c, n + 1):
+                    m[r][k] -= f * m[c][k]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _lstsq(rows: list[tuple[list[float], float, float]]) -> list[float] | None:
+    """Weighted least squares: rows of (features, target, weight)."""
+    k = len(rows[0][0])
+    ata = [[0.0] * k for _ in range(k)]
+    atb = [0.0] * k
+    for x, y, w in rows:
+        for i in range(k):
+            atb[i] += w * x[i] * y
+            for j in range(k):
+                ata[i][j] += w * x[i] * x[j]
+    return _solve(ata, atb)
+
+
+class LinkEstimator:
+    def __init__(self, prior_fixed_s: float, prior_bytes_per_s: float, window: int = 64) -> None:
+        self.prior = (prior_fixed_s, prior_bytes_per_s)
+        self._points: deque[tuple[float, float, float]] = deque(maxlen=window)  # (bytes, seconds, count)
+
+    def observe(self, mean_bytes: float, mean_seconds: float, count: float) -> None:
+        if mean_bytes > 0 and mean_seconds > 0 and count > 0:
+            self._points.append((mean_bytes, mean_seconds, count))
+
+    @property
+    def samples(self) -> int:
+        return len(self._points)
+
+    def params(self) -> tuple[float, float]:
+        """(fixed seconds per transfer, bytes per second)."""
+        pts = list(self._points)
+        if not pts:
+            return self.prior
+        sizes = [p[0] for p in pts]
+        if len(pts) >= 3 and max(sizes) > 2 * min(sizes):
+            fit = _lstsq([([1.0, b / 1e9], s, c) for b, s, c in pts])
+            if fit is not None and fit[1] > 0:
+                return max(fit[0], 0.0), 1e9 / fit[1]
+        fixed = self.prior[0]
+        total_b = sum(b * c for b, _, c in pts)
+        total_s = sum(max(s - fixed, 1e-6) * c for _, s, c in pts)
+        return fixed, total_b / total_s
+
+
+class PrefillEstimator:
+    def __init__(self, prior: CostParams, window: int = 128, min_samples: int = 8) -> None:
+        self.prior = prior
+        self._min = min_samples
+        self._points: deque[tuple[int, int, float]] = deque(maxlen=window)  # (new, context, seconds)
+
+    def observe(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
+        if new_tokens > 0 and seconds > 0:
+            self._points.append((new_tokens, context_tokens, seconds))
+
+    @property
+    def samples(self) -> int:
+        return len(self._points)
+
+    def params(self) -> tuple[float, float, float]:
+        """(hop seconds, seconds per new token, seconds per new token per context token)."""
+        p = self.prior
+        pts = list(self._points)
+        news = [n for n, _, _ in pts]
+        if len(pts) < self._min or max(news) < 2 * min(news):
+            return p.hop_s, p.prefill_per_token_s, p.prefill_attn_s
+        rows = [([1.0, n / 1e3, n * (c + n / 2) / 1e9], s, 1.0) for n, c, s in pts]
+        fit = _lstsq(rows)
+        if fit is None or fit[1] <= 0:
+            return p.hop_s, p.prefill_per_token_s, p.prefill_attn_s
+        return max(fit[0], 0.0), fit[1] / 1e3, max(fit[2], 0.0) / 1e9
+
+
+class CostEstimator:
+    """The cost parameters a policy sees: priors refined by the link and prefill estimators."""
+
+    def __init__(self, prior: CostParams) -> None:
+        self.prior = prior
+        self.link = LinkEstimator(prior.link_fixed_s, prior.link_bytes_per_s)
+        self.prefill = PrefillEstimator(prior)
+
+    def observe_prefill(self, *, new_tokens: int, context_tokens: int, pulled_tokens: int, seconds: float,
+                        block_size: int) -> None:
+        """A prefill call's wall time; the estimated pull time is taken out first."""
+        pull = transfer_s(self.params(), pulled_tokens, block_size) if pulled_tokens > 0 else 0.0
+        self.prefill.observe(new_tokens, context_tokens, seconds - pull)
+
+    def params(self) -> CostParams:
+        fixed, bw = self.link.params()
+        hop, per_token, attn = self.prefill.params()
+        return replace(self.prior, link_fixed_s=fixed, link_bytes_per_s=bw, hop_s=hop,
+                       prefill_per_token_s=per_token, prefill_attn_s=attn)

@@ -1,0 +1,71 @@
+"""Keeps a failing store off the request path: after a failure, turns skip it for a while.
+
+While the store is down every call raises ``StoreError`` at once, so a turn falls back to plain
+P/D without waiting for a timeout; the first call after ``retry_s`` tries the store again, and a
+success brings it back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from turnkv.errors import StoreError
+from turnkv.state.base import Claim, ConversationStore, Pinned
+from turnkv.state.record import ConversationRecord
+
+T = TypeVar("T")
+log = logging.getLogger("turnkv.store")
+
+
+class StoreGuard:
+    def __init__(
+        self, store: ConversationStore, *, retry_s: float, on_error: Callable[[str], None] = lambda op: None,
+        on_state: Callable[[bool], None] = lambda up: None, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self._retry_s = retry_s
+        self._on_error = on_error
+        self._on_state = on_state
+        self._clock = clock
+        self._down_until = 0.0
+        self.up = True
+
+    async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        if not self.up and self._clock() < self._down_until:
+            raise StoreError("store is down; retrying later")
+        try:
+            result = await fn()
+        except StoreError as exc:
+            self._on_error(op)
+            self._down_until = self._clock() + self._retry_s
+            if self.up:
+                log.warning("store.down op=%s error=%s", op, exc)
+                self.up = False
+                self._on_state(False)
+            raise
+        if not self.up:
+            log.warning("store.up op=%s", op)
+            self.up = True
+            self._on_state(True)
+        return result
+
+    async def claim(self, key: str) -> Claim:
+        return await self._call("claim", lambda: self.store.claim(key))
+
+    async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
+        await self._call("put", lambda: self.store.put(key, record, ttl_s))
+
+    async def release(self, key: str) -> None:
+        await self._call("release", lambda: self.store.release(key))
+
+    async def pinned(self, now: float) -> dict[str, Pinned]:
+        return await self._call("pinned", lambda: self.store.pinned(now))
+
+    async def ping(self) -> None:
+        await self._call("ping", self.store.ping)
+
+    async def close(self) -> None:
+        await self.store.close()

@@ -1,0 +1,59 @@
+"""What turnkv remembers about a conversation between two turns, and how it is written down.
+
+A record names the decode engine that holds the conversation's KV, the handle that engine
+returned (its ``kv_transfer_params``, verbatim), the hash chain of the tokens those blocks hold,
+and what is needed to explain a refusal later (where the last answer started, digests of its
+text). Records are single-use: a turn claims one and stores the next.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+def text_digest(text: str | None) -> str:
+    return hashlib.blake2b((text or "").encode(), digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True)
+class ConversationRecord:
+    tenant: str
+    decode_url: str
+    prefill_url: str | None
+    handle: dict[str, Any]
+    engine_id: str
+    engine_epoch: float | None  # the decode engine's process start time when the handle was made
+    num_tokens: int  # tokens whose KV the handle's blocks hold (remote_num_tokens)
+    chain: bytes  # one 8-byte digest per block of those tokens
+    block_size: int
+    prompt_tokens: int  # where the last answer started
+    answer_digest: str  # digest of the last answer's content and tool calls, as streamed
+    reasoning_digest: str | None  # digest of its reasoning; None when it had none
+    turn: int
+    created_at: float  # gateway wall clock
+    expires_at: float  # gateway wall clock; past it the handle is not used
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def had_reasoning(self) -> bool:
+        return self.reasoning_digest is not None
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["chain"] = base64.b64encode(self.chain).decode()
+        d["v"] = FORMAT_VERSION
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> ConversationRecord:
+        d = json.loads(raw)
+        if d.pop("v", None) != FORMAT_VERSION:
+            raise ValueError("record written by another format version")
+        d["chain"] = base64.b64decode(d["chain"])
+        return cls(**d)
