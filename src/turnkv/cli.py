@@ -8,20 +8,16 @@ from collections.abc import Sequence
 
 
 def _sim(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from turnkv.launch import serve
     from turnkv.sim.app import create_sim_app
     from turnkv.sim.settings import settings_from_args
 
     settings = settings_from_args(args)
-    uvicorn.run(create_sim_app(settings), host=settings.host, port=settings.port, log_level=args.log_level,
-                access_log=False)
+    serve(create_sim_app(settings), settings.host, settings.port, log_level=args.log_level)
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from turnkv.config import ConfigError, load_settings
     from turnkv.gateway.app import create_app
     from turnkv.logging import configure_stdlib
@@ -35,9 +31,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"turnkv serve: {exc}", file=sys.stderr)
         return 2
+    from turnkv.launch import serve
+
     configure_stdlib(settings.log_level)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                access_log=False)
+    serve(create_app(settings), settings.host, settings.port)
     return 0
 
 
@@ -62,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help="YAML settings file")
     serve.add_argument("--log-level", default=None)
     serve.set_defaults(func=_serve)
+
+    from turnkv.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

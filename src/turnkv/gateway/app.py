@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypedDict
 
 import aiohttp
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
@@ -39,6 +40,7 @@ from turnkv.state.memory import MemoryStore
 from turnkv.state.redis import RedisStore
 
 AUDIT_ATTEMPTS = 30
+STARTUP_AUDIT_S = 3.0
 
 
 class State(TypedDict):
@@ -83,33 +85,40 @@ async def _report_pinned(svc: Services) -> None:
         svc.metrics.link_bytes_per_s.set(bw)
 
 
-async def _audit(svc: Services) -> None:
-    """Learn the served model names and classify the chat template, retrying until an engine answers."""
+async def _audit_once(svc: Services) -> bool:
+    """Learn the served model names and classify the chat template; False when no engine answered."""
+    inst = svc.registry.pick("prefill")
+    base = svc.settings.render or (inst.url if inst else None)
+    if base is None:
+        return False
+    try:
+        if not svc.models:
+            status, raw = await svc.upstream.get(base, "/v1/models")
+            if status == 200:
+                svc.models = [str(m["id"]) for m in json.loads(raw).get("data", [])]
+        if not svc.settings.template_audit:
+            return True
+        model = (svc.settings.models or svc.models or [None])[0]
+
+        async def post(body: dict[str, Any]) -> dict[str, Any]:
+            return await svc.upstream.post_json("render", base, "/v1/chat/completions/render", body,
+                                                svc.upstream.headers(None, None))
+
+        cls, detail = await classify(engine_renderer(post, model))
+    except (UpstreamError, ValueError, KeyError) as exc:
+        svc.audit = TemplateAudit(TemplateClass.UNKNOWN, f"audit failed: {exc}")
+        return False
+    svc.audit = TemplateAudit(cls, detail)
+    for c in TemplateClass:
+        svc.metrics.template_class.labels(c.value).set(1 if c is cls else 0)
+    svc.log.info("template.audit", template_class=cls.value, detail=detail)
+    return True
+
+
+async def _audit_until_done(svc: Services) -> None:
     for _ in range(AUDIT_ATTEMPTS):
-        inst = svc.registry.pick("prefill")
-        base = svc.settings.render or (inst.url if inst else None)
-        if base is not None:
-            try:
-                if not svc.models:
-                    status, raw = await svc.upstream.get(base, "/v1/models")
-                    if status == 200:
-                        svc.models = [str(m["id"]) for m in json.loads(raw).get("data", [])]
-                if not svc.settings.template_audit:
-                    return
-                model = (svc.settings.models or svc.models or [None])[0]
-
-                async def post(body: dict[str, Any], base: str = base) -> dict[str, Any]:
-                    return await svc.upstream.post_json("render", base, "/v1/chat/completions/render", body,
-                                                        svc.upstream.headers(None, None))
-
-                cls, detail = await classify(engine_renderer(post, model))
-                svc.audit = TemplateAudit(cls, detail)
-                for c in TemplateClass:
-                    svc.metrics.template_class.labels(c.value).set(1 if c is cls else 0)
-                svc.log.info("template.audit", template_class=cls.value, detail=detail)
-                return
-            except (UpstreamError, ValueError, KeyError) as exc:
-                svc.audit = TemplateAudit(TemplateClass.UNKNOWN, f"audit failed: {exc}")
+        if await _audit_once(svc):
+            return
         await asyncio.sleep(2.0)
 
 
@@ -134,12 +143,16 @@ def create_app(settings: Settings) -> Starlette:
                 policy=build_policy(settings.policy.name, settings.policy.params), estimator=estimator,
                 metrics=metrics, log=make_logger("turnkv.turn", json=settings.log_json),
             )
+            audited = False
+            with anyio.move_on_after(STARTUP_AUDIT_S):
+                audited = await _audit_once(svc)  # engines already up: know the template before serving
             async with asyncio.TaskGroup() as tg:
                 tasks = [
                     tg.create_task(registry.run(upstream, settings.health_interval_s, settings.scrape_interval_s)),
                     tg.create_task(_report_pinned(svc)),
-                    tg.create_task(_audit(svc)),
                 ]
+                if not audited:
+                    tasks.append(tg.create_task(_audit_until_done(svc)))
                 try:
                     yield {"services": svc}
                 finally:

@@ -143,6 +143,7 @@ class Engine:
         self.pins.clear()
         self.engine_id = str(uuid.uuid4())
         self.pool = BlockPool(self.cfg.num_blocks, self.cfg.block_size, enable_caching=self.cfg.prefix_caching)
+        self.metrics.process_start.set(time.time())
 
     def expire_handles(self) -> int:
         """Let every pin's TTL elapse now: blocks freed, and this engine's clock moved past them."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _XFER_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -44,6 +46,9 @@ class EngineMetrics:
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", labels, registry=r).labels(**lv)
         self.running = Gauge("vllm:num_requests_running", "Running requests", labels, registry=r).labels(**lv)
         self.waiting = Gauge("vllm:num_requests_waiting", "Waiting requests", labels, registry=r).labels(**lv)
+        self.process_start = Gauge("process_start_time_seconds",
+                                   "Start time of the process since unix epoch in seconds.", registry=r)
+        self.process_start.set(time.time())
         self.success = Counter("vllm:request_success", "Finished requests", [*labels, "finished_reason"],
                                registry=r)
         self._lv = lv

@@ -1,0 +1,120 @@
+"""Starting turnkv processes (engines, gateways) on loopback ports, for the demo, the benchmark and tests.
+
+A child binds its port itself (``--port 0`` picks a free one) and prints one line to stdout,
+``{"listening": URL}``, before it serves; connections made after that line wait in the listen
+backlog until the app's startup is done. So no polling and no port races.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import uvicorn
+
+READY_TIMEOUT_S = 60.0
+
+
+def serve(app: Any, host: str, port: int, log_level: str = "warning") -> None:
+    """Bind, announce the URL on stdout, then serve ``app`` with uvicorn until stopped."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    print(json.dumps({"listening": f"http://{shown}:{bound}"}), flush=True)
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
+                            lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+@dataclass
+class Running:
+    name: str
+    proc: subprocess.Popen[str]
+    url: str
+    log: Path | None
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """Graceful stop; the exit status is -SIGTERM after a clean shutdown (uvicorn re-raises it)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return int(self.proc.returncode)
+
+    def kill(self) -> None:
+        """As a crash: no shutdown at all."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _first_line(stream: IO[str], proc: subprocess.Popen[str], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], min(0.5, max(deadline - time.monotonic(), 0)))
+        if ready:
+            return stream.readline()
+        if proc.poll() is not None:
+            break
+    return ""
+
+
+def spawn(name: str, args: Sequence[str], *, log_dir: Path | None = None, env: dict[str, str] | None = None,
+          timeout_s: float = READY_TIMEOUT_S) -> Running:
+    """Run ``python -m turnkv ARGS --port 0`` and return once it announced its URL."""
+    log = (log_dir / f"{name}.log") if log_dir else None
+    err: Any = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it open
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "turnkv", *args, "--port", "0"], stdout=subprocess.PIPE, stderr=err, text=True,
+        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+    )
+    if log:
+        err.close()
+    assert proc.stdout is not None
+    line = _first_line(proc.stdout, proc, timeout_s)
+    try:
+        url = json.loads(line)["listening"]
+    except (ValueError, KeyError, TypeError):
+        proc.kill()
+        proc.wait(10)
+        tail = log.read_text()[-2000:] if log and log.exists() else ""
+        raise RuntimeError(f"{name} did not start (exit {proc.returncode}): {line!r}\n{tail}") from None
+    return Running(name, proc, url, log)
+
+
+def sim(name: str, role: str, *extra: str, log_dir: Path | None = None) -> Running:
+    return spawn(name, ["sim", "--role", role, *extra], log_dir=log_dir)
+
+
+def gateway(name: str, prefill: Sequence[str], decode: Sequence[str], *extra: str, log_dir: Path | None = None,
+            env: dict[str, str] | None = None) -> Running:
+    return spawn(name, ["serve", "--prefill", *prefill, "--decode", *decode, *extra], log_dir=log_dir, env=env)
+
+
+@contextlib.contextmanager
+def running(*procs: Running) -> Iterator[tuple[Running, ...]]:
+    try:
+        yield procs
+    finally:
+        for p in reversed(procs):
+            p.stop()
