@@ -47,8 +47,16 @@ async def _fail(ctx: TurnContext) -> None:
         await capture.finish(ctx, ok=False)
 
 
+def _headers(ctx: TurnContext) -> dict[str, str]:
+    """The turn's decision, for clients and benchmarks that want to see it."""
+    h = {"x-request-id": ctx.request_id, "x-turnkv-outcome": ctx.outcome, "x-turnkv-action": ctx.action.value,
+         "x-turnkv-reason": ctx.reason.value}
+    if ctx.assessment is not None:
+        h["x-turnkv-matched-tokens"] = str(ctx.assessment.tokens)
+    return h
+
+
 async def run_turn(ctx: TurnContext) -> Response:
-    headers = {"x-request-id": ctx.request_id}
     try:
         try:
             await advance(ctx)
@@ -61,7 +69,7 @@ async def run_turn(ctx: TurnContext) -> Response:
         raise
     if ctx.stream:
         return StreamingResponse(stream.relay(ctx, rerun_without_handle), media_type="text/event-stream",
-                                 headers=headers)
+                                 headers=_headers(ctx))
     try:
         assert ctx.decode_body is not None
         body = ctx.capture.body(ctx.decode_body)
@@ -69,4 +77,4 @@ async def run_turn(ctx: TurnContext) -> Response:
         await _fail(ctx)
         raise
     await capture.finish(ctx, ok=True)
-    return JSONResponse(body, headers=headers)
+    return JSONResponse(body, headers=_headers(ctx))
