@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -28,5 +29,5 @@ def make_logger(name: str = "turnkv", *, json: bool = True) -> Any:
     )
 
 
-def _drop_none(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+def _drop_none(logger: Any, method: str, event: MutableMapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in event.items() if v is not None}

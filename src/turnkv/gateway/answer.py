@@ -21,7 +21,7 @@ def _canonical_args(args: Any) -> str:
         try:
             args = json.loads(args)
         except ValueError:
-            return args.strip()
+            return str(args).strip()
     return json.dumps(args, sort_keys=True, ensure_ascii=False)
 
 

@@ -59,8 +59,8 @@ def cost_priors(settings: Settings) -> CostParams:
 
 def _store(settings: Settings) -> ConversationStore:
     if settings.redis_url:
-        return RedisStore(settings.redis_url, namespace=settings.redis_namespace,
-                          timeout_s=settings.timeouts.redis_s)
+        return RedisStore.from_url(settings.redis_url, namespace=settings.redis_namespace,
+                                   timeout_s=settings.timeouts.redis_s)
     return MemoryStore()
 
 
@@ -98,7 +98,7 @@ async def _audit_once(svc: Services) -> bool:
                 svc.models = [str(m["id"]) for m in json.loads(raw).get("data", [])]
         if not svc.settings.template_audit:
             return True
-        model = (svc.settings.models or svc.models or [None])[0]
+        model = next(iter(svc.settings.models or svc.models), None)
 
         async def post(body: dict[str, Any]) -> dict[str, Any]:
             return await svc.upstream.post_json("render", base, "/v1/chat/completions/render", body,

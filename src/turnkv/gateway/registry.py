@@ -136,7 +136,8 @@ class Registry:
         count = values.get("vllm:nixl_xfer_time_seconds_count")
         if count is None:
             return
-        cur = (count, values.get("vllm:nixl_bytes_transferred_sum", 0.0), values.get("vllm:nixl_xfer_time_seconds_sum", 0.0))
+        cur = (count, values.get("vllm:nixl_bytes_transferred_sum", 0.0),
+               values.get("vllm:nixl_xfer_time_seconds_sum", 0.0))
         prev, inst._xfer = inst._xfer, cur
         if prev is not None and cur[0] > prev[0]:
             dc = cur[0] - prev[0]

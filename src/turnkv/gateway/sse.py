@@ -25,7 +25,7 @@ class SSESplitter:
 
     def feed(self, data: bytes) -> list[bytes]:
         self._buf += data
-        out = []
+        out: list[bytes] = []
         while True:
             i = self._buf.find(b"\n\n")
             j = self._buf.find(b"\r\n\r\n")

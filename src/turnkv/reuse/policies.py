@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -32,8 +32,11 @@ class Decision:
 
 
 class ReusePolicy(Protocol):
-    name: ClassVar[str]
-    checks_tokens: ClassVar[bool]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def checks_tokens(self) -> bool: ...
 
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision: ...
 

@@ -55,19 +55,26 @@ def map_redis_errors(op: str) -> Iterator[None]:
 
 
 class RedisStore:
-    def __init__(self, url: str, *, namespace: str = "turnkv", timeout_s: float = 0.25,
-                 max_connections: int = 64) -> None:
-        pool = BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, decode_responses=True,
-        )
-        self._redis = Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
+    def __init__(self, client: Redis, *, namespace: str = "turnkv") -> None:
+        """``client`` must decode responses to str."""
+        self._redis = client
         self._ns = namespace
         self._pins = f"{namespace}:pins"
         self._pininfo = f"{namespace}:pininfo"
         self._claim = self._redis.register_script(_CLAIM)
         self._release = self._redis.register_script(_RELEASE)
         self._pinned = self._redis.register_script(_PINNED)
+
+    @classmethod
+    def from_url(cls, url: str, *, namespace: str = "turnkv", timeout_s: float = 0.25,
+                 max_connections: int = 64) -> RedisStore:
+        """One blocking pool with explicit timeouts and no client-side retries: a slow Redis must not
+        hold a turn; the guard in front of the store decides when to try again."""
+        pool = BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, decode_responses=True,
+        )
+        return cls(Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0)), namespace=namespace)
 
     def key(self, conversation: str) -> str:
         return f"{self._ns}:conv:{conversation}"

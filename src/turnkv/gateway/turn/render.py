@@ -9,7 +9,6 @@ Transition: RENDER → PLAN, or → PREFILL with the client's messages (no conve
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from turnkv.errors import ClientError, StoreError, UpstreamError, UpstreamStatus
 from turnkv.gateway.turn.context import TurnContext, TurnState
@@ -55,8 +54,7 @@ async def run(ctx: TurnContext) -> TurnState:
     if (ctx.body.get("n") or 1) != 1:
         ctx.reason = Reason.UNSUPPORTED_REQUEST
         return TurnState.PREFILL
-    results: list[Any] = await asyncio.gather(_render(ctx), _claim(ctx), return_exceptions=True)
-    rendered, claim = results
+    rendered, claim = await asyncio.gather(_render(ctx), _claim(ctx), return_exceptions=True)
     if isinstance(claim, BaseException):
         raise claim
     ctx.claim = claim

@@ -67,7 +67,8 @@ async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[Non
     try:
         while True:
             try:
-                async for out, released in _read(ctx, held, released):
+                async for out, now_released in _read(ctx, held, released):
+                    released = now_released
                     yield out
             except (aiohttp.ClientError, TimeoutError) as exc:
                 ctx.capture.error = {"message": f"decode stream broke: {type(exc).__name__}"}

@@ -1,0 +1,58 @@
+"""Hash chains and how far a prompt agrees with a stored sequence."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnkv.reuse.chain import DIGEST_SIZE, ChainBuilder, agreement, chain_of
+
+BS = 4
+SEQ = list(range(100, 110))  # 10 tokens: blocks [100..103] [104..107] [108 109]
+
+
+def test_incremental_equals_whole() -> None:
+    b = ChainBuilder(BS).extend(SEQ[:3]).extend(SEQ[3:7]).extend(SEQ[7:])
+    assert b.digests() == chain_of(SEQ, BS)
+    assert len(b.digests()) == 3 * DIGEST_SIZE
+
+
+def test_copy_is_independent() -> None:
+    a = ChainBuilder(BS).extend(SEQ[:5])
+    b = a.copy().extend(SEQ[5:])
+    assert a.digests() == chain_of(SEQ[:5], BS)
+    assert b.digests() == chain_of(SEQ, BS)
+
+
+def test_each_digest_covers_everything_before() -> None:
+    other = [999, *SEQ[1:]]
+    mine, theirs = chain_of(SEQ, BS), chain_of(other, BS)
+    for i in range(3):
+        assert mine[i * DIGEST_SIZE:(i + 1) * DIGEST_SIZE] != theirs[i * DIGEST_SIZE:(i + 1) * DIGEST_SIZE]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tokens", "full", "diverges_at", "ended"),
+    [
+        (SEQ + [1, 2, 3], 10, True, None, False),  # extends exactly
+        (SEQ, 10, True, None, False),  # equal
+        (SEQ[:8] + [0, 0, 5], 8, False, 2, False),  # tail block differs: two full blocks agree
+        (SEQ[:5] + [0] + SEQ[6:] + [7], 4, False, 1, False),  # second block differs
+        ([0] + SEQ[1:] + [7], 0, False, 0, False),  # first token differs
+        (SEQ[:9], 8, False, 2, True),  # prompt ends inside the tail block
+        (SEQ[:6], 4, False, 1, True),  # prompt shorter than the full blocks
+    ],
+)
+def test_agreement(prompt: list[int], tokens: int, full: bool, diverges_at: int | None, ended: bool) -> None:
+    a = agreement(chain_of(SEQ, BS), len(SEQ), prompt, BS)
+    assert (a.tokens, a.full, a.diverges_at, a.prompt_ended) == (tokens, full, diverges_at, ended)
+
+
+def test_agreement_rejects_a_chain_of_the_wrong_length() -> None:
+    a = agreement(chain_of(SEQ, BS)[:-1], len(SEQ), SEQ, BS)
+    assert (a.tokens, a.full) == (0, False)
+
+
+def test_block_aligned_stored_sequence() -> None:
+    seq = SEQ[:8]
+    a = agreement(chain_of(seq, BS), 8, seq + [1], BS)
+    assert (a.tokens, a.full) == (8, True)

@@ -1,0 +1,61 @@
+"""Online estimates of the link and of prefill speed."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnkv.reuse.cost import CostParams
+from turnkv.reuse.estimator import CostEstimator, LinkEstimator, PrefillEstimator
+
+
+def test_link_without_samples_is_the_prior() -> None:
+    assert LinkEstimator(0.004, 0.45e9).params() == (0.004, 0.45e9)
+
+
+def test_link_fit_recovers_fixed_cost_and_bandwidth() -> None:
+    est = LinkEstimator(0.1, 1e9)
+    for nbytes in (1e6, 5e6, 2e7, 8e7, 3e8):
+        est.observe(nbytes, 0.02 + nbytes / 5e9, 3)
+    fixed, bw = est.params()
+    assert fixed == pytest.approx(0.02, rel=1e-6)
+    assert bw == pytest.approx(5e9, rel=1e-6)
+
+
+def test_link_with_one_size_keeps_the_prior_fixed_cost() -> None:
+    est = LinkEstimator(0.004, 1e9)
+    est.observe(45e6, 0.004 + 0.1, 1)
+    assert est.params() == pytest.approx((0.004, 4.5e8))
+
+
+def test_link_ignores_empty_intervals() -> None:
+    est = LinkEstimator(0.004, 1e9)
+    est.observe(0, 0, 0)
+    assert est.samples == 0
+
+
+def test_prefill_fit_recovers_the_model() -> None:
+    prior = CostParams()
+    est = PrefillEstimator(prior, min_samples=4)
+    for new, ctx in ((100, 0), (500, 1000), (2000, 4000), (4000, 0), (8000, 8000), (300, 16000)):
+        est.observe(new, ctx, 0.003 + 30e-6 * new + 2e-9 * new * (ctx + new / 2))
+    hop, per_token, attn = est.params()
+    assert hop == pytest.approx(0.003, abs=1e-6)
+    assert per_token == pytest.approx(30e-6, rel=1e-4)
+    assert attn == pytest.approx(2e-9, rel=1e-3)
+
+
+def test_prefill_needs_varied_samples() -> None:
+    prior = CostParams()
+    est = PrefillEstimator(prior, min_samples=2)
+    for _ in range(10):
+        est.observe(500, 0, 1.0)
+    assert est.params() == (prior.hop_s, prior.prefill_per_token_s, prior.prefill_attn_s)
+
+
+def test_cost_estimator_combines_both() -> None:
+    est = CostEstimator(CostParams())
+    for nbytes in (1e6, 1e7, 1e8):
+        est.link.observe(nbytes, 0.001 + nbytes / 50e9, 1)
+    p = est.params()
+    assert p.link_bytes_per_s == pytest.approx(50e9, rel=1e-6)
+    assert p.kv_bytes_per_token == CostParams().kv_bytes_per_token

@@ -1,0 +1,82 @@
+"""Reading D's answer: SSE framing, what the client sees, and what is captured for the next turn."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from turnkv.gateway.sse import DecodeCapture, SSESplitter, frame
+
+ROLE = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+        b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+        b'"prompt_token_ids":[1,2,3],"prompt_text":null}')
+TOKEN = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+         b'"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null,"token_ids":[7]}],'
+         b'"kv_transfer_params":null}')
+THINK = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+         b'"delta":{"reasoning":"hm"},"logprobs":null,"finish_reason":null,"token_ids":[5,6]}]}')
+FINAL = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},'
+         b'"logprobs":null,"finish_reason":"stop","stop_reason":null,"token_ids":[2]}],'
+         b'"kv_transfer_params":{"do_remote_decode":true,"remote_num_tokens":6}}')
+
+
+@pytest.mark.parametrize("cut", [1, 5, 17, 100, 250])
+def test_splitter_reassembles_events_across_reads(cut: int) -> None:
+    stream = frame(ROLE) + frame(TOKEN) + b"data: [DONE]\n\n"
+    s = SSESplitter()
+    out: list[bytes] = []
+    for i in range(0, len(stream), cut):
+        out += s.feed(stream[i:i + cut])
+    assert out == [ROLE, TOKEN, b"[DONE]"]
+    assert not s.pending
+
+
+def test_splitter_accepts_crlf_and_multiline_data() -> None:
+    s = SSESplitter()
+    assert s.feed(b"data: a\r\ndata: b\r\n\r\n: comment\n\n") == [b"a\nb"]
+
+
+def test_capture_collects_and_hides_what_turnkv_added() -> None:
+    cap = DecodeCapture(keep_token_ids=False)
+    outs = [cap.chunk(p) for p in (ROLE, THINK, TOKEN, FINAL)]
+    assert cap.prompt_token_ids == [1, 2, 3]
+    assert cap.token_ids == [5, 6, 7, 2]
+    assert cap.kv_transfer_params == {"do_remote_decode": True, "remote_num_tokens": 6}
+    assert cap.finish_reason == "stop"
+    assert [visible for _, visible in outs] == [False, True, True, True]
+    seen = [json.loads(b) for b, _ in outs]
+    assert seen[0]["prompt_token_ids"] is None
+    assert all(c["choices"][0].get("token_ids") is None for c in seen[1:])
+    assert seen[3]["kv_transfer_params"] is None
+    answer, reasoning = cap.answer.digests()
+    assert reasoning is not None
+
+
+def test_capture_keeps_ids_the_client_asked_for() -> None:
+    cap = DecodeCapture(keep_token_ids=True)
+    out, _ = cap.chunk(TOKEN)
+    assert out == TOKEN  # nothing to change: forwarded byte for byte
+    out, _ = cap.chunk(FINAL)
+    assert json.loads(out)["choices"][0]["token_ids"] == [2]
+    assert json.loads(out)["kv_transfer_params"] is None
+
+
+def test_error_event_is_recorded_and_forwarded() -> None:
+    cap = DecodeCapture(keep_token_ids=False)
+    payload = b'{"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}'
+    out, visible = cap.chunk(payload)
+    assert (out, visible) == (payload, False)
+    assert cap.error is not None and cap.error["code"] == 500
+
+
+def test_non_streaming_body() -> None:
+    cap = DecodeCapture(keep_token_ids=False)
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "x", "reasoning": "r"},
+                         "finish_reason": "length", "token_ids": [4, 5]}],
+            "prompt_token_ids": [1], "kv_transfer_params": {"remote_num_tokens": 2}}
+    out = cap.body(body)
+    assert (cap.prompt_token_ids, cap.token_ids, cap.finish_reason) == ([1], [4, 5], "length")
+    assert cap.kv_transfer_params == {"remote_num_tokens": 2}
+    assert out["kv_transfer_params"] is None and out["prompt_token_ids"] is None
+    assert out["choices"][0]["token_ids"] is None
