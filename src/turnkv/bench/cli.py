@@ -1,11 +1,150 @@
-"""``turnkv bench``: multi-turn load generation and the benchmark scenarios."""
+"""``turnkv bench``: ``run`` (load against any endpoint), ``scenarios`` (simulator suites) and ``report``."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import shlex
+import sys
+import time
+from pathlib import Path
 from typing import Any
+
+from turnkv.bench.workload import WorkloadSpec
+
+DEFAULT_OUT = Path("bench-results")
+
+
+def _bool_flag(p: argparse._ActionsContainer, name: str, default: bool, help_: str) -> None:
+    dest = name.replace("-", "_")
+    p.add_argument(f"--{name}", dest=dest, action="store_true", default=default, help=help_)
+    p.add_argument(f"--no-{name}", dest=dest, action="store_false")
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    d = WorkloadSpec()
+    g = p.add_argument_group("workload")
+    g.add_argument("--conversations", type=int, default=d.conversations)
+    g.add_argument("--turns", type=int, default=d.turns, help="user turns per conversation")
+    g.add_argument("--system-tokens", type=int, default=d.system_tokens, help="system prompt length (history)")
+    g.add_argument("--user-tokens", type=int, default=d.user_tokens, help="each user message")
+    g.add_argument("--answer-tokens", type=int, default=d.answer_tokens, help="max_tokens with ignore_eos")
+    g.add_argument("--think-time-s", type=float, default=d.think_time_s, help="mean of an exponential")
+    g.add_argument("--rate", type=float, default=d.rate, help="new conversations per second (Poisson); 0: all at once")
+    g.add_argument("--concurrency", type=int, default=d.concurrency, help="max active conversations")
+    _bool_flag(g, "session-header", d.session_header, "send X-Session-ID")
+    g.add_argument("--model", default=d.model)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--duration", type=float, default=d.duration_s, help="seconds after which no request starts")
+    g.add_argument("--max-requests", type=int, default=d.max_requests)
+    g.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
+
+
+def workload_from_args(a: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
+        conversations=a.conversations, turns=a.turns, system_tokens=a.system_tokens, user_tokens=a.user_tokens,
+        answer_tokens=a.answer_tokens, think_time_s=a.think_time_s, rate=a.rate, concurrency=a.concurrency,
+        session_header=a.session_header, model=a.model, seed=a.seed, duration_s=a.duration,
+        max_requests=a.max_requests, request_timeout_s=a.request_timeout,
+    )
+
+
+def _command() -> str:
+    return "turnkv " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("turnkv") else (
+        "turnkv " + shlex.join(sys.argv[sys.argv.index("bench"):]) if "bench" in sys.argv else "turnkv bench")
+
+
+def _out_dir(a: argparse.Namespace, what: str) -> Path:
+    return Path(a.out) if a.out else DEFAULT_OUT / f"{what}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _run(a: argparse.Namespace) -> int:
+    from turnkv.bench.client import Target
+    from turnkv.bench.records import ConfigResult, RunResult
+    from turnkv.bench.runner import run_load
+
+    if a.prefill_url and not a.decode_url:
+        print("turnkv bench run: --prefill-url needs --decode-url", file=sys.stderr)
+        return 2
+    try:
+        target = Target(url=a.url) if a.url else Target(prefill=a.prefill_url, decode=a.decode_url)
+        spec = workload_from_args(a)
+    except ValueError as exc:
+        print(f"turnkv bench run: {exc}", file=sys.stderr)
+        return 2
+    out = _out_dir(a, "run")
+    t0 = time.perf_counter()
+    records = asyncio.run(run_load(spec, target, label=a.name, show_progress=a.progress))
+    wall = time.perf_counter() - t0
+    run = RunResult(suite="run", command=_command())
+    run.configs.append(ConfigResult(name=a.name, group="", description=a.description or f"load against {target.kind}",
+                                    workload=spec.to_dict(), target=target.to_dict(), requests=records, wall_s=wall))
+    write_outputs(run, out, title="turnkv bench run")
+    errors = sum(1 for r in records if not r.ok)
+    print(f"{len(records)} requests, {errors} errors; results in {out}", file=sys.stderr)
+    return 1 if errors and a.fail_on_error else 0
+
+
+def write_outputs(run: Any, out: Path, *, title: str, extra_markdown: str = "",
+                  groups: dict[str, list[str]] | None = None) -> None:
+    from turnkv.bench.report import markdown, plot_ttft_by_turn
+
+    out.mkdir(parents=True, exist_ok=True)
+    run.write(out / "results.json")
+    (out / "report.md").write_text(markdown(run, title) + ("\n" + extra_markdown if extra_markdown else ""))
+    plot_ttft_by_turn(run.configs, out / "ttft_by_turn.png", title=title, groups=groups)
+
+
+def _scenarios(a: argparse.Namespace) -> int:
+    from turnkv.bench.scenarios.suites import run_suite
+
+    return run_suite(a.suite, _out_dir(a, a.suite), only=a.only, show_progress=a.progress, command=_command(),
+                     conversations=a.conversations)
+
+
+def _report(a: argparse.Namespace) -> int:
+    from turnkv.bench.records import RunResult
+    from turnkv.bench.scenarios.suites import write
+
+    runs = [RunResult.read(Path(p)) for p in a.inputs]
+    run = runs[0]
+    for r in runs[1:]:
+        run.configs += r.configs
+        run.extra.setdefault("failures", []).extend(r.extra.get("failures", []))
+        run.command += " ; " + r.command
+    out = Path(a.out)
+    write(run, out)
+    print(f"report in {out}", file=sys.stderr)
+    return 0
 
 
 def add_bench_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("bench", help="multi-turn benchmark (see BENCHMARKS.md)")
-    p.set_defaults(func=lambda args: (print("turnkv bench: not implemented yet"), 1)[1])
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+
+    r = bsub.add_parser("run", help="open-loop multi-turn load against an OpenAI-compatible endpoint")
+    tgt = r.add_mutually_exclusive_group(required=True)
+    tgt.add_argument("--url", help="base URL of turnkv or of an engine (http://host:port)")
+    tgt.add_argument("--prefill-url", help="pd-direct: the client runs the P/D handshake itself (needs --decode-url)")
+    r.add_argument("--decode-url")
+    r.add_argument("--name", default="run", help="configuration name in the report")
+    r.add_argument("--description", default="")
+    r.add_argument("--out", default=None, help="output directory (default bench-results/run-<time>)")
+    _bool_flag(r, "progress", True, "progress line on stderr")
+    r.add_argument("--fail-on-error", action="store_true", help="exit 1 when a request failed")
+    _workload_args(r)
+    r.set_defaults(func=_run)
+
+    s = bsub.add_parser("scenarios", help="start simulated deployments and run a benchmark suite")
+    s.add_argument("--suite", required=True, choices=["fifth-turn", "overhead", "smoke"])
+    s.add_argument("--out", default=None, help="output directory (default bench-results/<suite>-<time>)")
+    s.add_argument("--only", action="append", default=None, metavar="SUBSTRING",
+                   help="run only configurations whose name contains this (repeatable)")
+    s.add_argument("--conversations", type=int, default=None, help="override the suite's conversations per config")
+    _bool_flag(s, "progress", True, "progress line on stderr")
+    s.set_defaults(func=_scenarios)
+
+    rep = bsub.add_parser("report", help="rebuild the report from results.json files (merged in order)")
+    rep.add_argument("inputs", nargs="+")
+    rep.add_argument("--out", required=True)
+    rep.set_defaults(func=_report)

@@ -1,0 +1,177 @@
+"""Process-level measurements and helpers: CPU time from /proc, CPU pinning, a private redis-server,
+and a relay that counts Redis round trips without MONITOR.
+
+The relay sits between the gateway and Redis and counts request bursts per connection: client
+bytes that arrive while no reply is pending start a new round trip (a MULTI/EXEC pipeline written
+at once is one; a script call that falls back from EVALSHA to EVAL is two). It runs on its own
+event loop in a thread, so it is used only in the counting pass, never where latency is measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process, in seconds (its threads included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime: fields 14 and 15 of stat
+
+
+def pin(pid: int, cpus: set[int]) -> bool:
+    """Restricts a process to ``cpus`` where the machine has them; False when it could not."""
+    have = os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))
+    want = cpus & have
+    if not want:
+        return False
+    try:
+        os.sched_setaffinity(pid, want)
+    except OSError:
+        return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A redis-server child on a free loopback port, without persistence, in a temporary directory."""
+
+    def __init__(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed")
+        self.port = free_port()
+        self._dir = tempfile.TemporaryDirectory(prefix="turnkv-bench-redis-")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self._dir.name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if "Ready to accept connections" in line:
+                break
+        else:
+            raise RuntimeError("redis-server did not start")
+        self.proc.stdout.close()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def commandstats(self) -> dict[str, int]:
+        """Calls per command, from ``INFO commandstats``."""
+        import redis
+
+        client = redis.Redis(port=self.port)
+        try:
+            info = client.info("commandstats")
+        finally:
+            client.close()
+        return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self._dir.cleanup()
+
+
+def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+
+
+def _first_command(data: bytes) -> str:
+    """The command name of a RESP array (``*N\\r\\n$len\\r\\nNAME``), lower case; '?' if not one."""
+    parts = data.split(b"\r\n", 3)
+    return parts[2].decode("ascii", "replace").lower() if len(parts) >= 3 and data[:1] == b"*" else "?"
+
+
+@dataclass
+class RoundTripRelay:
+    """Forwards a loopback port to Redis and counts round trips (see the module docstring)."""
+
+    redis_port: int
+    round_trips: int = 0
+    by_command: Counter[str] = field(default_factory=Counter)
+    port: int = 0
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        ready = threading.Event()
+
+        def main() -> None:
+            loop = self._loop = asyncio.new_event_loop()
+            server = loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+            self.port = server.sockets[0].getsockname()[1]
+            ready.set()
+            loop.run_forever()
+            server.close()
+            loop.run_until_complete(server.wait_closed())
+            loop.close()
+
+        self._thread = threading.Thread(target=main, name="redis-relay", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("relay did not start")
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection("127.0.0.1", self.redis_port)
+        pending = [False]
+
+        async def upstream() -> None:
+            while data := await cr.read(65536):
+                if not pending[0]:
+                    pending[0] = True
+                    self.round_trips += 1
+                    self.by_command[_first_command(data)] += 1
+                sw.write(data)
+                await sw.drain()
+            sw.close()
+
+        async def downstream() -> None:
+            while data := await sr.read(65536):
+                pending[0] = False
+                cw.write(data)
+                await cw.drain()
+            cw.close()
+
+        with contextlib.suppress(OSError, ConnectionError):
+            await asyncio.gather(upstream(), downstream())
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[list[float]]:
+    """Yields a one-item list that holds the elapsed seconds once the block is left."""
+    box = [0.0]
+    t0 = time.perf_counter()
+    try:
+        yield box
+    finally:
+        box[0] = time.perf_counter() - t0

@@ -1,0 +1,93 @@
+"""The open-loop load: conversations arrive as a Poisson process and run their turns in order.
+
+At most ``concurrency`` conversations are active; one that arrives while all slots are taken waits
+for a slot (its wait is not part of any TTFT). A conversation stops at its last turn, at its first
+failed turn (its history would no longer be what the server saw), when the run's request budget
+is spent, or at the deadline: no request starts after ``duration_s``, and each one is cut after
+``request_timeout_s``, so a run always ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from turnkv.bench.client import Target, TurnClient
+from turnkv.bench.progress import Progress
+from turnkv.bench.records import RequestRecord
+from turnkv.bench.workload import Conversation, WorkloadSpec, arrival_offsets
+
+
+class _Budget:
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def take(self) -> bool:
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
+async def run_load(spec: WorkloadSpec, target: Target, *, label: str = "bench",
+                   show_progress: bool = True) -> list[RequestRecord]:
+    """Runs the workload against ``target`` and returns one record per request sent."""
+    records: list[RequestRecord] = []
+    total = min(spec.conversations * spec.turns, spec.max_requests)
+    progress = Progress(label, total)
+    budget = _Budget(spec.max_requests)
+    slots = asyncio.Semaphore(spec.concurrency)
+    start = time.perf_counter()
+    deadline = start + spec.duration_s
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=60)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        client = TurnClient(session, target, spec.request_timeout_s)
+
+        async def conversation(index: int, arrives: float) -> None:
+            await asyncio.sleep(max(0.0, min(start + arrives, deadline) - time.perf_counter()))
+            conv = Conversation(index, spec)
+            async with slots:
+                progress.active += 1
+                try:
+                    await _turns(conv, client, spec, start, deadline, budget, records, progress)
+                finally:
+                    progress.active -= 1
+
+        bar = asyncio.create_task(progress.run(show_progress))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for i, t in enumerate(arrival_offsets(spec)):
+                    tg.create_task(conversation(i, t))
+        finally:
+            bar.cancel()
+            await asyncio.gather(bar, return_exceptions=True)
+    records.sort(key=lambda r: (r.start_s, r.conversation))
+    return records
+
+
+async def _turns(conv: Conversation, client: TurnClient, spec: WorkloadSpec, start: float, deadline: float,
+                 budget: _Budget, records: list[RequestRecord], progress: Progress) -> None:
+    headers = {"x-session-id": conv.session_id} if spec.session_header else {}
+    for t in range(spec.turns):
+        if time.perf_counter() >= deadline or not budget.take():
+            return
+        body = conv.next_request()
+        sent = time.perf_counter()
+        out = await client.send(body, headers)
+        rec = RequestRecord(
+            conversation=conv.index, turn=conv.turn, start_s=sent - start,
+            ttft_ms=None if out.ttft_s is None else out.ttft_s * 1e3,
+            latency_ms=None if out.latency_s is None else out.latency_s * 1e3, itl_ms=out.itl_ms,
+            chunks=out.chunks, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+            status=out.status, error=out.error, decision=out.decision,
+        )
+        records.append(rec)
+        progress.done += 1
+        if out.error is not None:
+            progress.errors += 1
+            return
+        conv.answered(out.content, out.reasoning)
+        if t + 1 < spec.turns:
+            await asyncio.sleep(min(conv.think_time(), max(0.0, deadline - time.perf_counter())))

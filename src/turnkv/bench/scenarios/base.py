@@ -1,0 +1,201 @@
+"""Configurations and how one is run: start its processes, send the load, measure, stop.
+
+A deployment is ``colocated`` (one engine, the load sent to it), ``pd`` (P and D engines behind a
+turnkv gateway, optionally with a redis-server of its own) or ``pd-direct`` (P and D engines, the
+client runs the P/D handshake itself: no proxy). Around the load the runner reads the gateway's
+CPU time from /proc, Redis command counts, and the gateway's /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from turnkv import launch
+from turnkv.bench import procs
+from turnkv.bench.client import Target
+from turnkv.bench.records import ConfigResult
+from turnkv.bench.runner import run_load
+from turnkv.bench.workload import WorkloadSpec
+
+ENGINE_METRICS = ("vllm:prompt_tokens_by_source", "vllm:prefix_cache", "vllm:nixl_")
+GATEWAY_METRICS = ("turnkv_reuse_decisions", "turnkv_link_", "turnkv_handle_captures", "turnkv_retries",
+                   "turnkv_upstream_errors", "turnkv_render_mismatch", "turnkv_tokens")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    kind: str  # colocated | pd | pd-direct
+    engine_flags: tuple[str, ...] = ()  # every engine
+    prefill_flags: tuple[str, ...] = ()
+    decode_flags: tuple[str, ...] = ()
+    gateway_flags: tuple[str, ...] = ()
+    redis: bool = False
+    count_redis_round_trips: bool = False  # route Redis through the counting relay
+    pin: bool = False  # gateway on CPU 1; engines, redis and the load generator on CPU 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "engine_flags": list(self.engine_flags), "prefill_flags": list(self.prefill_flags),
+                "decode_flags": list(self.decode_flags), "gateway_flags": list(self.gateway_flags),
+                "redis": self.redis, "pinned": self.pin}
+
+    def commands(self) -> list[str]:
+        """The equivalent shell commands (ports are picked at start: shown as placeholders)."""
+        e = " ".join(self.engine_flags)
+        if self.kind == "colocated":
+            return [f"turnkv sim --role colocated {e}".strip()]
+        out = [f"turnkv sim --role prefill {e} {' '.join(self.prefill_flags)}".strip(),
+               f"turnkv sim --role decode {e} {' '.join(self.decode_flags)}".strip()]
+        if self.kind == "pd":
+            redis = " --redis-url redis://127.0.0.1:$REDIS_PORT/0" if self.redis else ""
+            out.append(f"turnkv serve --prefill $P --decode $D {' '.join(self.gateway_flags)}{redis}".strip())
+        return out
+
+
+@dataclass(frozen=True)
+class ConfigPlan:
+    """One measured configuration: a name, the load, and free-form tags the analysis reads."""
+
+    name: str
+    group: str
+    description: str
+    workload: WorkloadSpec
+    tags: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Bench:
+    """A deployment and the loads run on it, one after the other (each with its own seed)."""
+
+    deployment: Deployment
+    plans: tuple[ConfigPlan, ...]
+    warmup: WorkloadSpec | None = None
+
+
+@dataclass
+class Deployed:
+    target: Target
+    gateway: launch.Running | None
+    engines: list[launch.Running]
+    redis: procs.RedisServer | None
+    relay: procs.RoundTripRelay | None
+
+
+@contextlib.contextmanager
+def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
+    started: list[launch.Running] = []
+    redis: procs.RedisServer | None = None
+    relay: procs.RoundTripRelay | None = None
+    try:
+        if d.kind == "colocated":
+            eng = launch.sim("colocated", "colocated", *d.engine_flags, log_dir=log_dir)
+            started.append(eng)
+            target = Target(url=eng.url)
+            gateway = None
+        else:
+            p = launch.sim("prefill", "prefill", *d.engine_flags, *d.prefill_flags, log_dir=log_dir)
+            started.append(p)
+            dd = launch.sim("decode", "decode", *d.engine_flags, *d.decode_flags, log_dir=log_dir)
+            started.append(dd)
+            gateway = None
+            if d.kind == "pd-direct":
+                target = Target(prefill=p.url, decode=dd.url)
+            else:
+                extra = list(d.gateway_flags)
+                if d.redis:
+                    redis = procs.RedisServer()
+                    url = redis.url
+                    if d.count_redis_round_trips:
+                        relay = procs.RoundTripRelay(redis.port)
+                        relay.start()
+                        url = relay.url
+                    extra += ["--redis-url", url]
+                gateway = launch.gateway("gateway", [p.url], [dd.url], *extra, log_dir=log_dir)
+                started.append(gateway)
+                target = Target(url=gateway.url)
+        if d.pin:
+            for r in started:
+                procs.pin(r.proc.pid, {1} if r is gateway else {0})
+            if redis is not None:
+                procs.pin(redis.proc.pid, {0})
+        yield Deployed(target, gateway, [r for r in started if r is not gateway], redis, relay)
+    finally:
+        for r in reversed(started):
+            r.stop()
+        if relay is not None:
+            relay.stop()
+        if redis is not None:
+            redis.stop()
+
+
+def scrape(url: str, prefixes: Sequence[str]) -> dict[str, float]:
+    """Samples from a Prometheus endpoint whose names start with one of ``prefixes``."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith(tuple(prefixes)) and not s.name.endswith(("_created", "_bucket")):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def run_bench(bench: Bench, log_root: Path, *, show_progress: bool = True) -> list[ConfigResult]:
+    """Deploys, runs the warm-up (not recorded) and each plan's load, and stops the processes."""
+    d = bench.deployment
+    log_dir = log_root / bench.plans[0].name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    own_affinity = os.sched_getaffinity(0)
+    results: list[ConfigResult] = []
+    with deploy(d, log_dir) as dep:
+        if d.pin:
+            procs.pin(os.getpid(), {0})
+        try:
+            if bench.warmup is not None:
+                asyncio.run(run_load(bench.warmup, dep.target, label="warm-up", show_progress=False))
+            for plan in bench.plans:
+                results.append(_measure(plan, d, dep, show_progress))
+        finally:
+            if d.pin:
+                os.sched_setaffinity(0, own_affinity)
+    return results
+
+
+def _measure(plan: ConfigPlan, d: Deployment, dep: Deployed, show_progress: bool) -> ConfigResult:
+    meta: dict[str, Any] = {"commands": d.commands(), "tags": plan.tags}
+    gw_pid = dep.gateway.proc.pid if dep.gateway else None
+    cpu0 = procs.cpu_seconds(gw_pid) if gw_pid else 0.0
+    eng0 = sum(procs.cpu_seconds(e.proc.pid) for e in dep.engines)
+    rs0 = dep.redis.commandstats() if dep.redis else {}
+    rt0 = dep.relay.round_trips if dep.relay else 0
+    cmd0 = dict(dep.relay.by_command) if dep.relay else {}
+    t0 = time.perf_counter()
+    records = asyncio.run(run_load(plan.workload, dep.target, label=plan.name, show_progress=show_progress))
+    wall = time.perf_counter() - t0
+    if gw_pid:
+        meta["gateway_cpu_s"] = procs.cpu_seconds(gw_pid) - cpu0
+    meta["engine_cpu_s"] = sum(procs.cpu_seconds(e.proc.pid) for e in dep.engines) - eng0
+    if dep.redis:
+        meta["redis_commands"] = procs.stats_delta(rs0, dep.redis.commandstats())
+    if dep.relay:
+        meta["redis_round_trips"] = dep.relay.round_trips - rt0
+        meta["redis_round_trips_by_command"] = {
+            k: v - cmd0.get(k, 0) for k, v in dep.relay.by_command.items() if v != cmd0.get(k, 0)}
+    if dep.gateway:
+        meta["gateway_metrics"] = scrape(dep.gateway.url, GATEWAY_METRICS)
+    meta["engine_metrics"] = {e.name: scrape(e.url, ENGINE_METRICS) for e in dep.engines}
+    return ConfigResult(name=plan.name, group=plan.group, description=plan.description,
+                        workload=plan.workload.to_dict(), target={**dep.target.to_dict(), **d.describe()},
+                        requests=records, wall_s=wall, meta=meta)
+
+

@@ -1,0 +1,150 @@
+"""The fifth-turn suite: TTFT of later turns under each way of serving a conversation.
+
+Decides the matrix (a full policy x link x P-cache grid at a 16k-token history, and a history
+sweep on one slow and one fast link with P's cache cold), runs every configuration at simulated
+H200 speed (``--time-scale 1``: durations are not scaled, so TTFTs are real milliseconds, HTTP
+hops and simulator CPU included), and compares TTFT_5 side by side: against plain P/D (turnkv
+without session ids), against colocated serving with prefix caching, and against the best fixed
+policy, with the targets of issue 4.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from turnkv.bench.records import ConfigResult
+from turnkv.bench.report import md_table
+from turnkv.bench.scenarios.base import Bench, ConfigPlan, Deployment
+from turnkv.bench.stats import fmt_ms, fmt_ratio, turn_stats
+from turnkv.bench.workload import WorkloadSpec
+
+LINKS = ("host", "100gbe", "rdma400", "nvlink")
+POLICIES = ("adaptive", "always-pull", "never-pull", "decode-local")
+FIXED = ("always-pull", "never-pull", "decode-local")
+ENGINE = ("--vllm-compat", "0.33")  # 0.33 returns D's handle on the final SSE chunk
+TURN = 5
+
+WORKLOAD = WorkloadSpec(conversations=6, turns=TURN, user_tokens=150, answer_tokens=100, think_time_s=0.5,
+                        rate=1.0, concurrency=2, request_timeout_s=300.0, duration_s=900.0)
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1000}k"
+
+
+def _pd(history: int, link: str, cache: str, policy: str | None, conversations: int | None) -> Bench:
+    """``policy`` None is plain P/D: turnkv without session ids."""
+    label = policy or "plain"
+    name = f"{_k(history)}-{link}-{cache}-{label}"
+    wl = replace(WORKLOAD, system_tokens=history, session_header=policy is not None,
+                 conversations=conversations or WORKLOAD.conversations)
+    dep = Deployment("pd", engine_flags=(*ENGINE, "--link", link),
+                     prefill_flags=("--no-prefix-caching",) if cache == "cold" else (),
+                     gateway_flags=("--policy", policy or "adaptive"))
+    what = "plain P/D (turnkv, no session ids)" if policy is None else f"turnkv --policy {policy}"
+    desc = f"1P1D, {link} link, P prefix cache {'off' if cache == 'cold' else 'on'}, {what}"
+    tags = {"history": history, "link": link, "cache": cache, "policy": label}
+    return Bench(dep, (ConfigPlan(name, f"{_k(history)} {link} P-cache {cache}", desc, wl, tags),))
+
+
+def _colocated(history: int, conversations: int | None) -> Bench:
+    wl = replace(WORKLOAD, system_tokens=history, session_header=False,
+                 conversations=conversations or WORKLOAD.conversations)
+    tags = {"history": history, "link": "-", "cache": "on", "policy": "colocated"}
+    plan = ConfigPlan(f"{_k(history)}-colocated", f"{_k(history)} colocated",
+                      "one colocated engine with prefix caching, load sent to it directly", wl, tags)
+    return Bench(Deployment("colocated", engine_flags=ENGINE), (plan,))
+
+
+def benches(conversations: int | None = None) -> list[Bench]:
+    out: list[Bench] = [_colocated(16000, conversations)]
+    for link in LINKS:
+        for cache in ("cold", "warm"):
+            out += [_pd(16000, link, cache, p, conversations) for p in (None, *POLICIES)]
+    for history in (2000, 8000, 32000):
+        out.append(_colocated(history, conversations))
+        for link in ("host", "rdma400"):
+            # the host link moves 0.45 GB/s: a 32k history is ~10 s per transfer, so fewer conversations
+            n = conversations or (3 if (link, history) == ("host", 32000) else None)
+            out += [_pd(history, link, "cold", p, n) for p in (None, *POLICIES)]
+    return out
+
+
+@dataclass
+class _Cell:
+    p50: float
+    p90: float
+    n: int
+    errors: int
+    actions: str
+
+
+def _cell(c: ConfigResult) -> _Cell:
+    s = turn_stats(c.requests, TURN)
+    return _Cell(s.ttft_p50, s.ttft_p90, s.n, s.errors, s.actions_text())
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not (math.isnan(a) or math.isnan(b)) else math.nan
+
+
+def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]:
+    """The comparison tables and the targets; plus plot groups (one panel per history/link/cache)."""
+    cells: dict[tuple[int, str, str, str], _Cell] = {}
+    colocated: dict[int, _Cell] = {}
+    groups: dict[str, list[str]] = {}
+    for c in configs:
+        t = c.meta.get("tags", {})
+        if "history" not in t:
+            continue
+        if t["policy"] == "colocated":
+            colocated[t["history"]] = _cell(c)
+            continue
+        cells[(t["history"], t["link"], t["cache"], t["policy"])] = _cell(c)
+        groups.setdefault(c.group, []).append(c.name)
+    for g, names in groups.items():
+        co_name = next((c.name for c in configs if c.meta.get("tags", {}).get("policy") == "colocated"
+                        and c.group.split()[0] == g.split()[0]), None)
+        if co_name:
+            names.append(co_name)
+    rows, checks = [], []
+    keys = sorted({k[:3] for k in cells}, key=lambda k: (k[0], LINKS.index(k[1]), k[2]))
+    nan = _Cell(math.nan, math.nan, 0, 0, "-")
+    for hist, link, cache in keys:
+        get = {p: cells.get((hist, link, cache, p), nan) for p in ("plain", *POLICIES)}
+        co = colocated.get(hist, nan)
+        fixed = {p: get[p] for p in FIXED if not math.isnan(get[p].p50)}
+        best = min(fixed, key=lambda p: fixed[p].p50) if fixed else "-"
+        best_p50 = fixed[best].p50 if fixed else math.nan
+        a = get["adaptive"]
+        rows.append([_k(hist), link, cache, fmt_ms(co.p50), *(f"{fmt_ms(get[p].p50)} / {fmt_ms(get[p].p90)}"
+                                                               for p in ("plain", *FIXED, "adaptive")),
+                     f"{best} {fmt_ms(best_p50)}", fmt_ratio(_ratio(a.p50, get["plain"].p50)),
+                     fmt_ratio(_ratio(a.p50, co.p50)), fmt_ratio(_ratio(a.p50, best_p50)), a.actions])
+        r_best = _ratio(a.p50, best_p50)
+        checks.append(("adaptive <= 1.10x best fixed", f"{_k(hist)} {link} {cache}", r_best, 1.10))
+        if hist == 16000 and cache == "cold" and link in ("rdma400", "nvlink"):
+            checks.append(("adaptive <= 0.5x plain P/D", f"16k {link} cold", _ratio(a.p50, get["plain"].p50), 0.5))
+            checks.append(("adaptive <= 1.15x colocated", f"16k {link} cold", _ratio(a.p50, co.p50), 1.15))
+    errors = [(c.name, sum(1 for r in c.requests if not r.ok)) for c in configs]
+    out = [
+        f"## TTFT_{TURN} (ms, p50 / p90) side by side", "",
+        "Ratios use p50. *best fixed* is the fastest of always-pull, never-pull and decode-local in the same row. "
+        "*actions* are turnkv's decisions on turn 5 under `adaptive` (from x-turnkv-action).", "",
+        md_table(["history", "link", "P cache", "colocated p50", "plain P/D", "always-pull", "never-pull",
+                  "decode-local", "adaptive", "best fixed", "adaptive / plain", "adaptive / colocated",
+                  "adaptive / best fixed", "adaptive actions"], rows), "",
+        "## Targets (issue 4)", "",
+        md_table(["target", "where", "measured", "limit", "met"],
+                 [[name, where, fmt_ratio(x), f"{lim:.2f}x", "-" if math.isnan(x) else ("met" if x <= lim else
+                                                                                       "MISSED")]
+                  for name, where, x, lim in checks]), "",
+        "## R5/R1 (TTFT_5 p50 / TTFT_1 p50) per configuration", "",
+        md_table(["config", "TTFT_1 p50", "TTFT_5 p50", "R5/R1", "errors"],
+                 [[c.name, fmt_ms(turn_stats(c.requests, 1).ttft_p50), fmt_ms(turn_stats(c.requests, TURN).ttft_p50),
+                   fmt_ratio(_ratio(turn_stats(c.requests, TURN).ttft_p50, turn_stats(c.requests, 1).ttft_p50)),
+                   e] for c, (_, e) in zip(configs, errors, strict=True)]), "",
+    ]
+    return "\n".join(out), groups

@@ -1,0 +1,72 @@
+"""The suites by name: which benches each runs, and how its report is analysed.
+
+A suite runs its benches one at a time; results.json is rewritten after each, so a long run that
+is stopped keeps what it measured. A bench whose processes fail to start is recorded and skipped.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from turnkv.bench.records import ConfigResult, RunResult
+from turnkv.bench.scenarios import fifth_turn, overhead, smoke
+from turnkv.bench.scenarios.base import Bench, run_bench
+
+Analyzer = Callable[[Sequence[ConfigResult]], tuple[str, dict[str, list[str]]]]
+SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
+    "fifth-turn": (fifth_turn.benches, fifth_turn.analyze),
+    "overhead": (overhead.benches, overhead.analyze),
+    "smoke": (smoke.benches, smoke.analyze),
+}
+TITLES = {
+    "fifth-turn": "turnkv bench: fifth-turn TTFT on the simulator",
+    "overhead": "turnkv bench: gateway overhead with zero-cost engines",
+    "smoke": "turnkv bench: smoke",
+}
+
+
+def analyze(run: RunResult) -> tuple[str, dict[str, list[str]]]:
+    _, analyzer = SUITES.get(run.suite, (None, None))
+    notes = ""
+    if run.extra.get("failures"):
+        notes = "## Failed benches\n\n" + "\n".join(f"- {f}" for f in run.extra["failures"]) + "\n\n"
+    if analyzer is None:
+        return notes, {}
+    text, groups = analyzer(run.configs)
+    return notes + text, groups
+
+
+def write(run: RunResult, out: Path) -> None:
+    from turnkv.bench.cli import write_outputs
+
+    text, groups = analyze(run)
+    write_outputs(run, out, title=TITLES.get(run.suite, run.suite), extra_markdown=text, groups=groups)
+    if run.suite == "overhead":
+        overhead.plot(run.configs, out / "ttft_by_concurrency.png")
+
+
+def run_suite(name: str, out: Path, *, only: list[str] | None = None, show_progress: bool = True,
+              command: str = "", conversations: int | None = None) -> int:
+    make, _ = SUITES[name]
+    benches = [b for b in make(conversations)
+               if not only or any(s in p.name for s in only for p in b.plans)]
+    run = RunResult(suite=name, command=command)
+    run.extra["failures"] = []
+    logs = out / "logs"
+    for i, bench in enumerate(benches, 1):
+        names = ", ".join(p.name for p in bench.plans)
+        print(f"[{i}/{len(benches)}] {names}", file=sys.stderr, flush=True)
+        try:
+            run.configs += run_bench(bench, logs, show_progress=show_progress)
+        except Exception as exc:  # a bench that cannot start must not lose the others' results
+            traceback.print_exc()
+            run.extra["failures"].append(f"{names}: {type(exc).__name__}: {str(exc)[:500]}")
+        run.write(out / "results.json")
+    write(run, out)
+    errors = sum(1 for c in run.configs for r in c.requests if not r.ok)
+    print(f"{len(run.configs)} configurations, {errors} failed requests, {len(run.extra['failures'])} failed "
+          f"benches; report in {out}/report.md", file=sys.stderr)
+    return 1 if run.extra["failures"] or errors else 0
