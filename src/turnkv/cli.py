@@ -38,6 +38,20 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from turnkv import demo
+
+    return demo.run(turns=args.turns, policy=args.policy, link=args.link)
+
+
+def _check_template(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from turnkv.gateway.template_check import check
+
+    return asyncio.run(check(args.engine, args.model))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from turnkv.sim.settings import add_sim_arguments
 
@@ -59,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help="YAML settings file")
     serve.add_argument("--log-level", default=None)
     serve.set_defaults(func=_serve)
+
+    demo = sub.add_parser("demo", help="a five-turn agent conversation through simulated P/D, end to end")
+    demo.add_argument("--turns", type=int, default=5)
+    demo.add_argument("--policy", default="always-pull")
+    demo.add_argument("--link", default="rdma400", choices=["host", "100gbe", "rdma400", "nvlink"])
+    demo.set_defaults(func=_demo)
+
+    check = sub.add_parser("check-template", help="classify an engine's chat template for KV reuse")
+    check.add_argument("--engine", required=True, metavar="URL", help="an engine (or render service) base URL")
+    check.add_argument("--model", default=None, help="model name (default: the engine's first)")
+    check.set_defaults(func=_check_template)
 
     from turnkv.bench.cli import add_bench_parser
 

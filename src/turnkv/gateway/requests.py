@@ -7,9 +7,10 @@ its own extensions. Everything wrong here is a ``ClientError`` (a 4xx in OpenAI'
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from starlette.requests import Request
 
 from turnkv.errors import BodyTooLarge, ClientError, ModelNotFound
@@ -28,21 +29,21 @@ class Message(_Open):
 
 
 class StreamOptions(_Open):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None
 
 
 class _Common(_Open):
     model: str | None = None
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     n: int | None = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
-    return_token_ids: bool | None = None
+    return_token_ids: StrictBool | None = None
     min_tokens: int | None = Field(None, ge=0)
-    ignore_eos: bool | None = None
+    ignore_eos: StrictBool | None = None
     session_id: str | None = None
     conversation_id: str | None = None
 
@@ -56,6 +57,9 @@ class ChatBody(_Common):
 
 class CompletionBody(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -81,7 +85,7 @@ def validate(body: dict[str, Any], model: type[_Common]) -> _Common:
         return model.model_validate(body)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
-        where = ".".join(str(x) for x in err["loc"])
+        where = ".".join(str(x) for x in err["loc"] if not _TYPE_TAG.match(str(x)))
         raise ClientError(f"{where}: {err['msg']}", param=where or None) from exc
 
 

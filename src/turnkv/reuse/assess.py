@@ -116,6 +116,8 @@ def explain(
     block_size: int,
 ) -> Reason:
     """Why the prompt leaves D's sequence at token ``diverge_start`` (the start of the first differing block)."""
+    if template is TemplateClass.DROPS_REASONING and r.had_reasoning:
+        return Reason.REASONING_STRIPPED  # the template drops reasoning, possibly of turns before the last one
     if diverge_start + block_size <= r.prompt_tokens or echoed is None:
         return Reason.HISTORY_EDITED  # the difference lies before the last answer
     if echoed.answer_digest != r.answer_digest:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from turnkv.errors import StoreError
@@ -68,13 +69,16 @@ class RedisStore:
     @classmethod
     def from_url(cls, url: str, *, namespace: str = "turnkv", timeout_s: float = 0.25,
                  max_connections: int = 64) -> RedisStore:
-        """One blocking pool with explicit timeouts and no client-side retries: a slow Redis must not
-        hold a turn; the guard in front of the store decides when to try again."""
+        """One blocking pool with explicit timeouts: a slow Redis must not hold a turn; the guard in
+        front of the store decides when to try again."""
         pool = BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s, decode_responses=True,
         )
-        return cls(Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0)), namespace=namespace)
+        # one immediate retry on a refused or reset connection, so the first command after Redis
+        # comes back does not fail on a pooled connection from before; none on timeouts
+        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+        return cls(Redis(connection_pool=pool, retry=retry), namespace=namespace)
 
     def key(self, conversation: str) -> str:
         return f"{self._ns}:conv:{conversation}"

@@ -53,6 +53,13 @@ def _headers(ctx: TurnContext) -> dict[str, str]:
          "x-turnkv-reason": ctx.reason.value}
     if ctx.assessment is not None:
         h["x-turnkv-matched-tokens"] = str(ctx.assessment.tokens)
+    if ctx.prompt_ids is not None:
+        h["x-turnkv-prompt-tokens"] = str(len(ctx.prompt_ids))
+    h["x-turnkv-pulled-tokens"] = str(ctx.pull_tokens)
+    if ctx.prefill_cached is not None:
+        h["x-turnkv-prefill-cached-tokens"] = str(ctx.prefill_cached)
+    if ctx.prefill_url is not None and ctx.action is not Action.DECODE_LOCAL:
+        h["x-turnkv-prefill-ms"] = f"{ctx.prefill_s * 1e3:.1f}"
     return h
 
 

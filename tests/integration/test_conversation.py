@@ -1,0 +1,72 @@
+"""Five-turn conversations through the gateway against simulated engines, checked against ground truth."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from turnkv import launch
+from tests.integration.cluster import converse, metric, start_cluster
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize(("compat", "stream"), [("0.26", False), ("0.33", True), ("0.33", False)])
+def test_keep_template_reuses_every_later_turn(procs: list[launch.Running], tmp_path: Path, redis_url: str,
+                                               compat: str, stream: bool) -> None:
+    c = start_cluster(procs, tmp_path, compat=compat, redis_url=redis_url)
+    turns = converse(c, 5, stream=stream, tools=True)
+    assert all(t.correct for t in turns)
+    assert turns[0].reason == "no_record"
+    assert [t.outcome for t in turns[1:]] == ["full"] * 4
+    assert all(t.headers["x-turnkv-action"] == "pull" for t in turns[1:])
+    events = c.turn_events()
+    assert [e["capture"] for e in events] == ["stored"] * 5
+    assert sum(e["tokens_pulled"] for e in events) > 0
+    pulled = metric(c.prefill[0].url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    assert pulled > 0  # the prefill engine really loaded KV from the decode engine
+
+
+def test_streaming_on_026_has_no_handle_and_says_so(procs: list[launch.Running], tmp_path: Path) -> None:
+    c = start_cluster(procs, tmp_path, compat="0.26")
+    turns = converse(c, 3, stream=True)
+    assert all(t.correct for t in turns)
+    assert [t.reason for t in turns] == ["no_record"] * 3
+    assert {e["capture"] for e in c.turn_events()} == {"no_handle_in_stream"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_strip_template_refuses_or_trims_and_stays_correct(procs: list[launch.Running], tmp_path: Path,
+                                                            redis_url: str, stream: bool) -> None:
+    c = start_cluster(procs, tmp_path, template="strip", compat="0.33", redis_url=redis_url)
+    turns = converse(c, 5, stream=stream)
+    assert all(t.correct for t in turns)
+    for t in turns[1:]:
+        assert t.outcome in ("partial", "none")
+        assert t.reason == "reasoning_stripped"
+    assert any(t.outcome == "partial" for t in turns[1:])
+    with c.client() as client:
+        assert client.models.list().data[0].id == "sim-model"
+
+
+def test_unchecked_reuse_fails_the_oracle_on_strip(procs: list[launch.Running], tmp_path: Path) -> None:
+    c = start_cluster(procs, tmp_path, template="strip", compat="0.33", policy="always-reuse-unchecked")
+    turns = converse(c, 5)
+    assert turns[0].correct
+    assert not all(t.correct for t in turns[1:])
+
+
+def test_retokenization_drift_is_caught(procs: list[launch.Running], tmp_path: Path) -> None:
+    c = start_cluster(procs, tmp_path, compat="0.33", sim_flags=("--retokenize-drift",))
+    turns = converse(c, 5)
+    assert all(t.correct for t in turns)
+    assert any(t.reason == "retokenized" for t in turns[1:])
+
+
+def test_requests_without_a_session_are_plain_pd(procs: list[launch.Running], tmp_path: Path) -> None:
+    c = start_cluster(procs, tmp_path)
+    turns = converse(c, 3, session=None)
+    assert all(t.correct for t in turns)
+    assert {t.outcome for t in turns} == {"stateless"}
+    assert {t.reason for t in turns} == {"no_session"}
