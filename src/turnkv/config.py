@@ -76,9 +76,9 @@ class Settings(BaseSettings):
     kv_bytes_per_token: int = Field(147456, ge=1, description="KV bytes per token (Qwen3-8B bf16 by default)")
     upstream_api_key: str | None = Field(None, description="bearer token for the engines; default: the client's")
     allow_client_kv_transfer_params: bool = Field(False, description="let clients send kv_transfer_params")
-    policy: PolicySettings = Field(default_factory=PolicySettings)  # type: ignore[arg-type]
-    costs: CostPriors = Field(default_factory=CostPriors)  # type: ignore[arg-type]
-    timeouts: Timeouts = Field(default_factory=Timeouts)  # type: ignore[arg-type]
+    policy: PolicySettings = Field(default_factory=PolicySettings)
+    costs: CostPriors = Field(default_factory=CostPriors)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
     health_interval_s: float = Field(2.0, gt=0)
     scrape_interval_s: float = Field(5.0, gt=0, description="how often engine /metrics are read")
     store_retry_s: float = Field(2.0, gt=0, description="after a Redis failure, skip Redis this long")

@@ -13,9 +13,10 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
+from openai.types.chat import ChatCompletionChunk
 
 from turnkv import launch
 
@@ -38,8 +39,9 @@ def _stream(client: openai.OpenAI, messages: list[dict[str, Any]], session: str 
     raw = client.chat.completions.with_raw_response.create(
         model="sim-model", messages=messages, tools=TOOLS, max_tokens=160, stream=True,  # type: ignore[arg-type]
         extra_headers={"X-Session-ID": session} if session else None)
-    content, reasoning, calls = "", "", {}
-    for chunk in raw.parse():
+    content, reasoning = "", ""
+    calls: dict[int, dict[str, str]] = {}
+    for chunk in cast("openai.Stream[ChatCompletionChunk]", raw.parse()):
         if not chunk.choices:
             continue
         d = chunk.choices[0].delta.model_dump()
@@ -54,6 +56,10 @@ def _stream(client: openai.OpenAI, messages: list[dict[str, Any]], session: str 
             slot["arguments"] += (tc.get("function") or {}).get("arguments") or ""
     return {"content": content, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)],
             "ttft_ms": (ttft or 0.0) * 1e3, "headers": dict(raw.headers)}
+
+
+def _answer(a: dict[str, Any]) -> tuple[Any, ...]:
+    return a["content"], a["reasoning"], [(c["name"], c["arguments"]) for c in a["calls"]]
 
 
 def _next_messages(messages: list[dict[str, Any]], a: dict[str, Any], user: str) -> list[dict[str, Any]]:
@@ -82,8 +88,7 @@ def _conversation(gateway: str, truth: str, turns: int, session: str) -> list[di
                 "turn": k + 1, "ttft_ms": a["ttft_ms"], "prompt": prompt, "reused": cached,
                 "computed": prompt - cached, "decision": f"{h.get('x-turnkv-outcome')}/{h.get('x-turnkv-action')}",
                 "reason": h.get("x-turnkv-reason", ""),
-                "correct": (a["content"], a["reasoning"], a["calls"] and [(c["name"], c["arguments"]) for c in a["calls"]])
-                == (b["content"], b["reasoning"], b["calls"] and [(c["name"], c["arguments"]) for c in b["calls"]]),
+                "correct": _answer(a) == _answer(b),
             })
             messages = _next_messages(messages, a, USER_TURNS[(k + 1) % len(USER_TURNS)])
     return rows

@@ -104,7 +104,8 @@ class Turn:
 
 def _message(m: Any) -> dict[str, Any]:
     d = m.model_dump() if hasattr(m, "model_dump") else dict(m)
-    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in d.get("tool_calls") or []]
+    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+             for c in d.get("tool_calls") or []]
     return {"content": d.get("content") or "", "reasoning": d.get("reasoning") or "", "tool_calls": calls}
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from turnkv import launch
 from tests.integration.cluster import converse, metric, start_cluster
+from turnkv import launch
 
 pytestmark = pytest.mark.integration
 
