@@ -89,7 +89,12 @@ class BlockPool:
         return out
 
     def release(self, block_ids: Sequence[int]) -> None:
-        for bid in block_ids:
+        """Drop one reference from each block; blocks nobody holds go to the end of the free list.
+
+        With caching on, a request's blocks are freed tail first so that its tail is evicted
+        first (vLLM ``v1/core/single_type_kv_cache_manager.py`` ``free``).
+        """
+        for bid in reversed(block_ids) if self.enable_caching else block_ids:
             b = self.blocks[bid]
             if b.ref <= 0:
                 continue

@@ -17,7 +17,7 @@ import secrets
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -142,7 +142,8 @@ class Engine:
         self._running.clear()
         self.pins.clear()
         self.engine_id = str(uuid.uuid4())
-        self.pool = BlockPool(self.cfg.num_blocks, self.cfg.block_size, enable_caching=self.cfg.prefix_caching)
+        self.pool = BlockPool(self.cfg.num_blocks, self.cfg.block_size,
+                              enable_caching=self.cfg.prefix_caching)
         self.metrics.process_start.set(time.time())
 
     def expire_handles(self) -> int:
@@ -160,7 +161,7 @@ class Engine:
     async def generate(
         self, prompt: Sequence[int], sampling: Sampling, kv_params: dict[str, Any] | None, request_id: str,
         arrival: float | None = None,
-    ) -> AsyncIterator[Output]:
+    ) -> AsyncGenerator[Output, None]:
         """Run one request; yields token outputs, the last one with ``finish_reason`` set."""
         seq = _Seq(
             request_id=f"{request_id}-{secrets.token_hex(4)}", prompt=list(prompt), sampling=sampling,
@@ -168,7 +169,8 @@ class Engine:
             arrival=time.perf_counter() if arrival is None else arrival, gen=Generator(self.tok, sampling),
         )
         if kv_params and not self.cfg.has_connector:
-            log.warning("Got kv_transfer_params, but no KVConnector found. Disabling KVTransfer for this request.")
+            log.warning("Got kv_transfer_params, but no KVConnector found. "
+                        "Disabling KVTransfer for this request.")
         try:
             self._admit(seq)
             if seq.params is not None and "_load" in seq.params:
@@ -193,14 +195,14 @@ class Engine:
         hit = self.pool.lookup(seq.hashes[: (n - 1) // bs])
         self.pool.acquire(hit)
         local = len(hit) * bs
-        self.metrics.prefix_cache_queries.inc(n)
-        self.metrics.prefix_cache_hits.inc(local)
-        external = self._external_tokens(seq, local)
         try:
+            external = self._external_tokens(seq, local)
             seq.block_ids = hit + self.pool.allocate(-(-n // bs) - len(hit))
-        except OutOfBlocks as exc:
+        except (EngineError, OutOfBlocks) as exc:
             self.pool.release(hit)
             raise EngineError(str(exc)) from exc
+        self.metrics.prefix_cache_queries.inc(n)
+        self.metrics.prefix_cache_hits.inc(local)
         seq.num_computed = seq.num_cached = local
         seq.external = external
         if external:
@@ -243,7 +245,8 @@ class Engine:
         local_blocks = seq.load_blocks
         if len(local_blocks) > len(remote):
             # vLLM asserts num_local_blocks <= len(remote_group) and the engine dies.
-            raise EngineError(f"AssertionError: {len(local_blocks)} local blocks > {len(remote)} remote blocks")
+            raise EngineError(
+                f"AssertionError: {len(local_blocks)} local blocks > {len(remote)} remote blocks")
         remote = remote[len(remote) - len(local_blocks):] if local_blocks else []
         started = time.perf_counter()
         try:
@@ -251,11 +254,11 @@ class Engine:
                 peer = await sc.handshake(str(p["remote_engine_id"]))
                 offset = peer.clock - self.clock()
                 expiry = p.get("remote_blocks_expiry_time")
-                if local_blocks and self.cfg.bidirectional and expiry is not None:
-                    if self.clock() + EXPIRY_SAFETY_MARGIN_S >= float(expiry) - offset:
-                        self.metrics.kv_expired.inc()
-                        raise TransferError(
-                            f"Declining expired remote read for {seq.request_id} from engine {peer.engine_id}.")
+                expired = expiry is not None and self.clock() + EXPIRY_SAFETY_MARGIN_S >= float(expiry) - offset
+                if local_blocks and self.cfg.bidirectional and expired:
+                    self.metrics.kv_expired.inc()
+                    raise TransferError(
+                        f"Declining expired remote read for {seq.request_id} from engine {peer.engine_id}.")
                 if local_blocks:
                     nbytes = len(local_blocks) * self.cfg.block_size * self.cfg.costs.kv_bytes_per_token
                     async with self._link_lock:
@@ -309,7 +312,8 @@ class Engine:
             costs = self.cfg.costs
             duration = costs.decode_s(len(decoding))
             if chunks:
-                duration += max(costs.prefill_floor_s, sum(costs.prefill_s(n, s.num_computed) for s, n in chunks))
+                prefill = sum(costs.prefill_s(n, s.num_computed) for s, n in chunks)
+                duration += max(costs.prefill_floor_s, prefill)
             await self._sleep(duration)
             for seq in decoding:
                 if not seq.done:

@@ -6,10 +6,11 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_XFER_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-_BYTES_BUCKETS = tuple(float(2**i) for i in range(16, 36, 2))
+# Bucket lists as vLLM registers them (vllm-pd-protocol.md §8: v1/metrics/loggers.py, nixl/stats.py).
+_XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+_BYTES_BUCKETS = tuple(float(2**i) for i in range(11, 35, 2))  # 2^11 ... 2^33
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
 class EngineMetrics:
@@ -22,8 +23,10 @@ class EngineMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=r)
 
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries (tokens)").labels(**lv)
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits (tokens)").labels(**lv)
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.").labels(**lv)
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.").labels(**lv)
         self.external_queries = counter(
             "vllm:external_prefix_cache_queries", "External prefix cache queries (tokens)").labels(**lv)
         self.external_hits = counter(
@@ -43,7 +46,8 @@ class EngineMetrics:
         self.kv_expired = counter("vllm:nixl_num_kv_expired_reqs", "Requests whose KV expired").labels(**lv)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels,
                               buckets=_TTFT_BUCKETS, registry=r).labels(**lv)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", labels, registry=r).labels(**lv)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", labels,
+                              registry=r).labels(**lv)
         self.running = Gauge("vllm:num_requests_running", "Running requests", labels, registry=r).labels(**lv)
         self.waiting = Gauge("vllm:num_requests_waiting", "Waiting requests", labels, registry=r).labels(**lv)
         self.process_start = Gauge("process_start_time_seconds",

@@ -35,6 +35,22 @@ def kv_extend(prev: int, tokens: Sequence[int], start: int) -> list[int]:
     return out
 
 
+def opens_thinking(tok: Tokenizer, prompt: Sequence[int]) -> bool:
+    """Whether a model given ``prompt`` starts its answer with a reasoning part.
+
+    It does unless the prompt's last turn already closed thinking (a ``</think>`` after the last
+    ``<|im_start|>``, as templates write for ``enable_thinking: false``). The answer depends on
+    the prompt alone, never on the route that carried it.
+    """
+    end, turn = tok.special_id("</think>"), tok.special_id("<|im_start|>")
+    for t in reversed(prompt):
+        if t == end:
+            return False
+        if t == turn:
+            return True
+    return True
+
+
 def _pick(kv: int, salt: int, n: int) -> int:
     return (hash((kv, salt)) & _MASK) % n
 

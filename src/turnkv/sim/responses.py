@@ -1,8 +1,9 @@
 """vLLM-shaped response bodies and SSE chunks, key for key, for the two compat levels.
 
 Full bodies carry every field (nulls included); stream chunks carry exactly the keys vLLM sets,
-in vLLM's field order, as compact JSON. 0.33 adds ``kv_transfer_params`` to stream chunks
-(``null`` except on the chunk that has a ``finish_reason``) and ``weight_versions`` on it.
+in vLLM's field order, as compact JSON (vllm-shapes.md §0-§4). 0.33 adds ``kv_transfer_params``
+to stream chunks (``null`` except on the chunk that has a ``finish_reason``), ``weight_versions``
+on that chunk, and ``completion_tokens_details`` to usage.
 """
 
 from __future__ import annotations
@@ -43,12 +44,28 @@ def error_body(message: str, type_: str, code: int, param: str | None = None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def usage(prompt: int, completion: int, cached: int | None = None, details: bool = False) -> dict[str, Any]:
+def usage(prompt: int, completion: int, cached: int | None = None, details: bool = False,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """Usage as a stream chunk writes it: null members left out."""
     out: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                            "completion_tokens": completion}
     if details:
         out["prompt_tokens_details"] = {"cached_tokens": cached or 0}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
+
+
+def full_usage(prompt: int, completion: int, cached: int, *, details: bool, compat: str,
+               reasoning_tokens: int | None) -> dict[str, Any]:
+    """Usage as a full body writes it: every field, nulls included."""
+    u = usage(prompt, completion)
+    u["prompt_tokens_details"] = {"cached_tokens": cached, "created_cache_tokens": None,
+                                  "multimodal_tokens": None} if details else None
+    if compat == "0.33":
+        u["completion_tokens_details"] = (
+            None if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens})
+    return u
 
 
 def _tool_call_full(tc: ToolCall) -> dict[str, Any]:
@@ -106,33 +123,32 @@ class ChatFormatter:
             c["kv_transfer_params"] = kv_transfer_params if finish_reason is not None else None
         return sse(c)
 
-    def usage_chunk(self, prompt: int, completion: int, cached: int) -> bytes:
+    def usage_chunk(self, prompt: int, completion: int, cached: int, reasoning_tokens: int) -> bytes:
         c = self._head()
         c["choices"] = []
-        c["usage"] = usage(prompt, completion, cached, self.prompt_tokens_details)
+        c["usage"] = usage(prompt, completion, cached, self.prompt_tokens_details,
+                           reasoning_tokens if self.compat == "0.33" else None)
         c["system_fingerprint"] = self.fingerprint
         return sse(c)
-
 
     def full(
         self, *, content: str | None, reasoning: str | None, tool_calls: Sequence[ToolCall],
         finish_reason: str, prompt_ids: Sequence[int], output_ids: Sequence[int], cached: int,
-        kv_transfer_params: dict[str, Any] | None,
+        reasoning_tokens: int, kv_transfer_params: dict[str, Any] | None,
     ) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
-                                   "audio": None, "function_call": None}
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None,
+                                   "annotations": None, "audio": None, "function_call": None}
         if tool_calls:
             message["tool_calls"] = [_tool_call_full(tc) for tc in tool_calls]
         message["reasoning"] = reasoning
-        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
-                                  "stop_reason": None,
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
+                                  "finish_reason": finish_reason, "stop_reason": None,
                                   "token_ids": list(output_ids) if self.return_token_ids else None,
                                   "routed_experts": None}
         if self.compat == "0.33":
             choice["weight_versions"] = None
-        u = usage(len(prompt_ids), len(output_ids))
-        u["prompt_tokens_details"] = {"cached_tokens": cached, "created_cache_tokens": None,
-                                      "multimodal_tokens": None} if self.prompt_tokens_details else None
+        u = full_usage(len(prompt_ids), len(output_ids), cached, details=self.prompt_tokens_details,
+                       compat=self.compat, reasoning_tokens=reasoning_tokens)
         return {
             "id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
             "choices": [choice], "service_tier": None, "system_fingerprint": self.fingerprint, "usage": u,
@@ -175,9 +191,10 @@ class CompletionFormatter:
         self, text: str, token_ids: Sequence[int], prompt_ids: Sequence[int] | None, *,
         finish_reason: str | None, kv_transfer_params: dict[str, Any] | None = None,
     ) -> bytes:
+        show_prompt = self.return_token_ids and prompt_ids is not None
         choice: dict[str, Any] = {
             "index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
-            "prompt_token_ids": list(prompt_ids) if (self.return_token_ids and prompt_ids is not None) else None,
+            "prompt_token_ids": list(prompt_ids) if show_prompt and prompt_ids is not None else None,
             "token_ids": list(token_ids) if self.return_token_ids else None,
         }
         c: dict[str, Any] = {"id": self.request_id, "object": "text_completion", "created": self.created,
@@ -199,13 +216,14 @@ class CompletionFormatter:
         self, *, text: str, finish_reason: str, prompt_ids: Sequence[int], output_ids: Sequence[int],
         cached: int, kv_transfer_params: dict[str, Any] | None,
     ) -> dict[str, Any]:
-        u = usage(len(prompt_ids), len(output_ids))
-        u["prompt_tokens_details"] = {"cached_tokens": cached, "created_cache_tokens": None,
-                                      "multimodal_tokens": None} if self.prompt_tokens_details else None
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
-                  "token_ids": list(output_ids) if self.return_token_ids else None, "prompt_logprobs": None,
+        u = full_usage(len(prompt_ids), len(output_ids), cached, details=self.prompt_tokens_details,
+                       compat=self.compat, reasoning_tokens=None)  # no reasoning parser on completions
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": None, "token_ids": list(output_ids) if self.return_token_ids else None,
+                  "prompt_logprobs": None,
                   "prompt_token_ids": list(prompt_ids) if self.return_token_ids else None,
                   "routed_experts": None}
-        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [choice], "service_tier": None, "system_fingerprint": self.fingerprint, "usage": u,
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [choice], "service_tier": None,
+                "system_fingerprint": self.fingerprint, "usage": u,
                 "kv_transfer_params": kv_transfer_params, "ec_transfer_params": None, "metrics": None}

@@ -30,7 +30,9 @@ PIECE_BASE = BYTE_BASE + 256
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 SUFFIXES = ("ing", "ed", "er")
-PUNCTUATION = (".", ",", ":", "?", "!", ";", "-", "(", ")", '"', "'", "{", "}", "[", "]", '{"', '":', '",', '"}')
+PUNCTUATION = (
+    ".", ",", ":", "?", "!", ";", "-", "(", ")", '"', "'", "{", "}", "[", "]", '{"', '":', '",', '"}',
+)
 NEWLINES = ("\n", "\n\n")
 
 
@@ -80,6 +82,10 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._id_to_text)
+
+    @property
+    def special_ids(self) -> range:
+        return range(len(SPECIAL_TOKENS))
 
     def special_id(self, token: str) -> int:
         return self._special_to_id[token]

@@ -1,0 +1,161 @@
+"""The simulated engine's routes other than generation: token utilities, metadata and control.
+
+Decides what ``/v1/chat/completions/render``, ``/tokenize``, ``/detokenize``, ``/v1/models``,
+``/health``, ``/version`` and ``/metrics`` answer, in vLLM's shapes (vllm-shapes.md §5, §8), and
+what the simulator's own ``/_sim/faults`` and ``/_sim/state`` do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from turnkv.sim.faults import FaultUpdate
+from turnkv.sim.requests import ApiError, ChatRequest, check_model, parse_body, validate
+from turnkv.sim.responses import random_uuid
+
+if TYPE_CHECKING:
+    from turnkv.sim.app import SimServer
+
+
+def sampling_params(req: ChatRequest, limit: int, kv: dict[str, Any] | None, compat: str) -> dict[str, Any]:
+    """``SamplingParams`` as msgspec writes it with ``omit_defaults``: only non-default fields, in
+    struct order (vllm-shapes.md §5)."""
+    sp: dict[str, Any] = {"stop": [], "stop_token_ids": []}
+    if req.ignore_eos:
+        sp["ignore_eos"] = True
+    if limit != 16:
+        sp["max_tokens"] = limit
+    if req.min_tokens:
+        sp["min_tokens"] = req.min_tokens
+    sp.update(skip_special_tokens=False, output_kind=1 if req.stream else 2, skip_clone=True)
+    if kv and compat == "0.26":
+        sp["extra_args"] = {"kv_transfer_params": kv}
+    sp.update(bad_words=[], skip_reading_prefix_cache=False)
+    return sp
+
+
+class InfoRoutes:
+    def __init__(self, server: SimServer) -> None:
+        self.s = server
+
+    async def render(self, request: Request) -> Response:
+        s = self.s
+        try:
+            req = await parse_body(request, ChatRequest)
+            check_model(req.model, s.settings.model)
+            ids, _, text_prompt = s.chat_prompt(req)
+            limit = s.chat_max_tokens(req, len(ids), text_prompt)
+        except ApiError as exc:
+            return exc.response()
+        kv = {k: v for k, v in (req.kv_transfer_params or {}).items() if k != "prompt_token_ids"} or None
+        compat = s.settings.engine.compat
+        return JSONResponse({
+            "request_id": f"chatcmpl-{random_uuid()}", "token_ids": ids, "assistant_tokens_mask": None,
+            "token_offsets": None, "features": None, "sampling_params": sampling_params(req, limit, kv, compat),
+            "model": req.model or s.settings.model, "stream": bool(req.stream),
+            "stream_options": req.stream_options if req.stream else None, "cache_salt": None, "priority": 0,
+            # 0.26 leaves kv_transfer_params in sampling_params.extra_args; 0.33 hoists it here.
+            "kv_transfer_params": kv if compat == "0.33" else None, "ec_transfer_params": None,
+        })
+
+    async def tokenize(self, request: Request) -> Response:
+        s = self.s
+        try:
+            body = await request.json()
+        except ValueError:
+            return ApiError(400, "1 validation error:\n  JSON decode error", "Bad Request").response()
+        try:
+            if isinstance(body, dict) and "messages" in body:
+                req = validate({"add_generation_prompt": True, **body}, ChatRequest)
+                check_model(req.model, s.settings.model)
+                ids, _ = s.render_chat(req)
+            elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
+                check_model(body.get("model"), s.settings.model)
+                ids = s.tok.encode(body["prompt"])
+            else:
+                raise ApiError(400, "tokenize takes 'messages' or a string 'prompt'")
+        except ApiError as exc:
+            return exc.response()
+        strs = [s.tok.decode([i]) for i in ids] if body.get("return_token_strs") else None
+        return JSONResponse({"count": len(ids), "max_model_len": s.settings.engine.max_model_len,
+                             "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return ApiError(400, "1 validation error:\n  JSON decode error", "Bad Request").response()
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return ApiError(400, "detokenize takes 'tokens': a list of ids").response()
+        try:
+            self.s.check_ids(tokens)
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse({"prompt": self.s.tok.decode(tokens)})
+
+    async def models(self, request: Request) -> Response:
+        now = int(time.time())
+        st = self.s.settings
+        return JSONResponse({"object": "list", "data": [{
+            "id": st.model, "object": "model", "created": now, "owned_by": "vllm", "root": st.model,
+            "parent": None, "max_model_len": st.engine.max_model_len,
+            "permission": [{"id": f"modelperm-{random_uuid()}", "object": "model_permission", "created": now,
+                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                            "organization": "*", "group": None, "is_blocking": False}]}]})
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": self.s.settings.version})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.s.metrics.render(), headers={"content-type": CONTENT_TYPE_LATEST})
+
+    # -- simulator control -------------------------------------------------------------------
+    async def set_faults(self, request: Request) -> Response:
+        try:
+            upd = await parse_body(request, FaultUpdate)
+        except ApiError as exc:
+            return exc.response()
+        s = self.s
+        s.faults.update(upd)
+        expired = s.engine.expire_handles() if upd.expire_handles else 0
+        if upd.restart:
+            s.engine.restart()
+        if upd.reset_prefix_cache:
+            s.engine.reset_prefix_cache()
+        return JSONResponse({"faults": s.faults.faults.model_dump(), "engine_id": s.engine.engine_id,
+                             "expired_handles": expired})
+
+    async def state(self, request: Request) -> Response:
+        s, e = self.s, self.s.engine
+        return JSONResponse({
+            "engine_id": e.engine_id, "role": s.settings.engine.role, "compat": s.settings.engine.compat,
+            "side_channel_port": e.side_channel_port, "pins": len(e.pins), "pinned_tokens": e.pinned_tokens(),
+            "kv_cache_usage": e.pool.usage(), "free_blocks": e.pool.num_free,
+            "faults": s.faults.faults.model_dump(), "delayed": s.faults.delayed,
+        })
+
+
+def routes(server: SimServer) -> list[Route]:
+    r = InfoRoutes(server)
+    return [
+        Route("/v1/chat/completions/render", r.render, methods=["POST"]),
+        Route("/tokenize", r.tokenize, methods=["POST"]),
+        Route("/detokenize", r.detokenize, methods=["POST"]),
+        Route("/v1/models", r.models, methods=["GET"]),
+        Route("/health", r.health, methods=["GET"]),
+        Route("/version", r.version, methods=["GET"]),
+        Route("/metrics", r.metrics, methods=["GET"]),
+        Route("/_sim/faults", r.set_faults, methods=["POST"]),
+        Route("/_sim/state", r.state, methods=["GET"]),
+    ]

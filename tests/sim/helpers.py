@@ -1,0 +1,107 @@
+"""Helpers for the simulator's tests: apps in process, SSE parsing, metrics, and proxy-shaped requests.
+
+The P and D request builders copy what vLLM's proxies send (vllm-pd-protocol.md §1.1, §1.3, §2.3):
+P gets the client body with ``stream: false``, ``max_tokens: 1``, no ``stream_options`` or
+``min_tokens``, and ``do_remote_decode: true`` (plus D's handle on a later turn); D gets the client
+body unchanged with P's ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from turnkv.sim.app import create_sim_app
+from turnkv.sim.costs import CostModel
+from turnkv.sim.engine import EngineConfig
+from turnkv.sim.settings import SimSettings
+
+MODEL = "sim-model"
+P_KEYS_026 = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
+              "remote_host", "remote_port", "tp_size", "remote_num_tokens", "remote_blocks_expiry_time"]
+P_KEYS_033 = [*P_KEYS_026, "dcp_size", "pp_size", "transfer_mode", "remote_registration_generation"]
+
+
+def settings(*, template: str = "keep", drift: bool = False, details: bool = False, **engine: Any) -> SimSettings:
+    costs = CostModel(time_scale=0)
+    return SimSettings(template=template, retokenize_drift=drift, prompt_tokens_details=details,
+                       engine=EngineConfig(costs=costs, **engine))
+
+
+@contextlib.asynccontextmanager
+async def asgi_client(**kw: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A client for an in-process sim app whose lifespan (the engine) runs around it."""
+    app = create_sim_app(settings(**kw))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://sim") as client:
+        yield client
+
+
+def sse(text: str) -> list[Any]:
+    """The events of an SSE body, checking vLLM's framing: only ``data: <json>\\n\\n``, then [DONE]."""
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    events: list[Any] = []
+    for raw in text.split("\n\n")[:-1]:
+        assert raw.startswith("data: ") and "\n" not in raw, raw
+        payload = raw[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value from a /metrics body (0 when absent)."""
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+def external_tokens(metrics_text: str) -> float:
+    return metric(metrics_text, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def chat_body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": messages, "max_tokens": 200, "return_token_ids": True, **extra}
+
+
+def prefill_body(client_body: dict[str, Any], handle: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = copy.deepcopy(client_body)
+    if handle is None:
+        body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    else:  # the multi-turn proxy: D's dict, flipped to a P request
+        body["kv_transfer_params"] = {**handle, "do_remote_decode": True, "do_remote_prefill": False}
+    body.update(stream=False, max_tokens=1)
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    for k in ("stream_options", "min_tokens", "min_completion_tokens"):
+        body.pop(k, None)
+    return body
+
+
+def decode_body(client_body: dict[str, Any], p_params: dict[str, Any]) -> dict[str, Any]:
+    return {**copy.deepcopy(client_body), "kv_transfer_params": p_params}
+
+
+def answer(body: dict[str, Any]) -> tuple[list[int], str | None, str | None]:
+    """Token ids, content and reasoning of a non-streaming chat body."""
+    choice = body["choices"][0]
+    return choice["token_ids"], choice["message"]["content"], choice["message"]["reasoning"]
+
+
+def next_turn(messages: list[dict[str, Any]], body: dict[str, Any], user: str,
+              reasoning_key: str = "reasoning") -> list[dict[str, Any]]:
+    """The conversation with the answer re-sent (with its reasoning) and a new user message."""
+    msg = body["choices"][0]["message"]
+    assistant: dict[str, Any] = {"role": "assistant", "content": msg["content"], reasoning_key: msg["reasoning"]}
+    if msg.get("tool_calls"):
+        assistant["tool_calls"] = msg["tool_calls"]
+    return [*messages, assistant, {"role": "user", "content": user}]
