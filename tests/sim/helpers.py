@@ -105,3 +105,53 @@ def next_turn(messages: list[dict[str, Any]], body: dict[str, Any], user: str,
     if msg.get("tool_calls"):
         assistant["tool_calls"] = msg["tool_calls"]
     return [*messages, assistant, {"role": "user", "content": user}]
+
+
+class Sim:
+    """A ``turnkv sim`` process seen over HTTP."""
+
+    def __init__(self, url: str, http: httpx.Client) -> None:
+        self.url = url
+        self.http = http
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        return self.http.post(self.url + path, json=body)
+
+    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = self.post("/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def chat_stream(self, body: dict[str, Any]) -> list[Any]:
+        r = self.post("/v1/chat/completions", {**body, "stream": True})
+        assert r.status_code == 200, r.text
+        return sse(r.text)
+
+    def state(self) -> dict[str, Any]:
+        return dict(self.http.get(self.url + "/_sim/state").json())
+
+    def faults(self, **update: Any) -> dict[str, Any]:
+        r = self.post("/_sim/faults", update)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def metrics(self) -> str:
+        return self.http.get(self.url + "/metrics").text
+
+    def render(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+        body = {"messages": messages, **extra}
+        return list(self.post("/v1/chat/completions/render", body).json()["token_ids"])
+
+
+def stream_answer(events: list[Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A streamed chat answer as a non-streaming body's choice would say it, and the final chunk's params."""
+    role, *rest = events
+    chunks = [e for e in rest if e["choices"]]
+    deltas = [e["choices"][0]["delta"] for e in chunks]
+    finish = chunks[-1]
+    body = {"prompt_token_ids": role["prompt_token_ids"], "choices": [{
+        "token_ids": [t for e in chunks for t in e["choices"][0]["token_ids"]],
+        "finish_reason": finish["choices"][0]["finish_reason"],
+        "message": {"content": "".join(d.get("content", "") for d in deltas) or None,
+                    "reasoning": "".join(d.get("reasoning", "") for d in deltas) or None}}]}
+    return body, finish.get("kv_transfer_params")

@@ -69,6 +69,9 @@ class SimServer:
         self.tok = Tokenizer()
         self.template = ChatTemplate.load(settings.template, settings.chat_template)
         self.metrics = EngineMetrics(settings.model)
+        e = settings.engine
+        self.metrics.cache_config({"block_size": str(e.block_size), "num_gpu_blocks": str(e.num_blocks),
+                                   "enable_prefix_caching": str(e.prefix_caching), "cache_dtype": "auto"})
         self.engine = Engine(settings.engine, self.tok, self.metrics)
         self.faults = FaultInjector(settings.faults)
         digest = hashlib.sha256(settings.model_dump_json().encode()).hexdigest()[:8]

@@ -53,7 +53,7 @@ class EngineConfig(BaseModel):
     side_channel_port: int = Field(0, ge=0, le=65535)
     clock_skew_s: float = 0.0
     seed: int = 0
-    costs: CostModel = Field(default_factory=CostModel)  # type: ignore[arg-type]
+    costs: CostModel = Field(default_factory=CostModel)
 
     @property
     def has_connector(self) -> bool:

@@ -57,6 +57,11 @@ class EngineMetrics:
                                registry=r)
         self._lv = lv
 
+    def cache_config(self, info: dict[str, str]) -> None:
+        """vLLM's ``vllm:cache_config_info``: a gauge set to 1 whose labels are the CacheConfig fields."""
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*info, "engine"],
+              registry=self.registry).labels(**info, engine="").set(1)
+
     def finished(self, reason: str) -> None:
         self.success.labels(**self._lv, finished_reason=reason).inc()
 

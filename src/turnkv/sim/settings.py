@@ -21,8 +21,8 @@ class SimSettings(BaseModel):
     thinking: bool = True
     retokenize_drift: bool = False
     prompt_tokens_details: bool = False
-    engine: EngineConfig = Field(default_factory=EngineConfig)  # type: ignore[arg-type]
-    faults: Faults = Field(default_factory=Faults)  # type: ignore[arg-type]
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    faults: Faults = Field(default_factory=Faults)
 
     @property
     def version(self) -> str:
