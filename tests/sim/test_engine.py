@@ -8,6 +8,7 @@ end-trimmed to the local ones (vllm-pd-protocol.md §1.4, §2.3).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -209,3 +210,19 @@ async def test_a_handle_sent_to_a_prefill_without_bidirectional_fails_cleanly(ma
     with pytest.raises(EngineError):
         await run(p2, seq, {**handle, "do_remote_decode": True, "do_remote_prefill": False})
     assert p2.pool.num_free == p2.pool.num_blocks
+
+
+async def test_a_request_waits_for_free_blocks_instead_of_failing(make_engine: MakeEngine) -> None:
+    d, handle, seq = await decode_handle(make_engine, words(150), num_blocks=16)
+    assert len(handle["remote_block_ids"][0]) == 12  # pinned for the TTL: 4 of 16 blocks are free
+    waiting = asyncio.create_task(run(d, words(100, 300)))  # needs 7 blocks for its prompt
+    for _ in range(100):  # let the request reach the engine
+        if d.blocked:
+            break
+        await asyncio.sleep(0)
+    assert d.blocked == 1 and not waiting.done()
+    assert d.expire_handles() == 1  # the TTL lapses: the pin's blocks are freed
+    _, out = await waiting
+    assert out.finish_reason == "length" and d.blocked == 0
+    with pytest.raises(EngineError):  # more than the whole cache can never be admitted
+        await run(d, words(257, 1000))

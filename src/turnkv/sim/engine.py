@@ -6,7 +6,8 @@ for ``do_remote_prefill``; ``min(remote_num_tokens, prompt) - local_hit`` for a 
 ``do_remote_decode``, unless below ``kv_recompute_threshold``), how remote blocks line up (the
 remote list end-trimmed to the local blocks, no token check), what a failed or declined pull does
 (``kv_load_failure_policy``), and which blocks stay pinned after a request finishes and for how
-long (P: ``kv_lease_duration``; D in bidirectional mode: ``decoder_kv_blocks_ttl``).
+long (P: ``kv_lease_duration``; D in bidirectional mode: ``decoder_kv_blocks_ttl``). A request
+whose prompt does not fit in the free blocks waits for blocks to be freed, as in vLLM's queue.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class _Seq:
     num_computed: int = 0
     num_cached: int = 0
     external: int = 0
+    load: bool = False
     load_blocks: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)
@@ -112,6 +114,8 @@ class Engine:
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._wake = asyncio.Event()
+        self._freed = asyncio.Event()
+        self.blocked = 0  # requests waiting for free blocks
         self._link_lock = asyncio.Lock()
         self._sidechannel = SideChannelServer(self._on_side_channel)
         self._tasks: list[asyncio.Task[None]] = []
@@ -144,6 +148,7 @@ class Engine:
         self.engine_id = str(uuid.uuid4())
         self.pool = BlockPool(self.cfg.num_blocks, self.cfg.block_size,
                               enable_caching=self.cfg.prefix_caching)
+        self._release([])  # requests waiting for blocks try the new pool
         self.metrics.process_start.set(time.time())
 
     def expire_handles(self) -> int:
@@ -172,8 +177,8 @@ class Engine:
             log.warning("Got kv_transfer_params, but no KVConnector found. "
                         "Disabling KVTransfer for this request.")
         try:
-            self._admit(seq)
-            if seq.params is not None and "_load" in seq.params:
+            await self._admit_when_blocks_free(seq)
+            if seq.load:
                 await self._load(seq)
             self._waiting.append(seq)
             self._wake.set()
@@ -188,6 +193,29 @@ class Engine:
             if not seq.done:
                 self._abort(seq)
 
+    async def _admit_when_blocks_free(self, seq: _Seq) -> None:
+        """Admit ``seq``; while the free blocks cannot hold its prompt, wait for some to be freed,
+        as vLLM's scheduler leaves a request it cannot allocate in the waiting queue."""
+        need = -(-len(seq.prompt) // self.cfg.block_size)
+        if need > self.pool.num_blocks:
+            raise EngineError(f"the prompt needs {need} KV blocks; the engine has {self.pool.num_blocks}")
+        while True:
+            freed = self._freed
+            try:
+                self._admit(seq)
+                return
+            except OutOfBlocks:
+                self.blocked += 1
+                try:
+                    await freed.wait()
+                finally:
+                    self.blocked -= 1
+
+    def _release(self, block_ids: Sequence[int]) -> None:
+        self.pool.release(block_ids)
+        self._freed.set()
+        self._freed = asyncio.Event()
+
     def _admit(self, seq: _Seq) -> None:
         bs = self.cfg.block_size
         n = len(seq.prompt)
@@ -196,11 +224,11 @@ class Engine:
         self.pool.acquire(hit)
         local = len(hit) * bs
         try:
-            external = self._external_tokens(seq, local)
+            external, seq.load = self._external_tokens(seq, local)
             seq.block_ids = hit + self.pool.allocate(-(-n // bs) - len(hit))
-        except (EngineError, OutOfBlocks) as exc:
+        except (EngineError, OutOfBlocks):
             self.pool.release(hit)
-            raise EngineError(str(exc)) from exc
+            raise
         self.metrics.prefix_cache_queries.inc(n)
         self.metrics.prefix_cache_hits.inc(local)
         seq.num_computed = seq.num_cached = local
@@ -211,31 +239,26 @@ class Engine:
         if self.cfg.has_connector:
             self.metrics.external_queries.inc(n - local)
 
-    def _external_tokens(self, seq: _Seq, local: int) -> int:
-        """vLLM's get_num_new_matched_tokens and update_state_after_alloc, for one request."""
+    def _external_tokens(self, seq: _Seq, local: int) -> tuple[int, bool]:
+        """vLLM's get_num_new_matched_tokens and update_state_after_alloc, for one request: the
+        tokens to pull, and whether a recv is queued at all (an empty one only sends "done")."""
         p = seq.params
         if p is None:
-            return 0
+            return 0, False
         n = len(seq.prompt)
+        handle = bool(p.get("remote_block_ids")) and all(k in p for k in _HANDLE_KEYS)
         if p.get("do_remote_prefill"):
-            p["do_remote_prefill"] = False
-            if p.get("remote_block_ids") and all(k in p for k in _HANDLE_KEYS):
-                p["_load"] = True  # with nothing to pull, P is still told to free its blocks
-                return max(n - local, 0)
-            return 0
-        if p.get("do_remote_decode") and p.get("remote_block_ids") and all(k in p for k in _HANDLE_KEYS):
+            # with nothing to pull, P is still told to free its blocks
+            return (max(n - local, 0), True) if handle else (0, False)
+        if p.get("do_remote_decode") and handle:
             if not self.cfg.bidirectional:
                 raise EngineError("KV load from a decode handle requested, but bidirectional_kv_xfer is off")
-            if p.get("_remote_blocks_processed"):
-                return 0
-            p["_remote_blocks_processed"] = True
-            p["_load"] = True  # an empty load still notifies D, which frees its pinned blocks
             count = min(int(p.get("remote_num_tokens") or 0), n) - local
             threshold = self.cfg.kv_recompute_threshold
             if count <= 0 or (threshold > 0 and count < threshold):
-                return 0
-            return count
-        return 0
+                return 0, True  # an empty recv still notifies D, which frees its pinned blocks
+            return count, True
+        return 0, False
 
     async def _load(self, seq: _Seq) -> None:
         """Pull ``seq.external`` tokens' blocks from the engine named in the handle."""
@@ -299,7 +322,7 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
             self.metrics.running.set(len(self._running))
-            self.metrics.waiting.set(len(self._waiting))
+            self.metrics.waiting.set(len(self._waiting) + self.blocked)
             decoding = list(self._running)
             budget = self.cfg.max_num_batched_tokens - len(decoding)
             chunks: list[tuple[_Seq, int]] = []
@@ -403,16 +426,16 @@ class Engine:
         """vLLM's NixlPullConnectorScheduler.request_finished: pin the blocks, or free them now."""
         p = seq.params
         if not p:
-            self.pool.release(seq.block_ids)
+            self._release(seq.block_ids)
             return None
         is_p_node = bool(p.get("do_remote_decode"))
         if not is_p_node and not self.cfg.bidirectional:
-            self.pool.release(seq.block_ids)
+            self._release(seq.block_ids)
             return None
         ttl = self.cfg.kv_lease_duration if is_p_node else self.cfg.decoder_kv_blocks_ttl
         deadline = self.clock() + ttl
         blocks = seq.block_ids[: -(-seq.num_computed // self.cfg.block_size)]
-        self.pool.release(seq.block_ids[len(blocks):])
+        self._release(seq.block_ids[len(blocks):])
         self.pins[seq.request_id] = _Pin(blocks, deadline, decode_side=not is_p_node)
         out: dict[str, Any] = {
             "do_remote_prefill": is_p_node,
@@ -442,7 +465,7 @@ class Engine:
             self._waiting.remove(seq)
         if seq in self._running:
             self._running.remove(seq)
-        self.pool.release(seq.block_ids)
+        self._release(seq.block_ids)
         self.metrics.finished("abort")
 
     # -- pins and the side channel -----------------------------------------------------------
@@ -450,7 +473,7 @@ class Engine:
         pin = self.pins.pop(request_id, None)
         if pin is None:
             return False
-        self.pool.release(pin.block_ids)
+        self._release(pin.block_ids)
         return True
 
     async def _expiry_loop(self) -> None:
