@@ -160,3 +160,26 @@ async def test_fail_next_answers_500_then_recovers() -> None:
         assert error(r) == {"message": "Internal server error", "type": "InternalServerError", "param": None,
                             "code": 500}
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("compat", ["0.26", "0.33"])
+async def test_a_failed_pull_before_the_first_token_in_a_stream(compat: str) -> None:
+    """0.26 skips the empty output before checking for the error: no error event at all; 0.33 sends one."""
+    dead = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[0, 1]],
+            "remote_engine_id": "gone", "remote_request_id": "x", "remote_host": "127.0.0.1", "remote_port": 1,
+            "tp_size": 1, "remote_num_tokens": 20, "remote_blocks_expiry_time": None}
+    body = chat_body(MESSAGES, stream=True, kv_transfer_params=dead, stream_options={"include_usage": True})
+    async with asgi_client(compat=compat, role="decode") as d:
+        r = await d.post("/v1/chat/completions", json=body)
+        plain = await d.post("/v1/chat/completions", json={**body, "stream": False})
+    assert plain.status_code == 500 and error(plain)["message"] == "Internal server error"
+    assert r.status_code == 200
+    role, *rest = sse(r.text)
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    if compat == "0.26":
+        assert [list(e) for e in rest] == [["id", "object", "created", "model", "choices", "usage",
+                                            "system_fingerprint"]]
+    else:
+        assert rest == [{"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                                   "code": 500}}]
+        assert 'data: {"error":{"message":"Internal server error"' in r.text  # compact in 0.33

@@ -226,3 +226,30 @@ async def test_a_request_waits_for_free_blocks_instead_of_failing(make_engine: M
     assert out.finish_reason == "length" and d.blocked == 0
     with pytest.raises(EngineError):  # more than the whole cache can never be admitted
         await run(d, words(257, 1000))
+
+
+@pytest.mark.parametrize(("d_skew", "p_skew"), [(1000.0, 0.0), (-1000.0, 0.0), (0.0, 5000.0)])
+async def test_expiry_is_judged_on_d_clock_through_the_handshake_offset(
+    make_engine: MakeEngine, d_skew: float, p_skew: float,
+) -> None:
+    d, handle, seq = await decode_handle(make_engine, words(40), clock_skew_s=d_skew)
+    p2 = await make_engine("prefill", kv_recompute_threshold=0, clock_skew_s=p_skew)
+    await run(p2, seq, {**handle, "do_remote_decode": True, "do_remote_prefill": False})
+    assert tokens(p2, "external_kv_transfer") == handle["remote_num_tokens"]  # not declined
+
+
+@pytest.mark.parametrize("side", ["decode_ttl", "prefill_lease"])
+async def test_unread_pins_are_released_when_their_time_is_up(make_engine: MakeEngine, side: str) -> None:
+    if side == "decode_ttl":
+        engine, _, _ = await decode_handle(make_engine, words(40), decoder_kv_blocks_ttl=0.01)
+    else:
+        engine = await make_engine("prefill", kv_lease_duration=0.01)
+        await run(engine, words(40), dict(P_REQUEST), max_tokens=1)  # no D ever reads it
+    assert len(engine.pins) == 1
+    for _ in range(200):  # the expiry sweep runs on its own schedule
+        if not engine.pins:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.pins == {} and engine.pool.num_free == engine.pool.num_blocks
+    assert engine.metrics.registry.get_sample_value(
+        "vllm:nixl_num_kv_expired_reqs_total", {"model_name": "m", "engine": "0"}) == 1
