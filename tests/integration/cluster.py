@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,15 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Wait for an effect that happens after the response that caused it (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 def sim_state(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "/_sim/state", timeout=10) as r:
         out: dict[str, Any] = json.loads(r.read())
@@ -146,11 +156,12 @@ class Dialogue:
     also computed by the colocated engine from the same history: the ground truth."""
 
     def __init__(self, cluster: Cluster, *, session: str | None = "conv-1", api_key: str = "key-a",
-                 stream: bool = False, tools: bool = False) -> None:
+                 stream: bool = False, tools: bool = False, system: str = "You are a helpful agent.",
+                 max_tokens: int = 120) -> None:
         self.client = cluster.client(api_key)
         self.truth = cluster.truth_client()
-        self.session, self.stream, self.tools = session, stream, tools
-        self.messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful agent."},
+        self.session, self.stream, self.tools, self.max_tokens = session, stream, tools, max_tokens
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system},
                                                {"role": "user", "content": "Plan a short trip."}]
 
     def __enter__(self) -> Dialogue:
@@ -162,8 +173,9 @@ class Dialogue:
 
     def step(self, *, session: str | None = None, client: openai.OpenAI | None = None) -> Turn:
         answer, headers, ids = ask(client or self.client, self.messages, stream=self.stream,
-                                   session=session or self.session, tools=self.tools)
-        expected, _, _ = ask(self.truth, self.messages, stream=self.stream, session=None, tools=self.tools)
+                                   session=session or self.session, tools=self.tools, max_tokens=self.max_tokens)
+        expected, _, _ = ask(self.truth, self.messages, stream=self.stream, session=None, tools=self.tools,
+                             max_tokens=self.max_tokens)
         self.advance(answer, ids)
         return Turn(answer, headers, expected)
 

@@ -27,6 +27,7 @@ from turnkv.gateway.audit import classify, engine_renderer
 from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpected
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.registry import Registry
+from turnkv.gateway.release import Releaser
 from turnkv.gateway.services import Services, TemplateAudit
 from turnkv.gateway.upstream import Upstream
 from turnkv.logging import make_logger
@@ -83,6 +84,7 @@ async def _report_pinned(svc: Services) -> None:
         fixed, bw = svc.estimator.link.params()
         svc.metrics.link_fixed_s.set(fixed)
         svc.metrics.link_bytes_per_s.set(bw)
+        svc.metrics.link_samples.set(svc.estimator.link.samples)
 
 
 async def _audit_once(svc: Services) -> bool:
@@ -109,6 +111,8 @@ async def _audit_once(svc: Services) -> bool:
         svc.audit = TemplateAudit(TemplateClass.UNKNOWN, f"audit failed: {exc}")
         return False
     svc.audit = TemplateAudit(cls, detail)
+    if svc.releaser is not None and svc.releaser.model is None and svc.models:
+        svc.releaser.model = svc.models[0]
     for c in TemplateClass:
         svc.metrics.template_class.labels(c.value).set(1 if c is cls else 0)
     svc.log.info("template.audit", template_class=cls.value, detail=detail)
@@ -134,7 +138,7 @@ def create_app(settings: Settings) -> Starlette:
         )
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             upstream = Upstream(session, settings.timeouts, settings.upstream_api_key)
-            registry = Registry(settings.prefill, settings.decode)
+            registry = Registry(settings.prefill, settings.decode, settings.block_size)
             estimator = CostEstimator(cost_priors(settings))
             registry.on_link_sample = estimator.link.observe
             registry.on_restart = lambda inst: metrics.engine_restarts.labels(inst.role).inc()
@@ -143,6 +147,7 @@ def create_app(settings: Settings) -> Starlette:
                 policy=build_policy(settings.policy.name, settings.policy.params), estimator=estimator,
                 metrics=metrics, log=make_logger("turnkv.turn", json=settings.log_json),
             )
+            svc.releaser = Releaser(upstream, registry, metrics, next(iter(settings.models), None))
             audited = False
             with anyio.move_on_after(STARTUP_AUDIT_S):
                 audited = await _audit_once(svc)  # engines already up: know the template before serving
@@ -150,6 +155,7 @@ def create_app(settings: Settings) -> Starlette:
                 tasks = [
                     tg.create_task(registry.run(upstream, settings.health_interval_s, settings.scrape_interval_s)),
                     tg.create_task(_report_pinned(svc)),
+                    tg.create_task(svc.releaser.run()),
                 ]
                 if not audited:
                     tasks.append(tg.create_task(_audit_until_done(svc)))

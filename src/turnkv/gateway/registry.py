@@ -23,6 +23,10 @@ from turnkv.gateway.upstream import Upstream
 
 log = logging.getLogger("turnkv.registry")
 AFFINITY_SLACK = 8  # in-flight requests a preferred instance may have above the least busy one
+MIN_EXPECTED_HITS = 256  # tokens of expected cache hits before the observed ones are compared with them
+_SCRAPED = ("process_start_time_seconds", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+            "vllm:prefix_cache_hits_total", "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count",
+            "vllm:nixl_bytes_transferred_sum")
 
 
 @dataclass
@@ -34,6 +38,14 @@ class Instance:
     epoch: float | None = None  # process_start_time_seconds from its /metrics
     version: str | None = None
     running: int = 0  # vllm:num_requests_running
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc
+    stream_handles: bool | None = None  # whether its SSE streams end with a KV handle (seen, or by version)
+    # how much of the prefix-cache hit the gateway expects actually happens (1: all; 0: cache off or evicting)
+    cache_factor: float = 1.0
+    expected_hits: float = 0.0
+    prefix_caching: bool = True  # from vllm:cache_config_info
+    block_size_warned: bool = False
+    _hits: float | None = field(default=None, repr=False)
     _xfer: tuple[float, float, float] | None = field(default=None, repr=False)  # count, bytes, seconds
 
 
@@ -45,7 +57,8 @@ def _version_tuple(v: str | None) -> tuple[int, ...]:
 
 
 class Registry:
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], block_size: int = 16) -> None:
+        self.block_size = block_size
         self.instances: dict[str, Instance] = {}
         for role, urls in (("prefill", prefill), ("decode", decode)):
             for u in urls:
@@ -104,6 +117,8 @@ class Registry:
             with contextlib.suppress(UpstreamError, ValueError):
                 _, raw = await upstream.get(inst.url, "/version")
                 inst.version = str(json.loads(raw).get("version"))
+                if inst.stream_handles is None and _version_tuple(inst.version) >= (0, 33):
+                    inst.stream_handles = True
 
     async def scrape(self, upstream: Upstream, inst: Instance) -> None:
         try:
@@ -119,10 +134,10 @@ class Registry:
         try:
             for fam in text_string_to_metric_families(text):
                 for s in fam.samples:
-                    if s.name in ("process_start_time_seconds", "vllm:num_requests_running",
-                                  "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count",
-                                  "vllm:nixl_bytes_transferred_sum"):
+                    if s.name in _SCRAPED:
                         values[s.name] = values.get(s.name, 0.0) + float(s.value)
+                    elif s.name == "vllm:cache_config_info":
+                        self._cache_config(inst, s.labels)
         except ValueError:
             return
         start = values.get("process_start_time_seconds")
@@ -133,6 +148,8 @@ class Registry:
                 self.on_restart(inst)
             inst.epoch = start
         inst.running = int(values.get("vllm:num_requests_running", 0))
+        inst.kv_usage = values.get("vllm:kv_cache_usage_perc", 0.0)
+        self._cache_factor(inst, values.get("vllm:prefix_cache_hits_total"))
         count = values.get("vllm:nixl_xfer_time_seconds_count")
         if count is None:
             return
@@ -142,6 +159,34 @@ class Registry:
         if prev is not None and cur[0] > prev[0]:
             dc = cur[0] - prev[0]
             self.on_link_sample((cur[1] - prev[1]) / dc, (cur[2] - prev[2]) / dc, dc)
+
+    def _cache_config(self, inst: Instance, labels: dict[str, str]) -> None:
+        if labels.get("enable_prefix_caching") == "False":
+            inst.cache_factor = 0.0  # nothing the gateway expects P to have cached is there
+            inst.prefix_caching = False
+        bs = labels.get("block_size")
+        if bs and bs.isdigit() and int(bs) != self.block_size and not inst.block_size_warned:
+            inst.block_size_warned = True
+            log.warning("instance.block_size_mismatch url=%s engine=%s gateway=%s", inst.url, bs, self.block_size)
+
+    @staticmethod
+    def _cache_factor(inst: Instance, hits: float | None) -> None:
+        """Compare the prefix-cache hits the engine reports with those the gateway expected of it."""
+        if hits is None:
+            return
+        prev, inst._hits = inst._hits, hits
+        if prev is None or hits < prev:  # first reading, or the engine restarted
+            inst.expected_hits = 0.0
+            return
+        if inst.expected_hits >= MIN_EXPECTED_HITS and inst.prefix_caching:
+            seen = min(1.0, (hits - prev) / inst.expected_hits)
+            inst.cache_factor = 0.5 * inst.cache_factor + 0.5 * seen
+            inst.expected_hits = 0.0
+
+    def expect_hits(self, url: str | None, tokens: int) -> None:
+        inst = self.get(url)
+        if inst is not None:
+            inst.expected_hits += tokens
 
     async def run(self, upstream: Upstream, health_s: float, scrape_s: float) -> None:
         """Probe health every ``health_s`` and read metrics every ``scrape_s``, until cancelled."""

@@ -92,7 +92,9 @@ async def ready(request: Request) -> Response:
     svc = services(request)
 
     def view(role: str) -> list[dict[str, Any]]:
-        return [{"url": i.url, "healthy": i.healthy, "version": i.version, "in_flight": i.in_flight}
+        return [{"url": i.url, "healthy": i.healthy, "version": i.version, "in_flight": i.in_flight,
+                 "running": i.running, "kv_cache_usage": i.kv_usage, "prefix_cache_factor": round(i.cache_factor, 3),
+                 **({"stream_handles": i.stream_handles} if role == "decode" else {})}
                 for i in svc.registry.role(role)]
 
     p, d = view("prefill"), view("decode")

@@ -8,6 +8,7 @@ from typing import Any
 from turnkv.config import Settings
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.registry import Registry
+from turnkv.gateway.release import Releaser
 from turnkv.gateway.upstream import Upstream
 from turnkv.reuse.assess import TemplateClass
 from turnkv.reuse.estimator import CostEstimator
@@ -31,5 +32,6 @@ class Services:
     estimator: CostEstimator
     metrics: GatewayMetrics
     log: Any  # a structlog BoundLogger
+    releaser: Releaser | None = None
     audit: TemplateAudit = field(default_factory=TemplateAudit)
     models: list[str] = field(default_factory=list)

@@ -13,6 +13,7 @@ from typing import Any
 
 from turnkv.errors import StoreError
 from turnkv.gateway.metrics import turn_bucket
+from turnkv.gateway.services import Services
 from turnkv.gateway.turn.context import TurnContext
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.state.base import ClaimStatus
@@ -46,6 +47,9 @@ def build_record(ctx: TurnContext) -> ConversationRecord | str:
         return "no_session"
     if cap.error is not None or cap.finish_reason is None:
         return "failed"
+    d = ctx.svc.registry.get(ctx.decode_url)
+    if ctx.stream and d is not None and ctx.turn_is_stateful:
+        d.stream_handles = cap.kv_transfer_params is not None  # what this engine's streams carry, as seen
     if cap.kv_transfer_params is None:
         return "no_handle_in_stream" if ctx.stream else "no_handle"
     if cap.prompt_token_ids is None:
@@ -64,7 +68,6 @@ def build_record(ctx: TurnContext) -> ConversationRecord | str:
     else:
         chain = ChainBuilder(s.block_size).extend((prompt + cap.token_ids)[:n])
     answer, reasoning = cap.answer.digests()
-    d = ctx.svc.registry.get(ctx.decode_url)
     now = time.time()
     return ConversationRecord(
         tenant=ctx.conversation.tenant, decode_url=str(ctx.decode_url), prefill_url=ctx.prefill_url,
@@ -80,6 +83,10 @@ async def finish(ctx: TurnContext, *, ok: bool) -> None:
     conv = ctx.conversation
     rec = build_record(ctx) if ok else "failed"
     stored = False
+    d = svc.registry.get(ctx.decode_url)
+    if isinstance(rec, ConversationRecord) and d is not None and d.kv_usage > svc.settings.release_above_kv_usage:
+        _release(svc, rec.handle, "decode_memory")
+        rec = "released_decode_memory"
     if conv is not None:
         try:
             if isinstance(rec, ConversationRecord):
@@ -93,10 +100,17 @@ async def finish(ctx: TurnContext, *, ok: bool) -> None:
             elif ctx.claimed:
                 await svc.store.release(conv.key)
         except StoreError:
+            if isinstance(rec, ConversationRecord):
+                _release(svc, rec.handle, "store_unavailable")  # nobody can use it: do not pin D for nothing
             rec = "store_unavailable"
     ctx.capture_result = "stored" if stored else str(rec)
     svc.metrics.captures.labels(ctx.capture_result if stored or conv is not None else "no_session").inc()
     _account(ctx)
+
+
+def _release(svc: Services, handle: dict[str, Any], why: str) -> None:
+    if svc.releaser is not None:
+        svc.releaser.submit(handle, why)
 
 
 def _account(ctx: TurnContext) -> None:

@@ -76,6 +76,11 @@ class TurnContext:
         return self.svc.upstream.headers(self.request_id, self.authorization)
 
     @property
+    def turn_is_stateful(self) -> bool:
+        """D was asked for its handle: P's params or the decode-local marker went with the request."""
+        return self.conversation is not None and (self.prefill_params is not None or self.action is Action.DECODE_LOCAL)
+
+    @property
     def outcome(self) -> str:
         if self.action is Action.DECODE_LOCAL:
             return "decode_local"

@@ -55,8 +55,10 @@ async def run(ctx: TurnContext) -> TurnState:
             ctx.handle_for_prefill = release_handle(rec.handle)
         return TurnState.PREFILL
     bs = s.block_size
-    same_p = rec is not None and ctx.prefill_url == rec.prefill_url
-    p_cached = (rec.prompt_tokens // bs) * bs if rec is not None and same_p else 0
+    same_p = rec is not None and prefill is not None and prefill.url == rec.prefill_url
+    # P computed the last prompt, so its cache may hold it; how much of that survives is measured
+    p_cached = int((rec.prompt_tokens // bs) * bs * prefill.cache_factor) // bs * bs \
+        if rec is not None and prefill is not None and same_p else 0
     d_holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
     facts = TurnFacts(
         prompt_tokens=len(ctx.prompt_ids), reusable_tokens=a.tokens, prefill_cached_tokens=p_cached,
@@ -70,6 +72,8 @@ async def run(ctx: TurnContext) -> TurnState:
     if decision.reason is not None:
         ctx.reason = decision.reason
     ctx.expected_cached = p_cached
+    if decision.action is not Action.DECODE_LOCAL and same_p and rec is not None:
+        svc.registry.expect_hits(ctx.prefill_url, (rec.prompt_tokens // bs) * bs)
     if decision.action is Action.PULL and rec is not None:
         ctx.pull_tokens = pulled_tokens(costs, facts)
         ctx.expected_cached = p_cached + ctx.pull_tokens

@@ -1,0 +1,52 @@
+"""The adaptive policy's choice follows the measured link, and unused handles give decode memory back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import RedisServer
+from tests.integration.cluster import Dialogue, metric, sim_state, start_cluster, wait_for
+from turnkv import launch
+
+pytestmark = pytest.mark.integration
+LONG_SYSTEM = "You are a careful agent. Follow the house rules about travel, budgets and safety. " * 60
+
+
+@pytest.mark.parametrize(("link", "action"), [("host", "recompute"), ("nvlink", "pull")])
+def test_adaptive_path_follows_the_link(procs: list[launch.Running], tmp_path: Path, link: str, action: str) -> None:
+    # real simulated timing; P's cache off, as on another prefill instance; decode-local off: pull or recompute
+    c = start_cluster(procs, tmp_path, policy="adaptive", sim_flags=("--time-scale", "1", "--link", link),
+                      prefill_flags=("--no-prefix-caching",),
+                      gateway_env={"TURNKV_POLICY__PARAMS": '{"decode_local": false}'})
+    with Dialogue(c, system=LONG_SYSTEM, max_tokens=24) as d:
+        first = d.step()
+        assert first.correct and int(first.headers["x-turnkv-prompt-tokens"]) > 4000
+        # turn 1's P->D transfer is the gateway's first measurement of the link
+        wait_for(lambda: metric(c.gateway.url, "turnkv_link_samples") >= 1, what="a link measurement")
+        second = d.step()
+    assert second.correct and second.outcome in ("full", "none")
+    assert second.headers["x-turnkv-action"] == action
+    if action == "recompute":
+        assert second.reason == "cheaper_to_recompute"
+
+
+def test_decode_local_when_the_delta_is_small(procs: list[launch.Running], tmp_path: Path) -> None:
+    c = start_cluster(procs, tmp_path, policy="adaptive", sim_flags=("--time-scale", "1"))
+    with Dialogue(c, system=LONG_SYSTEM, max_tokens=24) as d:
+        d.step()
+        t = d.step()
+        assert t.correct and t.outcome == "decode_local" and t.reason == "decode_local"
+        assert d.step().correct  # the decode-local turn left a handle for the next one
+
+
+def test_a_handle_that_cannot_be_stored_is_released(procs: list[launch.Running], tmp_path: Path,
+                                                     own_redis: RedisServer) -> None:
+    c = start_cluster(procs, tmp_path, redis_url=own_redis.url)
+    own_redis.stop()
+    with Dialogue(c) as d:
+        assert d.step().reason == "store_unavailable"
+    # D pinned its blocks for the next turn, but nobody can find that handle: it is given back
+    wait_for(lambda: sim_state(c.decode[0].url)["pinned_tokens"] == 0, what="D to free the handle")
+    assert metric(c.gateway.url, "turnkv_handle_releases_total", why="store_unavailable") == 1
