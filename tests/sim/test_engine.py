@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from turnkv.sim.costs import CostModel
-from turnkv.sim.engine import Engine, EngineConfig, EngineError, Output
+from turnkv.sim.engine import Engine, EngineConfig
 from turnkv.sim.metrics import EngineMetrics
 from turnkv.sim.oracle import Sampling
+from turnkv.sim.sequence import EngineError, Output
 from turnkv.sim.tokenizer import Tokenizer
 
 TOK = Tokenizer()

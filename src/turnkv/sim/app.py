@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from turnkv.sim import info
 from turnkv.sim.chat import ChatTemplate, Delta, OutputParser, RenderError, count_reasoning_tokens
-from turnkv.sim.engine import Engine, EngineError
+from turnkv.sim.engine import Engine
 from turnkv.sim.faults import FaultInjector
 from turnkv.sim.metrics import EngineMetrics
 from turnkv.sim.oracle import Sampling, opens_thinking
@@ -44,6 +44,7 @@ from turnkv.sim.responses import (
     error_event,
     random_uuid,
 )
+from turnkv.sim.sequence import EngineError
 from turnkv.sim.settings import SimSettings
 from turnkv.sim.tokenizer import IncrementalDetokenizer, Tokenizer
 

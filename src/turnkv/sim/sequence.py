@@ -1,0 +1,44 @@
+"""The state of one request inside a simulated engine, what the engine hands back, and its error."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnkv.sim.oracle import Generator, Sampling
+
+
+class EngineError(RuntimeError):
+    """The request failed inside the engine; the API answers 500 "Internal server error"."""
+
+
+@dataclass
+class Output:
+    token_ids: list[int]
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Seq:
+    """One request: its prompt, blocks, progress, the pull it was granted, and its output queue."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: Sampling
+    params: dict[str, Any] | None
+    arrival: float
+    gen: Generator
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached: int = 0
+    external: int = 0
+    load: bool = False
+    load_blocks: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)
+    done: bool = False
+    first_token_at: float | None = None
