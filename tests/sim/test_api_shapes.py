@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -266,3 +267,30 @@ async def test_tool_calls_in_the_body_and_the_stream() -> None:
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # tool_choice "none" still renders the tools into the prompt (vLLM's default)
     assert len(render_none["token_ids"]) > len(render_plain["token_ids"])
+
+
+async def test_request_ids_follow_the_x_request_id_header() -> None:
+    kv = {"do_remote_decode": True, "do_remote_prefill": False}
+    headers = {"x-request-id": "r42"}
+    async with asgi_client(role="prefill") as p:
+        chat = (await p.post("/v1/chat/completions", json=chat_body(MESSAGES, max_tokens=1, kv_transfer_params=kv),
+                              headers=headers)).json()
+        cmpl = (await p.post("/v1/completions", json={"prompt": "Bada", "max_tokens": 1, "kv_transfer_params": kv},
+                             headers=headers)).json()
+    assert chat["id"] == "chatcmpl-r42" and cmpl["id"] == "cmpl-r42"
+    assert re.fullmatch(r"chatcmpl-r42-[0-9a-f]{8}", chat["kv_transfer_params"]["remote_request_id"])
+    assert re.fullmatch(r"cmpl-r42-0-[0-9a-f]{8}", cmpl["kv_transfer_params"]["remote_request_id"])
+
+
+async def test_min_tokens_and_ignore_eos() -> None:
+    async with asgi_client() as c:
+        natural = (await c.post("/v1/chat/completions", json=chat_body(MESSAGES, max_tokens=500))).json()
+        n = natural["usage"]["completion_tokens"]
+        longer = (await c.post("/v1/chat/completions",
+                               json=chat_body(MESSAGES, max_tokens=500, min_tokens=n + 10))).json()
+        forced = (await c.post("/v1/chat/completions",
+                               json=chat_body(MESSAGES, max_tokens=n + 20, ignore_eos=True))).json()
+    assert natural["choices"][0]["finish_reason"] == "stop"
+    assert longer["usage"]["completion_tokens"] >= n + 10
+    assert longer["choices"][0]["token_ids"][:n - 1] == natural["choices"][0]["token_ids"][:n - 1]
+    assert forced["usage"]["completion_tokens"] == n + 20 and forced["choices"][0]["finish_reason"] == "length"

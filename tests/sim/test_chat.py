@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -198,3 +199,14 @@ def test_tool_call_arguments_stay_exact_json() -> None:
 ])
 def test_reasoning_tokens_are_counted_between_the_tags(text: str, n: int) -> None:
     assert count_reasoning_tokens(TOK, ids(text)) == n
+
+
+def test_a_chat_template_file_replaces_the_builtin(tmp_path: Path) -> None:
+    path = tmp_path / "mine.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}[assistant]{% endif %}")
+    template = ChatTemplate.load("keep", str(path))
+    assert template.name == "mine"
+    assert template.render([USER1]) == "[user] Plan a trip\n[assistant]"
+    with pytest.raises(ValueError):
+        ChatTemplate.load("nonexistent")
