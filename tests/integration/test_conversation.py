@@ -70,3 +70,15 @@ def test_requests_without_a_session_are_plain_pd(procs: list[launch.Running], tm
     assert all(t.correct for t in turns)
     assert {t.outcome for t in turns} == {"stateless"}
     assert {t.reason for t in turns} == {"no_session"}
+
+
+@pytest.mark.parametrize("prompt", ["Once upon a time", [5, 300, 301, 302]])
+def test_completions_pass_through(procs: list[launch.Running], tmp_path: Path, prompt: object) -> None:
+    c = start_cluster(procs, tmp_path, compat="0.33")
+    with c.client() as gw, c.truth_client() as truth:
+        kwargs = {"model": "sim-model", "prompt": prompt, "max_tokens": 20}
+        expected = truth.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
+        assert gw.completions.create(**kwargs).choices[0].text == expected  # type: ignore[call-overload]
+        streamed = "".join(ch.choices[0].text for ch in gw.completions.create(stream=True, **kwargs)  # type: ignore[call-overload]
+                           if ch.choices)
+        assert streamed == expected
