@@ -78,6 +78,8 @@ class Settings(BaseSettings):
                                           description="release new handles while D's KV cache is fuller than this")
     upstream_api_key: str | None = Field(None, description="bearer token for the engines; default: the client's")
     allow_client_kv_transfer_params: bool = Field(False, description="let clients send kv_transfer_params")
+    routing: str = Field("affinity", pattern="^(affinity|least-loaded|round-robin)$",
+                         description="affinity: the engines that hold the conversation, unless much busier")
     policy: PolicySettings = Field(default_factory=PolicySettings)
     costs: CostPriors = Field(default_factory=CostPriors)
     timeouts: Timeouts = Field(default_factory=Timeouts)

@@ -138,7 +138,7 @@ def create_app(settings: Settings) -> Starlette:
         )
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             upstream = Upstream(session, settings.timeouts, settings.upstream_api_key)
-            registry = Registry(settings.prefill, settings.decode, settings.block_size)
+            registry = Registry(settings.prefill, settings.decode, settings.block_size, settings.routing)
             estimator = CostEstimator(cost_priors(settings))
             registry.on_link_sample = estimator.link.observe
             registry.on_restart = lambda inst: metrics.engine_restarts.labels(inst.role).inc()

@@ -2,8 +2,10 @@
 
 Picks are made on the current view: healthy instances first, the preferred one (the engine that
 holds the conversation's KV or its prefix) unless it is much busier than the least busy, else the
-least busy, round-robin among equals. Background probes refresh health, version and the engines'
-own metrics (process start time, to notice restarts; NIXL transfer stats, for the link estimate).
+least busy, round-robin among equals (``affinity``, the default; ``least-loaded`` and
+``round-robin`` ignore the conversation, as benchmark baselines). Background probes refresh health,
+version and the engines' own metrics (process start time, to notice restarts; NIXL transfer stats,
+for the link estimate; prefix-cache settings and hits, for what P still holds).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from turnkv.errors import UpstreamError
 from turnkv.gateway.upstream import Upstream
 
 log = logging.getLogger("turnkv.registry")
+ROUTING = ("affinity", "least-loaded", "round-robin")
 AFFINITY_SLACK = 8  # in-flight requests a preferred instance may have above the least busy one
 MIN_EXPECTED_HITS = 256  # tokens of expected cache hits before the observed ones are compared with them
 _SCRAPED = ("process_start_time_seconds", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
@@ -57,8 +60,12 @@ def _version_tuple(v: str | None) -> tuple[int, ...]:
 
 
 class Registry:
-    def __init__(self, prefill: list[str], decode: list[str], block_size: int = 16) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], block_size: int = 16,
+                 routing: str = "affinity") -> None:
+        if routing not in ROUTING:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING)}")
         self.block_size = block_size
+        self.routing = routing
         self.instances: dict[str, Instance] = {}
         for role, urls in (("prefill", prefill), ("decode", decode)):
             for u in urls:
@@ -78,6 +85,10 @@ class Registry:
         healthy = [i for i in pool if i.healthy] or pool
         if not healthy:
             return None
+        if self.routing == "round-robin":
+            return healthy[next(self._rr) % len(healthy)]
+        if self.routing == "least-loaded":
+            prefer = None
         least = min(i.in_flight for i in healthy)
         preferred = self.get(prefer)
         if preferred is not None and preferred in healthy and preferred.in_flight <= least + AFFINITY_SLACK:
