@@ -68,6 +68,7 @@ class TurnContext:
     decode_body: dict[str, Any] | None = None
     capture: DecodeCapture = field(default_factory=lambda: DecodeCapture(keep_token_ids=False))
     first_token_at: float | None = None
+    relay_started: bool = False
     capture_result: str = "none"
     retries: list[str] = field(default_factory=list)
     tried_decode: set[str] = field(default_factory=set)

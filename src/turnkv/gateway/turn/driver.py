@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import anyio
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from turnkv.errors import GatewayError, UpstreamError
 from turnkv.gateway.turn import capture, decode, plan, prefill, render, stream
@@ -43,6 +43,7 @@ async def rerun_without_handle(ctx: TurnContext) -> None:
 
 
 async def _fail(ctx: TurnContext) -> None:
+    stream.close(ctx)
     with anyio.CancelScope(shield=True), anyio.move_on_after(stream.FINISH_TIMEOUT_S):
         await capture.finish(ctx, ok=False)
 
@@ -75,8 +76,7 @@ async def run_turn(ctx: TurnContext) -> Response:
         await _fail(ctx)
         raise
     if ctx.stream:
-        return StreamingResponse(stream.relay(ctx, rerun_without_handle), media_type="text/event-stream",
-                                 headers=_headers(ctx))
+        return stream.RelayResponse(ctx, rerun_without_handle, _headers(ctx))
     try:
         assert ctx.decode_body is not None
         body = ctx.capture.body(ctx.decode_body)

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from turnkv.errors import GatewayError, UpstreamProtocolError
 from turnkv.gateway.errors import sse_error_event
@@ -49,7 +51,8 @@ async def _read(ctx: TurnContext, held: list[bytes], released: bool) -> AsyncIte
     ctx.capture.error = ctx.capture.error or {"message": "decode stream ended without [DONE]"}
 
 
-def _close(ctx: TurnContext) -> None:
+def close(ctx: TurnContext) -> None:
+    """Close D's response if one is open (D aborts the request) and give its in-flight slot back."""
     resp, ctx.decode_response = ctx.decode_response, None
     if resp is not None:
         resp.close()
@@ -64,6 +67,7 @@ async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[Non
     released = False
     restarted = False
     ok = False
+    ctx.relay_started = True
     try:
         while True:
             try:
@@ -73,7 +77,7 @@ async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[Non
             except (aiohttp.ClientError, TimeoutError) as exc:
                 ctx.capture.error = {"message": f"decode stream broke: {type(exc).__name__}"}
             finally:
-                _close(ctx)
+                close(ctx)
             if ctx.capture.error is None and (released or ctx.capture.finish_reason is not None):
                 break
             svc.metrics.upstream_errors.labels("decode", "stream" if released else "empty_stream").inc()
@@ -94,6 +98,24 @@ async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[Non
         yield frame(DONE)
         ok = ctx.capture.error is None and ctx.capture.finish_reason is not None
     finally:
-        _close(ctx)
+        close(ctx)
         with anyio.CancelScope(shield=True), anyio.move_on_after(FINISH_TIMEOUT_S):
             await capture.finish(ctx, ok=ok)
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming answer that cleans up even when the client left before the relay began."""
+
+    def __init__(self, ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[None]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(relay(ctx, restart), media_type="text/event-stream", headers=headers)
+        self._ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._ctx.relay_started:
+                close(self._ctx)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(FINISH_TIMEOUT_S):
+                    await capture.finish(self._ctx, ok=False)
