@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One device call of the GPU session (gpu/run_session.md), from the repository root on the device:
+#   bash gpu/session.sh A    setup + fixtures + plugin check + correctness (sharp model trio)   ~6 min
+#   bash gpu/session.sh B1   TTFT by turn, 8b shape, P prefix caching on                         ~7 min
+#   bash gpu/session.sh B2   TTFT by turn, P restarted without prefix caching                    ~7 min
+#   bash gpu/session.sh C    NIXL link-rate variants (1b model, engine restarts per variant)     ~8 min
+#   bash gpu/session.sh C2   more link-rate variants                                             ~8 min
+# Every step has its own time limit so the call ends well inside the tool's 10 minutes and the
+# results (and engine logs) are always packed into $OUT. Engines started here outlive the call
+# (process sessions of their own) until a later part stops them or the machine goes back.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part="${1:?part: A, B1, B2, C or C2}"
+: "${OUT:=${TURNKV_GPU_STATE:-/root/gpu-state}/out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+t0=$(date +%s)
+left() { echo $(( $1 - ($(date +%s) - t0) )); }  # seconds until $1 seconds after the call's start
+step() {  # name seconds command...: run with a time limit, log, and go on whatever happens
+  local name=$1 secs=$2; shift 2
+  [ "$secs" -gt 20 ] || { echo "== $name: skipped, no time left"; return 1; }
+  echo "== $name (limit ${secs}s) $(date +%T)"
+  timeout -k 10 "$secs" "$@"; local rc=$?
+  echo "== $name: exit $rc, $(( $(date +%s) - t0 ))s into the call"
+  return $rc
+}
+state="${TURNKV_GPU_STATE:-/root/gpu-state}"
+pack() {  # engine logs and the gateways' configs, small enough to come back
+  tar -czf "$OUT/logs_$part.tgz" -C "$state" logs $(cd "$state" && ls *.yaml 2>/dev/null) 2>/dev/null
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+}
+{
+case "$part" in
+  A)
+    if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 180 bash gpu/device_setup.sh || { pack; exit 1; }; fi
+    step fixtures "$(left 400)" python3 gpu/record_fixtures.py --group main
+    step correctness "$(left 520)" python3 gpu/correctness.py
+    step pull_failures "$(left 555)" python3 gpu/record_fixtures.py --group pull_failures --no-start
+    python3 gpu/engines.py down
+    ;;
+  B1)
+    step ttft_cache_on "$(left 560)" python3 gpu/ttft.py --label cache_on --p-cache on --time-budget-s 420
+    ;;
+  B2)
+    step ttft_cache_off "$(left 560)" python3 gpu/ttft.py --label cache_off --p-cache off --time-budget-s 420
+    python3 gpu/engines.py down
+    ;;
+  C)
+    python3 gpu/engines.py down
+    step link "$(left 560)" python3 gpu/link_rate.py --variants baseline,get_zcopy,get_zcopy_sm,cross_layers \
+      --time-budget-s 420
+    ;;
+  C2)
+    step link2 "$(left 560)" python3 gpu/link_rate.py --variants get_zcopy_no_emul,tcp_segments,block64,threads16 \
+      --time-budget-s 420
+    ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac
+pack
+echo "== part $part done in $(( $(date +%s) - t0 ))s"
+} 2>&1 | tee "$OUT/session_$part.log"
