@@ -12,7 +12,7 @@ import pytest
 from tests.compat import protocol
 from turnkv import launch
 
-SELFCHECK = Path(__file__).resolve().parents[1] / "fixtures" / "sim-selfcheck"
+RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "0.26.0"
 
 
 def rec_json(obj: Any, status: int = 200) -> dict[str, Any]:
@@ -102,9 +102,7 @@ def test_bindings_and_edits() -> None:
 
 def test_a_simulator_of_another_version_is_told_apart(procs: list[launch.Running], tmp_path: Path) -> None:
     """0.26 recordings replayed against a 0.33 simulator: the 0.33 stream additions are found."""
-    cases = {c["case"]: c for c in protocol.load_cases(SELFCHECK / "sim-0.26.0")}
-    if "pd_chat_stream_ids_usage" not in cases:
-        pytest.skip("no self-check fixtures")
+    cases = {c["case"]: c for c in protocol.load_cases(RECORDED)}
     case = cases["pd_chat_stream_ids_usage"]
     flags = [f if f != "0.26" else "0.33" for f in case["source"]["sim_flags"]]
     procs.append(launch.sim("p33", "prefill", *flags, log_dir=tmp_path))

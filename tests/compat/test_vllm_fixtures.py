@@ -7,9 +7,8 @@ recorded order, to a simulated prefill and decode engine started with the flags 
 recorded one: status, content type, the same JSON key sets in the same order, the same JSON types,
 enum-like values, SSE framing, and the sequence of stream chunk shapes (tests/compat/protocol.py).
 
-Without recorded fixtures the vLLM tests skip. tests/fixtures/sim-selfcheck holds cases recorded from
-the simulator itself by the same script; replaying them keeps this machinery tested in CI (they say
-nothing about vLLM).
+Without recorded fixtures the tests skip. The 0.26.0 set was recorded on one H200 on 2026-11-29
+(gpu/run_session.md, call A).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from turnkv import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
-SOURCES = {"vllm": FIXTURES / "vllm", "sim-selfcheck": FIXTURES / "sim-selfcheck"}
+SOURCES = {"vllm": FIXTURES / "vllm"}
 PLUGIN_SRC = ROOT / "plugins" / "vllm-turnkv" / "src"
 
 

@@ -175,9 +175,10 @@ async def test_render_matches_tokenize_and_generation() -> None:
                             "kv_transfer_params", "ec_transfer_params"]
     assert render["token_ids"] == tok["tokens"] == gen["prompt_token_ids"]
     assert render["request_id"].startswith("chatcmpl-") and len(render["request_id"]) == len("chatcmpl-") + 16
-    assert render["sampling_params"] == {"stop": [], "stop_token_ids": [], "max_tokens": 64,
-                                         "skip_special_tokens": False, "output_kind": 2, "skip_clone": True,
-                                         "bad_words": [], "skip_reading_prefix_cache": False}
+    assert render["sampling_params"] == {  # as recorded from vLLM 0.26 (tests/fixtures/vllm)
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0,
+        "top_p": 1.0, "min_p": 0.0, "stop": [], "stop_token_ids": [], "max_tokens": 64, "output_kind": 2,
+        "skip_clone": True, "bad_words": [], "skip_reading_prefix_cache": False}
     assert list(tok) == ["count", "max_model_len", "tokens", "token_strs"] and tok["count"] == len(tok["tokens"])
 
 

@@ -26,14 +26,18 @@ if TYPE_CHECKING:
 def sampling_params(req: ChatRequest, limit: int, kv: dict[str, Any] | None, compat: str) -> dict[str, Any]:
     """``SamplingParams`` as msgspec writes it with ``omit_defaults``: only non-default fields, in
     struct order (vllm-shapes.md §5)."""
-    sp: dict[str, Any] = {"stop": [], "stop_token_ids": []}
+    # As recorded from vLLM 0.26 (tests/fixtures/vllm): the model's default sampling parameters come
+    # first, even where they equal SamplingParams' own defaults.
+    sp: dict[str, Any] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                          "temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "stop": [], "stop_token_ids": []}
     if req.ignore_eos:
         sp["ignore_eos"] = True
     if limit != 16:
         sp["max_tokens"] = limit
     if req.min_tokens:
         sp["min_tokens"] = req.min_tokens
-    sp.update(skip_special_tokens=False, output_kind=1 if req.stream else 2, skip_clone=True)
+    # no skip_special_tokens: the recording's engines ran without --reasoning-parser, which adds it as false
+    sp.update(output_kind=1 if req.stream else 2, skip_clone=True)
     if kv and compat == "0.26":
         sp["extra_args"] = {"kv_transfer_params": kv}
     sp.update(bad_words=[], skip_reading_prefix_cache=False)
