@@ -305,3 +305,19 @@ def test_middleware_adds_the_header_to_http_only() -> None:
     sent.clear()
     asyncio.run(mw({"type": "lifespan"}, receive, send))
     assert "headers" in sent[0] and len(sent[0]["headers"]) == 1
+
+
+def test_header_is_added_to_an_app_whose_middleware_stack_is_built() -> None:
+    """vLLM 0.26's build_app returns such an app; Starlette's add_middleware refuses it."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    app = Starlette(routes=[Route("/version", lambda r: PlainTextResponse("0.26.0"))])
+    app.middleware_stack = app.build_middleware_stack()
+    with pytest.raises(RuntimeError):
+        app.add_middleware(AdvertiseMiddleware, value="x")
+    hooks.add_middleware(app, AdvertiseMiddleware, value="0.1.0; streams=chat")
+    with TestClient(app) as client:
+        assert client.get("/version").headers[HEADER] == "0.1.0; streams=chat"

@@ -167,6 +167,25 @@ def patch_stream(module: ModuleType, target: StreamTarget) -> str | None:
 
 # -- the header -----------------------------------------------------------------------------
 
+def add_middleware(app: Any, cls: Any, **options: Any) -> None:
+    """Add an ASGI middleware even after the app built its middleware stack.
+
+    vLLM 0.26's ``build_app`` returns an app whose stack is already built, so Starlette's
+    ``add_middleware`` raises "Cannot add middleware after an application has started" (seen on the
+    H200 run). Starlette builds the stack lazily from ``user_middleware`` when ``middleware_stack`` is
+    None, so the middleware is inserted there and the stack is dropped, to be rebuilt on the first request.
+    """
+    try:
+        app.add_middleware(cls, **options)
+        return
+    except RuntimeError:
+        pass
+    from starlette.middleware import Middleware
+
+    app.user_middleware.insert(0, Middleware(cls, **options))
+    app.middleware_stack = None
+
+
 def patch_build_app(module: ModuleType) -> str | None:
     orig = getattr(module, "build_app", None)
     if orig is None or not callable(orig):
@@ -181,7 +200,7 @@ def patch_build_app(module: ModuleType) -> str | None:
             log.info("turnkv plugin: no stream generator was patched; not advertising %s", "x-turnkv-plugin")
             return app
         try:
-            app.add_middleware(AdvertiseMiddleware, value=header_value(STATE.version, STATE.patched))
+            add_middleware(app, AdvertiseMiddleware, value=header_value(STATE.version, STATE.patched))
         except Exception:
             log.exception("turnkv plugin: could not add the x-turnkv-plugin header")
         return app
