@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from turnkv.config import Settings
-from turnkv.errors import GatewayError, StoreError, UpstreamError
+from turnkv.errors import GatewayError, StoreError, UpstreamError, UpstreamStatus
 from turnkv.gateway import routes
 from turnkv.gateway.audit import classify, engine_renderer
 from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpected
@@ -106,8 +106,17 @@ async def _audit_once(svc: Services) -> bool:
             return await svc.upstream.post_json("render", base, "/v1/chat/completions/render", body,
                                                 svc.upstream.headers(None, None))
 
-        cls, detail = await classify(engine_renderer(post, model))
+        try:
+            cls, detail = await classify(engine_renderer(post, model))
+        except UpstreamStatus as exc:
+            if exc.upstream_status >= 500:
+                raise
+            # the template may not take tools: classify on a conversation without tool calls
+            cls, detail = await classify(engine_renderer(post, model, tools=False), tools=False)
+            detail += " (probed without tools: the tool probe was refused)"
     except (UpstreamError, ValueError, KeyError) as exc:
+        if svc.audit.detail == "not audited yet":
+            svc.log.warning("template.audit_failed", engine=base, error=str(exc))
         svc.audit = TemplateAudit(TemplateClass.UNKNOWN, f"audit failed: {exc}")
         return False
     svc.audit = TemplateAudit(cls, detail)

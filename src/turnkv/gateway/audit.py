@@ -29,6 +29,7 @@ _HISTORY: list[dict[str, Any]] = [
     {"role": "assistant", "content": "It is sunny and 21 C in Paris.", "reasoning": "The tool answered."},
     {"role": "user", "content": "And tomorrow?"},
 ]
+_PLAIN_HISTORY: list[dict[str, Any]] = [m for m in _HISTORY if m["role"] != "tool" and not m.get("tool_calls")]
 _ANSWER = {"role": "assistant", "content": "Tomorrow looks similar.", "reasoning": "No new data; say so."}
 _NEXT = {"role": "user", "content": "Thanks."}
 
@@ -37,15 +38,17 @@ def _starts(seq: Sequence[int], prefix: Sequence[int]) -> bool:
     return len(seq) >= len(prefix) and list(seq[: len(prefix)]) == list(prefix)
 
 
-async def classify(render: Render) -> tuple[TemplateClass, str]:
-    turn_n = await render(list(_HISTORY), True)
-    answered = await render([*_HISTORY, _ANSWER], False)
-    turn_next = await render([*_HISTORY, _ANSWER, _NEXT], True)
+async def classify(render: Render, *, tools: bool = True) -> tuple[TemplateClass, str]:
+    """Classify with the probe conversation (with a tool call, or without for templates that lack tools)."""
+    history = _HISTORY if tools else _PLAIN_HISTORY
+    turn_n = await render(list(history), True)
+    answered = await render([*history, _ANSWER], False)
+    turn_next = await render([*history, _ANSWER, _NEXT], True)
     if not _starts(answered, turn_n):
         return TemplateClass.REWRITES_HISTORY, "the answer does not extend the generation prompt"
     if _starts(turn_next, answered):
         return TemplateClass.PRESERVES, "turn N+1 extends turn N and its answer token for token"
-    bare = await render([*_HISTORY, {k: v for k, v in _ANSWER.items() if k != "reasoning"}], False)
+    bare = await render([*history, {k: v for k, v in _ANSWER.items() if k != "reasoning"}], False)
     if _starts(turn_next, bare):
         return TemplateClass.DROPS_REASONING, "turn N+1 drops the reasoning of turn N's answer"
     common = next((i for i, (a, b) in enumerate(zip(turn_next, answered, strict=False)) if a != b),
@@ -53,11 +56,14 @@ async def classify(render: Render) -> tuple[TemplateClass, str]:
     return TemplateClass.REWRITES_HISTORY, f"turn N+1 leaves turn N's tokens at position {common}"
 
 
-def engine_renderer(post: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]], model: str | None) -> Render:
+def engine_renderer(post: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]], model: str | None,
+                    *, tools: bool = True) -> Render:
     """A ``Render`` over an engine's ``/v1/chat/completions/render``."""
 
     async def render(messages: list[dict[str, Any]], generation: bool) -> Sequence[int]:
-        body: dict[str, Any] = {"messages": messages, "tools": PROBE_TOOLS, "add_generation_prompt": generation}
+        body: dict[str, Any] = {"messages": messages, "add_generation_prompt": generation}
+        if tools:
+            body["tools"] = PROBE_TOOLS
         if model:
             body["model"] = model
         data = await post(body)

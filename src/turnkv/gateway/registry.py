@@ -25,6 +25,7 @@ from turnkv.gateway.upstream import Upstream
 
 log = logging.getLogger("turnkv.registry")
 ROUTING = ("affinity", "least-loaded", "round-robin")
+PLUGIN_HEADER = "x-turnkv-plugin"  # set by plugins/vllm-turnkv: "<version>; streams=chat,completions"
 AFFINITY_SLACK = 8  # in-flight requests a preferred instance may have above the least busy one
 MIN_EXPECTED_HITS = 256  # tokens of expected cache hits before the observed ones are compared with them
 _SCRAPED = ("process_start_time_seconds", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
@@ -126,10 +127,18 @@ class Registry:
         inst.healthy = ok
         if ok and inst.version is None:
             with contextlib.suppress(UpstreamError, ValueError):
-                _, raw = await upstream.get(inst.url, "/version")
+                _, raw, headers = await upstream.probe(inst.url, "/version")
                 inst.version = str(json.loads(raw).get("version"))
-                if inst.stream_handles is None and _version_tuple(inst.version) >= (0, 33):
-                    inst.stream_handles = True
+                self._capture_path(inst, headers.get(PLUGIN_HEADER, ""))
+
+    def _capture_path(self, inst: Instance, plugin: str) -> None:
+        """Whether this engine's SSE streams end with D's handle: vLLM >= 0.33, or turnkv's plugin."""
+        if _version_tuple(inst.version) >= (0, 33) or "chat" in plugin.partition("streams=")[2].split(","):
+            inst.stream_handles = True
+        elif inst.role == "decode":
+            log.warning("instance.no_stream_handles url=%s version=%s: streamed turns get no KV handle and run as "
+                        "plain P/D, and D still pins their blocks for decoder_kv_blocks_ttl; install the turnkv "
+                        "vLLM plugin (plugins/vllm-turnkv) or use vLLM >= 0.33", inst.url, inst.version)
 
     async def scrape(self, upstream: Upstream, inst: Instance) -> None:
         try:

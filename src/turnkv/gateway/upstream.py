@@ -96,9 +96,14 @@ class Upstream:
         return resp
 
     async def get(self, base: str, path: str) -> tuple[int, bytes]:
+        status, body, _ = await self.probe(base, path)
+        return status, body
+
+    async def probe(self, base: str, path: str) -> tuple[int, bytes, dict[str, str]]:
+        """GET with the short probe timeout; status, body and (lower-cased) headers."""
         with map_aiohttp_errors("probe", base):
             async with self.session.get(base + path, timeout=self._leg_timeouts["probe"]) as resp:
-                return resp.status, await resp.read()
+                return resp.status, await resp.read(), {k.lower(): v for k, v in resp.headers.items()}
 
 
 def is_retryable(exc: UpstreamError) -> bool:
