@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a five-turn agent conversation through simulated P/D, end to end")
     demo.add_argument("--turns", type=int, default=5)
     demo.add_argument("--policy", default="always-pull")
-    demo.add_argument("--link", default="rdma400", choices=["host", "100gbe", "rdma400", "nvlink"])
+    demo.add_argument("--link", default="rdma400", choices=["host", "h200-ipc", "100gbe", "rdma400", "nvlink"])
     demo.set_defaults(func=_demo)
 
     check = sub.add_parser("check-template", help="classify an engine's chat template for KV reuse")

@@ -42,10 +42,10 @@ class CostPriors(BaseModel):
     """What the cost model assumes until it has measured the engines (the project's H200 host)."""
 
     model_config = ConfigDict(frozen=True)
-    link_fixed_ms: float = Field(4.0, ge=0)
-    link_gbps: float = Field(0.45, gt=0, description="KV transfer bandwidth, GB/s")
+    link_fixed_ms: float = Field(2.0, ge=0)
+    link_gbps: float = Field(0.43, gt=0, description="KV transfer bandwidth, GB/s")
     prefill_us_per_token: float = Field(25.0, ge=0)
-    prefill_attn_ns: float = Field(1.0, ge=0, description="per new token per token of context")
+    prefill_attn_ns: float = Field(1.2, ge=0, description="per new token per token of context")
     prefill_floor_ms: float = Field(10.0, ge=0)
     hop_ms: float = Field(3.0, ge=0)
     recompute_threshold: int = Field(64, ge=0, description="the engines' kv_recompute_threshold")

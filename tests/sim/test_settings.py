@@ -61,8 +61,8 @@ def test_kv_bytes_per_token_of_the_qwen3_8b_shape_is_144_kib() -> None:
     assert CostModel().kv_bytes_per_token == 144 * 1024
 
 
-@pytest.mark.parametrize(("link", "gb_per_s"), [("host", 0.45), ("100gbe", 11.0), ("rdma400", 45.0),
-                                                ("nvlink", 300.0)])
+@pytest.mark.parametrize(("link", "gb_per_s"), [("host", 0.43), ("h200-ipc", 20.0), ("100gbe", 11.0),
+                                                ("rdma400", 45.0), ("nvlink", 300.0)])
 def test_transfer_time_is_a_fixed_cost_plus_bytes_over_bandwidth(link: str, gb_per_s: float) -> None:
     model = CostModel(link=link)
     one_gb = model.transfer_link().seconds(10**9) - model.transfer_link().seconds(0)

@@ -20,11 +20,11 @@ class Action(enum.StrEnum):
 
 @dataclass(frozen=True)
 class CostParams:
-    link_fixed_s: float = 0.004  # per KV transfer
-    link_bytes_per_s: float = 0.45e9  # KV transfer bandwidth
+    link_fixed_s: float = 0.002  # per KV transfer
+    link_bytes_per_s: float = 0.43e9  # KV transfer bandwidth
     kv_bytes_per_token: int = 147456
     prefill_per_token_s: float = 25e-6
-    prefill_attn_s: float = 1.0e-9  # per new token per token of context
+    prefill_attn_s: float = 1.2e-9  # per new token per token of context
     prefill_floor_s: float = 0.010
     hop_s: float = 0.003  # one HTTP request to an engine, end to end, without compute
     recompute_threshold: int = 64  # vLLM's kv_recompute_threshold: smaller pulls are not made

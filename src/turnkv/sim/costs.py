@@ -1,10 +1,13 @@
 """How long simulated work takes: prefill, decode steps, KV transfers and the API hop.
 
-Defaults describe the Qwen3-8B shape on one H200, from ../shared/device/README.md (vLLM 0.26,
-``--enforce-eager``: 4k tokens prefilled in 109-115 ms and 12k in 370-385 ms through P, NIXL at
-0.45 GB/s over TCP) and ../shared/reference/performance-anchors.md (prefill ~25 us/token plus a
-quadratic attention term, a 10 ms floor, decode ITL ~8 ms plus a per-sequence increment). Every
-duration is multiplied by ``time_scale``; 0 makes the engine free, for gateway-overhead runs.
+Defaults describe the Qwen3-8B shape on one H200, recalibrated on 2026-11-29 from our own run of
+vLLM 0.26 + NIXL there (BENCHMARKS.md, "Real vLLM on one H200"): a cold prefill through P took
+113-121 ms for 4.2k tokens and 547-603 ms for 16.4k (25 us/token plus 1.2 ns per token per token
+of context fits both), NIXL moved KV at 0.36-0.50 GB/s over TCP with about 2 ms fixed cost per
+transfer; with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` the same host moved P->D at 172-352 GB/s and
+D->P at 5-21 GB/s (preset ``h200-ipc``, the slower direction). The decode ITL (~8 ms plus a
+per-sequence increment) and the 10 ms floor are from ../shared/reference/performance-anchors.md.
+Every duration is multiplied by ``time_scale``; 0 makes the engine free, for gateway-overhead runs.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ class Link:
 
 
 LINKS = {
-    # Measured on the project's H200 host: UCX ends up on TCP (../shared/device/README.md).
-    "host": Link("host", fixed_s=0.004, bytes_per_s=0.45e9),
+    # Measured on the project's H200 host: UCX ends up on TCP.
+    "host": Link("host", fixed_s=0.002, bytes_per_s=0.43e9),
+    # The same host with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (cuda_ipc GET enabled): D->P reads measured.
+    "h200-ipc": Link("h200-ipc", fixed_s=0.002, bytes_per_s=20.0e9),
     "100gbe": Link("100gbe", fixed_s=0.010, bytes_per_s=11.0e9),
     "rdma400": Link("rdma400", fixed_s=0.005, bytes_per_s=45.0e9),
     "nvlink": Link("nvlink", fixed_s=0.002, bytes_per_s=300.0e9),
@@ -55,7 +60,7 @@ class CostModel(BaseModel):
     time_scale: float = Field(1.0, ge=0)
     prefill_floor_s: float = Field(0.010, ge=0, description="minimum duration of a step that prefills")
     prefill_per_token_s: float = Field(25e-6, ge=0)
-    prefill_attn_s: float = Field(1.0e-9, ge=0, description="per new token per token of context")
+    prefill_attn_s: float = Field(1.2e-9, ge=0, description="per new token per token of context")
     decode_base_s: float = Field(0.008, ge=0, description="ITL of a decode step with one sequence")
     decode_per_seq_s: float = Field(0.00005, ge=0)
     api_overhead_s: float = Field(0.003, ge=0, description="HTTP, templating and scheduling per request")
