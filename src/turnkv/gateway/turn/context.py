@@ -14,9 +14,11 @@ from typing import Any
 
 import aiohttp
 
+from turnkv.errors import UpstreamError, UpstreamUnavailable
 from turnkv.gateway.identity import Conversation
 from turnkv.gateway.services import Services
 from turnkv.gateway.sse import DecodeCapture
+from turnkv.gateway.upstream import is_retryable
 from turnkv.reuse.assess import Assessment, Reason
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.reuse.cost import Action
@@ -75,6 +77,18 @@ class TurnContext:
 
     def headers(self) -> dict[str, str]:
         return self.svc.upstream.headers(self.request_id, self.authorization)
+
+    def failed(self, leg: str, url: str, exc: UpstreamError) -> None:
+        """Count an engine call's failure; raise it again when no other attempt can help."""
+        self.svc.metrics.upstream_errors.labels(leg, exc.kind).inc()
+        if not is_retryable(exc):
+            raise exc
+        if isinstance(exc, UpstreamUnavailable):
+            self.svc.registry.mark_failed(url)
+
+    def retrying(self, leg: str, why: str) -> None:
+        self.svc.metrics.retries.labels(leg, why).inc()
+        self.retries.append(f"{leg}_{why}")
 
     @property
     def turn_is_stateful(self) -> bool:

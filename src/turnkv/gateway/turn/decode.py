@@ -14,7 +14,6 @@ from typing import Any
 from turnkv.errors import UpstreamError, UpstreamUnavailable
 from turnkv.gateway.sse import DecodeCapture
 from turnkv.gateway.turn.context import TurnContext, TurnState
-from turnkv.gateway.upstream import is_retryable
 from turnkv.reuse.assess import release_handle
 from turnkv.reuse.cost import Action
 from turnkv.state.base import ClaimStatus
@@ -63,14 +62,9 @@ async def run(ctx: TurnContext) -> TurnState:
         except UpstreamError as exc:
             inst.in_flight -= 1
             last = exc
-            svc.metrics.upstream_errors.labels("decode", exc.kind).inc()
-            if not is_retryable(exc):
-                raise
-            if isinstance(exc, UpstreamUnavailable):
-                svc.registry.mark_failed(inst.url)
+            ctx.failed("decode", inst.url, exc)
             ctx.tried_decode.add(inst.url)
-            svc.metrics.retries.labels("decode", exc.kind).inc()
-            ctx.retries.append(f"decode_{exc.kind}")
+            ctx.retrying("decode", exc.kind)
             continue
         ctx.decode_url = inst.url
         return TurnState.DONE

@@ -32,8 +32,7 @@ async def advance(ctx: TurnContext) -> None:
 
 async def rerun_without_handle(ctx: TurnContext) -> None:
     """Run the turn again from PREFILL, as plain P/D: the decode leg failed before any output."""
-    ctx.retries.append("turn_rerun")
-    ctx.svc.metrics.retries.labels("decode", "rerun").inc()
+    ctx.retrying("turn", "rerun")
     if ctx.action in (Action.PULL, Action.DECODE_LOCAL):
         ctx.action = Action.RECOMPUTE
     ctx.handle_for_prefill, ctx.pull_tokens, ctx.prefill_params = None, 0, None

@@ -14,7 +14,6 @@ from typing import Any
 
 from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamUnavailable
 from turnkv.gateway.turn.context import TurnContext, TurnState
-from turnkv.gateway.upstream import is_retryable
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
 
@@ -61,22 +60,16 @@ async def run(ctx: TurnContext) -> TurnState:
                 data = await svc.upstream.post_json("prefill", inst.url, path, body, ctx.headers())
         except UpstreamError as exc:
             last = exc
-            svc.metrics.upstream_errors.labels("prefill", exc.kind).inc()
-            if not is_retryable(exc):
-                raise
-            if isinstance(exc, UpstreamUnavailable):
-                svc.registry.mark_failed(inst.url)
+            ctx.failed("prefill", inst.url, exc)
             if handle is not None and isinstance(exc, UpstreamStatus):
                 # P failed on D's handle (expired, D restarted, link failure): again, without it
-                svc.metrics.retries.labels("prefill", "pull_failed").inc()
-                ctx.retries.append("pull_failed")
+                ctx.retrying("prefill", "pull_failed")
                 if ctx.action is Action.PULL:
                     ctx.reason, ctx.action = Reason.PULL_FAILED, Action.RECOMPUTE
                 handle, ctx.pull_tokens, ctx.expected_cached = None, 0, 0
                 url = inst.url
                 continue
-            svc.metrics.retries.labels("prefill", exc.kind).inc()
-            ctx.retries.append(f"prefill_{exc.kind}")
+            ctx.retrying("prefill", exc.kind)
             tried.add(inst.url)
             url = None
             continue
