@@ -80,3 +80,18 @@ def test_non_streaming_body() -> None:
     assert cap.kv_transfer_params == {"remote_num_tokens": 2}
     assert out["kv_transfer_params"] is None and out["prompt_token_ids"] is None
     assert out["choices"][0]["token_ids"] is None
+
+
+@pytest.mark.parametrize("payload", [ROLE, THINK, TOKEN, FINAL])
+def test_a_stateless_turn_sees_what_a_collecting_one_sees(payload: bytes) -> None:
+    """The byte-level fast path agrees with the parsed path on what matters for relaying."""
+    fast, full = DecodeCapture(keep_token_ids=True, collect=False), DecodeCapture(keep_token_ids=True)
+    (out_fast, vis_fast), (out_full, vis_full) = fast.chunk(payload), full.chunk(payload)
+    assert vis_fast == vis_full
+    assert json.loads(out_fast) == json.loads(out_full)
+    assert fast.finish_reason == full.finish_reason
+
+
+def test_stateless_turns_still_never_see_a_handle() -> None:
+    out, _ = DecodeCapture(keep_token_ids=True, collect=False).chunk(FINAL)
+    assert json.loads(out)["kv_transfer_params"] is None

@@ -44,6 +44,36 @@ class SSESplitter:
         return bool(self._buf.strip())
 
 
+_OUTPUT_MARKS = (b'"content":"', b'"reasoning":"', b'"reasoning_content":"', b'"text":"')
+
+
+def _relay_as_is(payload: bytes) -> bool:
+    """A chunk a stateless turn forwards untouched: no error, no handle, no finish to note."""
+    return (not payload.startswith(b'{"error"') and b'"kv_transfer_params":{' not in payload
+            and b'"finish_reason":"' not in payload)
+
+
+def _shows_output(payload: bytes) -> bool:
+    """Whether a chunk carries generated text or a tool call (vLLM writes compact JSON)."""
+    if b'"tool_calls":[' in payload:
+        return True
+    for mark in _OUTPUT_MARKS:
+        i = payload.find(mark)
+        if i >= 0 and payload[i + len(mark):i + len(mark) + 1] != b'"':
+            return True
+    return False
+
+
+def _null_list(payload: bytes, key: bytes) -> bytes:
+    """Replace the first ``key`` list of ints in compact JSON with null (ids never hold a ']')."""
+    i = payload.find(key)
+    if i < 0:
+        return payload
+    start = i + len(key) - 1
+    end = payload.find(b"]", start)
+    return payload[:start] + b"null" + payload[end + 1:] if end > 0 else payload
+
+
 def frame(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
@@ -57,6 +87,7 @@ class DecodeCapture:
     """What the decode leg produced, gathered while it is relayed."""
 
     keep_token_ids: bool  # the client asked for return_token_ids itself
+    collect: bool = True  # gather what the next turn needs; False: only relay (a stateless turn)
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None
@@ -70,6 +101,9 @@ class DecodeCapture:
         """One SSE payload: the bytes to forward, and whether it carries generated tokens or text."""
         if payload == DONE:
             return payload, False
+        if not self.collect and _relay_as_is(payload):
+            self.chunks += 1
+            return payload, _shows_output(payload)
         try:
             obj = json.loads(payload)
         except ValueError:
@@ -80,18 +114,18 @@ class DecodeCapture:
             self.error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
             return payload, False
         self.chunks += 1
-        changed = False
+        redump = False  # the handle is removed from the parsed chunk; the ids are nulled in the bytes
         ptids = obj.get("prompt_token_ids")
         if isinstance(ptids, list):
             self.prompt_token_ids = ptids
             if not self.keep_token_ids:
                 obj["prompt_token_ids"] = None
-                changed = True
+                payload = _null_list(payload, b'"prompt_token_ids":[')
         if obj.get("kv_transfer_params") is not None:
             if isinstance(obj["kv_transfer_params"], dict):
                 self.kv_transfer_params = obj["kv_transfer_params"]
             obj["kv_transfer_params"] = None
-            changed = True
+            redump = True
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
         visible = False
@@ -104,7 +138,7 @@ class DecodeCapture:
                 visible = visible or bool(ids)
                 if not self.keep_token_ids:
                     choice["token_ids"] = None
-                    changed = True
+                    payload = _null_list(payload, b'"token_ids":[')
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 self.answer.delta(delta)
@@ -116,7 +150,7 @@ class DecodeCapture:
             if choice.get("finish_reason") is not None:
                 self.finish_reason = str(choice["finish_reason"])
                 visible = True
-        return (_dumps(obj) if changed else payload), visible
+        return (_dumps(obj) if redump else payload), visible
 
     def body(self, obj: dict[str, Any]) -> dict[str, Any]:
         """A non-streaming body: collect, and return it as the client should see it."""
