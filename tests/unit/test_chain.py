@@ -56,3 +56,17 @@ def test_block_aligned_stored_sequence() -> None:
     seq = SEQ[:8]
     a = agreement(chain_of(seq, BS), 8, seq + [1], BS)
     assert (a.tokens, a.full) == (8, True)
+
+
+def test_a_chain_built_once_answers_the_comparison() -> None:
+    prompt = SEQ + [1, 2, 3]
+    built = ChainBuilder(BS).extend(prompt)
+    for stored in (SEQ, SEQ[:8], SEQ[:6] + [0, 0, 0, 0]):
+        assert agreement(chain_of(stored, BS), len(stored), prompt, BS, built) == \
+            agreement(chain_of(stored, BS), len(stored), prompt, BS)
+
+
+@pytest.mark.parametrize("bad", [[1, "a"], [1, 2.5], [None], [2**70]])
+def test_only_64_bit_ints_make_a_chain(bad: list[object]) -> None:
+    with pytest.raises((TypeError, OverflowError)):
+        ChainBuilder(BS).extend(bad)  # type: ignore[arg-type]

@@ -38,7 +38,7 @@ def test_record_round_trip() -> None:
 
 def test_record_of_another_format_is_refused() -> None:
     with pytest.raises(ValueError):
-        ConversationRecord.from_json(REC.to_json().replace('"v":1', '"v":0'))
+        ConversationRecord.from_json(REC.to_json().replace('"v":2', '"v":1'))
 
 
 async def test_claim_is_single_use(store: ConversationStore) -> None:

@@ -13,7 +13,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from turnkv.reuse.chain import agreement
+from turnkv.reuse.chain import ChainBuilder, agreement
 from turnkv.state.base import Claim, ClaimStatus
 from turnkv.state.record import ConversationRecord
 
@@ -83,7 +83,7 @@ def _none(reason: Reason, record: ConversationRecord | None = None, releasable: 
 
 def assess(
     claim: Claim, prompt: Sequence[int], *, tenant: str, now: float, decode: EngineView | None,
-    echoed: EchoedAnswer | None, template: TemplateClass, block_size: int,
+    echoed: EchoedAnswer | None, template: TemplateClass, block_size: int, prompt_chain: ChainBuilder | None = None,
 ) -> Assessment:
     if claim.status is ClaimStatus.MISSING:
         return _none(Reason.NO_RECORD)
@@ -102,7 +102,7 @@ def assess(
         return _none(Reason.ENGINE_RESTARTED, r)
     if r.block_size != block_size:
         return _none(Reason.BLOCK_SIZE_CHANGED, r, releasable=True)
-    a = agreement(r.chain, r.num_tokens, prompt, block_size)
+    a = agreement(r.chain, r.num_tokens, prompt, block_size, prompt_chain)
     if a.full:
         return Assessment(r, a.tokens, True, Reason.FULL_MATCH, True)
     assert a.diverges_at is not None

@@ -1,8 +1,9 @@
 """Per-block hash chains of token ids, and how far a new prompt agrees with a stored one.
 
-A chain has one 8-byte digest per block of ``block_size`` tokens (the last block may be partial);
-each digest covers every token before it, so equal digests at block ``i`` mean equal tokens up to
-the end of that block. Only digests are stored, never tokens.
+A chain has one 8-byte digest per block of ``block_size`` tokens, the last block possibly partial:
+``d[i] = blake2b(d[i-1] + tokens of block i)``, so equal digests at block ``i`` mean equal tokens up
+to the end of that block. Only digests are stored, never tokens. Because each digest is made from
+the one before it, a prompt's chain, built once per turn, answers every comparison of that turn.
 """
 
 from __future__ import annotations
@@ -13,6 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DIGEST_SIZE = 8
+_ROOT = b"\x00" * DIGEST_SIZE
+_PERSON = b"turnkv-chain"
+
+
+def _link(prev: bytes, block: bytes) -> bytes:
+    return hashlib.blake2b(prev + block, digest_size=DIGEST_SIZE, person=_PERSON).digest()
+
+
+def _pack(tokens: Sequence[int]) -> bytes:
+    return array("q", tokens).tobytes()
 
 
 class ChainBuilder:
@@ -20,37 +31,37 @@ class ChainBuilder:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"turnkv-chain")
-        self._full: list[bytes] = []
+        self.full: list[bytes] = []  # digests of the full blocks
         self._tail: list[int] = []
         self.num_tokens = 0
 
     def extend(self, tokens: Sequence[int]) -> ChainBuilder:
+        """Add tokens; raises TypeError or OverflowError for anything that is not a 64-bit int."""
         bs = self.block_size
-        buf = self._tail + list(tokens)
+        buf = array("q", self._tail)
+        buf.extend(tokens)
         cut = len(buf) - len(buf) % bs
-        for i in range(0, cut, bs):
-            self._h.update(array("q", buf[i:i + bs]).tobytes())
-            self._full.append(self._h.digest())
-        self._tail = buf[cut:]
+        raw, step = buf.tobytes(), bs * buf.itemsize
+        last = self.full[-1] if self.full else _ROOT
+        for off in range(0, cut * buf.itemsize, step):
+            last = _link(last, raw[off:off + step])
+            self.full.append(last)
+        self._tail = buf[cut:].tolist()
         self.num_tokens += len(tokens)
         return self
 
     def copy(self) -> ChainBuilder:
         other = ChainBuilder(self.block_size)
-        other._h = self._h.copy()
-        other._full = list(self._full)
+        other.full = list(self.full)
         other._tail = list(self._tail)
         other.num_tokens = self.num_tokens
         return other
 
     def digests(self) -> bytes:
         """One digest per block fed so far; the unfinished last block gets one too."""
-        out = b"".join(self._full)
+        out = b"".join(self.full)
         if self._tail:
-            h = self._h.copy()
-            h.update(array("q", self._tail).tobytes())
-            out += h.digest()
+            out += _link(self.full[-1] if self.full else _ROOT, _pack(self._tail))
         return out
 
 
@@ -68,25 +79,31 @@ class Agreement:
     prompt_ended: bool = False  # no difference found, but the prompt is shorter than the stored sequence
 
 
-def agreement(stored: bytes, stored_tokens: int, prompt: Sequence[int], block_size: int) -> Agreement:
-    """Compare a stored chain with a new prompt, block by block, up to the first difference."""
+def agreement(stored: bytes, stored_tokens: int, prompt: Sequence[int], block_size: int,
+              prompt_chain: ChainBuilder | None = None) -> Agreement:
+    """Compare a stored chain with a new prompt, block by block, up to the first difference.
+
+    ``prompt_chain``, the prompt's own chain when the caller has it, saves building it again.
+    """
     if stored_tokens <= 0 or len(stored) != DIGEST_SIZE * -(-stored_tokens // block_size):
         return Agreement(0, False, 0)
+    if prompt_chain is None or prompt_chain.block_size != block_size:
+        prompt_chain = ChainBuilder(block_size).extend(prompt[: stored_tokens + block_size])
+    mine = prompt_chain.full
     full_blocks, tail = divmod(stored_tokens, block_size)
-    usable = min(len(prompt), stored_tokens)
-    mine = ChainBuilder(block_size).extend(prompt[:usable]).digests()
     d = DIGEST_SIZE
-    n = 0
-    for i in range(min(full_blocks, usable // block_size)):
-        if mine[i * d:(i + 1) * d] != stored[i * d:(i + 1) * d]:
-            return Agreement(n, False, i)
-        n += block_size
+    comparable = min(full_blocks, len(prompt) // block_size)
+    for i in range(comparable):
+        if mine[i] != stored[i * d:(i + 1) * d]:
+            return Agreement(i * block_size, False, i)
+    n = comparable * block_size
     if n < full_blocks * block_size:
-        return Agreement(n, False, n // block_size, prompt_ended=True)
+        return Agreement(n, False, comparable, prompt_ended=True)
     if tail == 0:
         return Agreement(n, True, None)
     if len(prompt) < stored_tokens:
         return Agreement(n, False, full_blocks, prompt_ended=True)
-    if mine[full_blocks * d:(full_blocks + 1) * d] == stored[full_blocks * d:]:
+    prev = mine[full_blocks - 1] if full_blocks else _ROOT
+    if _link(prev, _pack(prompt[n:stored_tokens])) == stored[full_blocks * d:]:
         return Agreement(stored_tokens, True, None)
     return Agreement(n, False, full_blocks)

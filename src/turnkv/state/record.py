@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: explicit chaining, d[i] = H(d[i-1] + block i)
 
 
 def text_digest(text: str | None) -> str:

@@ -32,6 +32,7 @@ def _assess(ctx: TurnContext) -> Assessment | None:
         claim, ctx.prompt_ids, tenant=ctx.conversation.tenant, now=time.time(),
         decode=_engine_view(ctx, rec.decode_url) if rec else None,
         echoed=echoed_answer(ctx.body.get("messages") or []), template=ctx.svc.audit.cls, block_size=s.block_size,
+        prompt_chain=ctx.prompt_chain,
     )
     if rec is not None and not ctx.svc.policy.checks_tokens and a.releasable:
         # the unchecked baseline believes the handle covers the prompt, as vLLM's example proxy does

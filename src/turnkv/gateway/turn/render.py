@@ -31,10 +31,10 @@ async def _render(ctx: TurnContext) -> list[int]:
     body = {k: v for k, v in ctx.body.items() if k not in _NOT_FOR_RENDER}
     data = await svc.upstream.post_json("render", base, "/v1/chat/completions/render", body, ctx.headers())
     ids = data.get("token_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+    if not isinstance(ids, list) or not ids:
         raise UpstreamStatus(502, {"error": {"message": "render returned no token ids"}}, leg="render",
                              instance=base)
-    return ids
+    return ids  # each id is checked to be an int when the chain is built (array("q") refuses others)
 
 
 async def _claim(ctx: TurnContext) -> Claim | None:
@@ -66,8 +66,13 @@ async def run(ctx: TurnContext) -> TurnState:
         return TurnState.PLAN
     if isinstance(rendered, BaseException):
         raise rendered
+    try:
+        ctx.prompt_chain = ChainBuilder(ctx.svc.settings.block_size).extend(rendered)
+    except (TypeError, OverflowError):
+        ctx.svc.metrics.upstream_errors.labels("render", "protocol").inc()
+        ctx.reason = Reason.RENDER_FAILED
+        return TurnState.PLAN
     ctx.prompt_ids = rendered
-    ctx.prompt_chain = ChainBuilder(ctx.svc.settings.block_size).extend(rendered)
     if claim is None:
         ctx.reason = Reason.STORE_UNAVAILABLE
     return TurnState.PLAN
