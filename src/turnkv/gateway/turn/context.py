@@ -71,6 +71,7 @@ class TurnContext:
     capture: DecodeCapture = field(default_factory=lambda: DecodeCapture(keep_token_ids=False))
     first_token_at: float | None = None
     relay_started: bool = False
+    decode_done: bool = False  # D's stream reached [DONE]
     capture_result: str = "none"
     retries: list[str] = field(default_factory=list)
     tried_decode: set[str] = field(default_factory=set)

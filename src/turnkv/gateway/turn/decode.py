@@ -50,6 +50,7 @@ async def run(ctx: TurnContext) -> TurnState:
         if inst is None or (ctx.action is Action.DECODE_LOCAL and inst.url != ctx.decode_url):
             break
         body = decode_body(ctx, svc.registry.supports_prompt_token_ids(inst))
+        ctx.decode_done = False
         ctx.capture = DecodeCapture(keep_token_ids=bool(ctx.body.get("return_token_ids")),
                                     collect=ctx.conversation is not None)
         inst.in_flight += 1

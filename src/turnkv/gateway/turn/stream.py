@@ -9,6 +9,8 @@ event. Leaving (the client went away, or the end) closes D's response, so D abor
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -24,6 +26,7 @@ from turnkv.gateway.turn import capture
 from turnkv.gateway.turn.context import TurnContext
 
 FINISH_TIMEOUT_S = 5.0
+DRAIN_TIMEOUT_S = 1.0
 
 
 async def _read(ctx: TurnContext, held: list[bytes], released: bool) -> AsyncIterator[tuple[bytes, bool]]:
@@ -39,6 +42,7 @@ async def _read(ctx: TurnContext, held: list[bytes], released: bool) -> AsyncIte
         out: list[bytes] = []
         for payload in splitter.feed(data):
             if payload == DONE:
+                ctx.decode_done = True
                 if out:
                     yield b"".join(out), released
                 return
@@ -61,11 +65,23 @@ async def _read(ctx: TurnContext, held: list[bytes], released: bool) -> AsyncIte
     ctx.capture.error = ctx.capture.error or {"message": "decode stream ended without [DONE]"}
 
 
+async def _drain(ctx: TurnContext) -> None:
+    """After [DONE], read the end of D's response so its connection can go back to the pool."""
+    resp = ctx.decode_response
+    if resp is not None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            await asyncio.wait_for(resp.content.read(), DRAIN_TIMEOUT_S)
+
+
 def close(ctx: TurnContext) -> None:
-    """Close D's response if one is open (D aborts the request) and give its in-flight slot back."""
+    """Give D's response up and its in-flight slot back: to the pool when D finished and the body was
+    read to its end, else by closing the connection, which makes D abort the request."""
     resp, ctx.decode_response = ctx.decode_response, None
     if resp is not None:
-        resp.close()
+        if ctx.decode_done and resp.content.at_eof():
+            resp.release()
+        else:
+            resp.close()
         inst = ctx.svc.registry.get(ctx.decode_url)
         if inst is not None:
             inst.in_flight -= 1
@@ -84,6 +100,8 @@ async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[Non
                 async for out, now_released in _read(ctx, held, released):
                     released = now_released
                     yield out
+                if ctx.decode_done:
+                    await _drain(ctx)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 ctx.capture.error = {"message": f"decode stream broke: {type(exc).__name__}"}
             finally:
