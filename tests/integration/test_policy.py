@@ -50,3 +50,14 @@ def test_a_handle_that_cannot_be_stored_is_released(procs: list[launch.Running],
     # D pinned its blocks for the next turn, but nobody can find that handle: it is given back
     wait_for(lambda: sim_state(c.decode[0].url)["pinned_tokens"] == 0, what="D to free the handle")
     assert metric(c.gateway.url, "turnkv_handle_releases_total", why="store_unavailable") == 1
+
+
+@pytest.mark.parametrize(("compat", "stream"), [("0.26", False), ("0.33", True)])
+def test_stateless_turns_do_not_leave_decode_memory_pinned(procs: list[launch.Running], tmp_path: Path,
+                                                           compat: str, stream: bool) -> None:
+    # a bidirectional D pins its blocks after every P/D answer; without a conversation nobody will pull them
+    c = start_cluster(procs, tmp_path, compat=compat)
+    with Dialogue(c, session=None, stream=stream) as d:
+        assert d.step().outcome == "stateless"
+    wait_for(lambda: sim_state(c.decode[0].url)["pinned_tokens"] == 0, what="D to free the unused handle")
+    assert metric(c.gateway.url, "turnkv_handle_releases_total", why="unused") == 1

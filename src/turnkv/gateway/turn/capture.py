@@ -103,6 +103,12 @@ async def finish(ctx: TurnContext, *, ok: bool) -> None:
             if isinstance(rec, ConversationRecord):
                 _release(svc, rec.handle, "store_unavailable")  # nobody can use it: do not pin D for nothing
             rec = "store_unavailable"
+    handle = ctx.capture.kv_transfer_params
+    handled = stored or rec == "store_unavailable" or str(rec).startswith("released")
+    if not handled and handle and handle.get("do_remote_decode"):
+        # D pinned its blocks for a next turn that will not use them (a stateless turn, or a handle
+        # that could not be kept): give the memory back now rather than after decoder_kv_blocks_ttl
+        _release(svc, handle, "unused")
     ctx.capture_result = "stored" if stored else str(rec)
     svc.metrics.captures.labels(ctx.capture_result if stored or conv is not None else "no_session").inc()
     _account(ctx)
