@@ -99,7 +99,7 @@ def _scenarios(a: argparse.Namespace) -> int:
     from turnkv.bench.scenarios.suites import run_suite
 
     return run_suite(a.suite, _out_dir(a, a.suite), only=a.only, show_progress=a.progress, command=_command(),
-                     conversations=a.conversations)
+                     conversations=a.conversations, resume=a.resume)
 
 
 def _report(a: argparse.Namespace) -> int:
@@ -115,6 +115,14 @@ def _report(a: argparse.Namespace) -> int:
     out = Path(a.out)
     write(run, out)
     print(f"report in {out}", file=sys.stderr)
+    return 0
+
+
+def _profile(a: argparse.Namespace) -> int:
+    from turnkv.bench.profile import profile_gateway
+
+    text = profile_gateway(_out_dir(a, "profile"), requests=a.requests, concurrency=a.concurrency, session=a.session)
+    print(text[:4000])
     return 0
 
 
@@ -141,8 +149,16 @@ def add_bench_parser(sub: Any) -> None:
     s.add_argument("--only", action="append", default=None, metavar="SUBSTRING",
                    help="run only configurations whose name contains this (repeatable)")
     s.add_argument("--conversations", type=int, default=None, help="override the suite's conversations per config")
+    s.add_argument("--resume", action="store_true", help="keep the configurations already in OUT/results.json")
     _bool_flag(s, "progress", True, "progress line on stderr")
     s.set_defaults(func=_scenarios)
+
+    pr = bsub.add_parser("profile", help="cProfile of the gateway under zero-cost engines")
+    pr.add_argument("--out", default=None, help="output directory (default bench-results/profile-<time>)")
+    pr.add_argument("--requests", type=int, default=600)
+    pr.add_argument("--concurrency", type=int, default=8)
+    pr.add_argument("--session", action="store_true", help="send X-Session-ID")
+    pr.set_defaults(func=_profile)
 
     rep = bsub.add_parser("report", help="rebuild the report from results.json files (merged in order)")
     rep.add_argument("inputs", nargs="+")

@@ -98,9 +98,15 @@ def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]
 
 
 def _first_command(data: bytes) -> str:
-    """The command name of a RESP array (``*N\\r\\n$len\\r\\nNAME``), lower case; '?' if not one."""
-    parts = data.split(b"\r\n", 3)
-    return parts[2].decode("ascii", "replace").lower() if len(parts) >= 3 and data[:1] == b"*" else "?"
+    """The command name of a RESP array (``*N\\r\\n$len\\r\\nNAME``), lower case, with the script's sha
+    prefix for EVALSHA; '?' if not one."""
+    parts = data.split(b"\r\n", 5)
+    if len(parts) < 3 or data[:1] != b"*":
+        return "?"
+    name = parts[2].decode("ascii", "replace").lower()
+    if name == "evalsha" and len(parts) >= 5:
+        return f"evalsha {parts[4][:8].decode('ascii', 'replace')}"
+    return name
 
 
 @dataclass

@@ -47,7 +47,7 @@ def markdown(run: RunResult, title: str = "turnkv bench") -> str:
 
 
 def plot_ttft_by_turn(configs: Sequence[ConfigResult], path: Path, *, title: str = "TTFT by turn",
-                      groups: dict[str, list[str]] | None = None) -> None:
+                      groups: dict[str, list[str]] | None = None, dpi: int = 80) -> None:
     """One panel per group (all configurations in one panel by default): p50 lines, p90 dashed."""
     import matplotlib
 
@@ -87,5 +87,5 @@ def plot_ttft_by_turn(configs: Sequence[ConfigResult], path: Path, *, title: str
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)

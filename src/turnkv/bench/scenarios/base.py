@@ -39,6 +39,7 @@ class Deployment:
     prefill_flags: tuple[str, ...] = ()
     decode_flags: tuple[str, ...] = ()
     gateway_flags: tuple[str, ...] = ()
+    gateway_env: tuple[tuple[str, str], ...] = ()  # TURNKV_* settings without a flag
     redis: bool = False
     count_redis_round_trips: bool = False  # route Redis through the counting relay
     pin: bool = False  # gateway on CPU 1; engines, redis and the load generator on CPU 0
@@ -46,6 +47,7 @@ class Deployment:
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "engine_flags": list(self.engine_flags), "prefill_flags": list(self.prefill_flags),
                 "decode_flags": list(self.decode_flags), "gateway_flags": list(self.gateway_flags),
+                "gateway_env": dict(self.gateway_env),
                 "redis": self.redis, "pinned": self.pin}
 
     def commands(self) -> list[str]:
@@ -57,7 +59,8 @@ class Deployment:
                f"turnkv sim --role decode {e} {' '.join(self.decode_flags)}".strip()]
         if self.kind == "pd":
             redis = " --redis-url redis://127.0.0.1:$REDIS_PORT/0" if self.redis else ""
-            out.append(f"turnkv serve --prefill $P --decode $D {' '.join(self.gateway_flags)}{redis}".strip())
+            env = "".join(f"{k}={v} " for k, v in self.gateway_env)
+            out.append(f"{env}turnkv serve --prefill $P --decode $D {' '.join(self.gateway_flags)}{redis}".strip())
         return out
 
 
@@ -119,7 +122,8 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
                         relay.start()
                         url = relay.url
                     extra += ["--redis-url", url]
-                gateway = launch.gateway("gateway", [p.url], [dd.url], *extra, log_dir=log_dir)
+                gateway = launch.gateway("gateway", [p.url], [dd.url], *extra, log_dir=log_dir,
+                                         env=dict(d.gateway_env))
                 started.append(gateway)
                 target = Target(url=gateway.url)
         if d.pin:

@@ -45,16 +45,32 @@ def write(run: RunResult, out: Path) -> None:
     text, groups = analyze(run)
     write_outputs(run, out, title=TITLES.get(run.suite, run.suite), extra_markdown=text, groups=groups)
     if run.suite == "overhead":
-        overhead.plot(run.configs, out / "ttft_by_concurrency.png")
+        overhead.plot(run.configs, out / "ttft_by_load.png")
+    if run.suite == "fifth-turn":
+        from turnkv.bench.report import plot_ttft_by_turn
+
+        fifth_turn.plot_turn5(run.configs, out / "ttft5_by_config.png")
+        grid = {g: names for g, names in groups.items() if g.startswith("16k ")}
+        if grid:
+            plot_ttft_by_turn(run.configs, out / "ttft_by_turn_16k.png", title="TTFT by turn, 16k history",
+                              groups=grid, dpi=60)
 
 
 def run_suite(name: str, out: Path, *, only: list[str] | None = None, show_progress: bool = True,
-              command: str = "", conversations: int | None = None) -> int:
+              command: str = "", conversations: int | None = None, resume: bool = False) -> int:
+    """Runs the suite's benches; with ``resume``, keeps the configurations already in ``out/results.json``
+    and runs only the benches that have none there (a stopped run goes on where it stopped)."""
     make, _ = SUITES[name]
     benches = [b for b in make(conversations)
                if not only or any(s in p.name for s in only for p in b.plans)]
     run = RunResult(suite=name, command=command)
     run.extra["failures"] = []
+    if resume and (out / "results.json").exists():
+        run = RunResult.read(out / "results.json")
+        run.command += " ; " + command
+        run.extra["failures"] = []
+        done = {c.name for c in run.configs}
+        benches = [b for b in benches if not any(p.name in done for p in b.plans)]
     logs = out / "logs"
     for i, bench in enumerate(benches, 1):
         names = ", ".join(p.name for p in bench.plans)

@@ -105,7 +105,7 @@ async def finish(ctx: TurnContext, *, ok: bool) -> None:
             rec = "store_unavailable"
     handle = ctx.capture.kv_transfer_params
     handled = stored or rec == "store_unavailable" or str(rec).startswith("released")
-    if not handled and handle and handle.get("do_remote_decode"):
+    if not handled and handle and handle.get("do_remote_decode") and svc.settings.release_unused:
         # D pinned its blocks for a next turn that will not use them (a stateless turn, or a handle
         # that could not be kept): give the memory back now rather than after decoder_kv_blocks_ttl
         _release(svc, handle, "unused")
