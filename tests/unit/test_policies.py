@@ -73,10 +73,19 @@ def test_adaptive_says_why_it_declines_usable_kv() -> None:
         ({"decode_local": False}, facts(16400, 16000, local=True, d_cached=16000)),
         ({"decode_local_max_new_tokens": 100}, facts(16400, 16000, local=True, d_cached=16000)),
         ({"decode_local_max_busy": 4}, facts(16400, 16000, local=True, d_cached=16000, busy=5)),
+        # 4k new tokens over 32k of context: ~0.26 s of prefill that D's streams would wait through
+        ({}, facts(36000, 32000, local=True, d_cached=32000)),
+        ({"decode_local_max_stall_ms": 50}, facts(18000, 16000, local=True, d_cached=16000)),
     ],
 )
 def test_adaptive_decode_local_limits(params: dict[str, object], f: TurnFacts) -> None:
     assert build_policy("adaptive", params).decide(f, HOST).action is not Action.DECODE_LOCAL
+
+
+def test_adaptive_prefills_a_long_user_message_on_decode_within_the_stall_budget() -> None:
+    # 2k new tokens over 16k: ~90 ms on D, against ~0.9 s of recompute on P over the host link
+    f = facts(18000, 16000, local=True, d_cached=16000)
+    assert build_policy("adaptive").decide(f, HOST).action is Action.DECODE_LOCAL
 
 
 def test_margin_makes_pull_prove_itself() -> None:

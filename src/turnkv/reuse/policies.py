@@ -8,7 +8,11 @@ in tests and benchmarks what that costs, and must not serve users.
 
     policy:
       name: adaptive
-      params: {decode_local: true, decode_local_max_new_tokens: 1024, margin: 0.0}
+      params: {decode_local: true, decode_local_max_stall_ms: 150, margin: 0.0}
+
+Decode-local is bounded by what it costs the streams already running on that D: while D prefills
+the turn, their next tokens wait. The estimated prefill time is that stall; above
+``decode_local_max_stall_ms`` (or above ``decode_local_max_busy`` streams) the turn goes through P.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from turnkv.config import ConfigError
 from turnkv.reuse.assess import Reason
-from turnkv.reuse.cost import Action, CostParams, TurnFacts, estimate
+from turnkv.reuse.cost import Action, CostParams, TurnFacts, estimate, prefill_s
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,9 @@ class _Params(BaseModel):
 
 class AdaptiveParams(_Params):
     decode_local: bool = True
-    decode_local_max_new_tokens: int = Field(1024, ge=0, description="larger deltas always go through P")
+    decode_local_max_new_tokens: int = Field(8192, ge=0, description="larger deltas always go through P")
+    decode_local_max_stall_ms: float = Field(
+        150.0, ge=0, description="longest estimated prefill D may run for one turn (its streams wait that long)")
     decode_local_max_busy: int = Field(64, ge=0, description="streams on D above which D is not asked to prefill")
     margin: float = Field(0.0, ge=0, description="pull only when it beats recompute by this fraction")
 
@@ -60,10 +66,12 @@ class AdaptivePolicy:
         self.p = params
 
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
+        new = facts.prompt_tokens - facts.decode_cached_tokens
         local_ok = (
             self.p.decode_local and facts.decode_local_possible
-            and facts.prompt_tokens - facts.decode_cached_tokens <= self.p.decode_local_max_new_tokens
+            and new <= self.p.decode_local_max_new_tokens
             and facts.decode_busy <= self.p.decode_local_max_busy
+            and prefill_s(costs, new, facts.decode_cached_tokens) * 1e3 <= self.p.decode_local_max_stall_ms
         )
         est = estimate(costs, TurnFacts(**{**facts.__dict__, "decode_local_possible": local_ok}))
         if Action.PULL in est:
