@@ -5,12 +5,14 @@
 #   bash gpu/session.sh B2   TTFT by turn, P restarted without prefix caching                    ~7 min
 #   bash gpu/session.sh C    NIXL link-rate variants (1b model, engine restarts per variant)     ~8 min
 #   bash gpu/session.sh C2   more link-rate variants                                             ~8 min
+#   bash gpu/session.sh D1   setup, then TTFT at 16k with CUDA IPC GET on, P cache off            ~9 min
+#   bash gpu/session.sh D2   the same at 4k, then 16k with P's cache on                            ~8 min
 # Every step has its own time limit so the call ends well inside the tool's 10 minutes and the
 # results (and engine logs) are always packed into $OUT. Engines started here outlive the call
 # (process sessions of their own) until a later part stops them or the machine goes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?part: A, B1, B2, C or C2}"
+part="${1:?part: A, B1, B2, C, C2, D1 or D2}"
 : "${OUT:=${TURNKV_GPU_STATE:-/root/gpu-state}/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -53,6 +55,21 @@ case "$part" in
   C2)
     step link2 "$(left 560)" python3 gpu/link_rate.py --variants get_zcopy_no_emul,tcp_segments,block64,threads16 \
       --time-budget-s 420
+    ;;
+  D1)
+    step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }
+    step ttft_ipc_off "$(left 570)" python3 gpu/ttft.py --label ipc_cache_off --p-cache off --histories 16384 \
+      --modes never-pull,always-pull,adaptive-pull,adaptive,decode-local,plain,colocated \
+      --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --time-budget-s "$(left 480)"
+    ;;
+  D2)
+    step ttft_ipc_off4k "$(left 300)" python3 gpu/ttft.py --label ipc_cache_off_4k --p-cache off --histories 4096 \
+      --modes never-pull,always-pull,adaptive-pull,adaptive,decode-local,plain \
+      --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --time-budget-s 230
+    step ttft_ipc_on "$(left 570)" python3 gpu/ttft.py --label ipc_cache_on --p-cache on --histories 16384 \
+      --modes never-pull,always-pull,adaptive-pull,adaptive \
+      --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --time-budget-s "$(left 480)"
+    python3 gpu/engines.py down
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

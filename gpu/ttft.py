@@ -9,6 +9,7 @@ Modes, each a fresh conversation per history length (its own random one-token wo
 conversations share a prefix):
 * ``plain``: through turnkv without a conversation id: vLLM's standard P/D (P recomputes, D pulls P's KV);
 * ``always-pull``, ``never-pull``, ``decode-local``, ``adaptive``: turnkv's policies (``X-Session-ID``);
+* ``adaptive-pull``: ``adaptive`` with decode-local off, so it chooses between pulling and recomputing;
 * ``colocated``: straight to D without P: one instance doing prefill and decode.
 
 Each turn streams (``max_tokens`` answer words, ``ignore_eos``, greedy over one-token words so the
@@ -39,6 +40,7 @@ import engines
 
 M = devlib.MODEL_NAME
 MODES = ("plain", "always-pull", "never-pull", "adaptive", "decode-local", "colocated")
+POLICY_PARAMS = {"adaptive-pull": ("adaptive", {"decode_local": False})}
 GATEWAY_PORT = 8901
 XFER_LINE = re.compile(r"KV Transfer metrics: .*")
 
@@ -96,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=100)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--ucx", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment for both engines, e.g. UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y")
     ap.add_argument("--time-budget-s", type=float, default=480.0,
                     help="start no conversation after this many seconds (engine start included)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     p_flags = [] if a.p_cache == "on" else ["--no-enable-prefix-caching"]
-    specs = engines.pair(a.size, p_flags=p_flags)
+    specs = engines.pair(a.size, p_flags=p_flags, env=dict(kv.split("=", 1) for kv in a.ucx))
     starts = {s.name: devlib.start_engine(s).get("start_s") for s in specs}
     p, d = specs[0].url, specs[1].url
     pairs = devlib.words_for(p, 3000)
@@ -122,14 +126,15 @@ def main(argv: list[str] | None = None) -> int:
                 if time.perf_counter() - t_start > a.time_budget_s:
                     res["skipped"].append({"history": history, "mode": mode, "rep": rep})
                     continue
-                policy = "adaptive" if mode in ("plain", "colocated") else mode
+                policy, params = POLICY_PARAMS.get(mode, ("adaptive" if mode in ("plain", "colocated") else mode, {}))
+                gw_settings = {**settings, "policy": {"name": policy, "params": params}}
                 before = {"p": devlib.metrics(p), "d": devlib.metrics(d)}
                 t0 = time.perf_counter()
                 kw = {"history": history, "turns": a.turns, "user": a.user_tokens, "answer": a.answer_tokens}
                 if mode == "colocated":
                     rows = conversation_turns(d, words, allowed, rng, session=None, **kw)
                 else:
-                    with devlib.gateway("gw-ttft", GATEWAY_PORT, [p], [d], policy=policy, settings=settings) as gw:
+                    with devlib.gateway("gw-ttft", GATEWAY_PORT, [p], [d], policy=policy, settings=gw_settings) as gw:
                         session = None if mode == "plain" else f"{mode}-{history}-{uuid.uuid4().hex[:8]}"
                         rows = conversation_turns(gw, words, allowed, rng, session=session, **kw)
                 after = {"p": devlib.metrics(p), "d": devlib.metrics(d)}

@@ -40,12 +40,13 @@ class Cluster:
 def start_cluster(
     procs: list[launch.Running], log_dir: Path, *, template: str = "keep", compat: str = "0.26",
     policy: str = "always-pull", n_prefill: int = 1, n_decode: int = 1, redis_url: str | None = None,
-    sim_flags: tuple[str, ...] = (), prefill_flags: tuple[str, ...] = (), gateway_env: dict[str, str] | None = None,
+    sim_flags: tuple[str, ...] = (), prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
+    gateway_env: dict[str, str] | None = None,
 ) -> Cluster:
     common = ("--time-scale", "0", "--template", template, "--vllm-compat", compat, *sim_flags)
     ps = [launch.sim(f"prefill{i}", "prefill", *common, *prefill_flags, log_dir=log_dir) for i in range(n_prefill)]
     procs += ps
-    ds = [launch.sim(f"decode{i}", "decode", *common, log_dir=log_dir) for i in range(n_decode)]
+    ds = [launch.sim(f"decode{i}", "decode", *common, *decode_flags, log_dir=log_dir) for i in range(n_decode)]
     procs += ds
     truth = launch.sim("truth", "colocated", *common, log_dir=log_dir)
     procs.append(truth)

@@ -24,12 +24,37 @@ def test_adaptive_path_follows_the_link(procs: list[launch.Running], tmp_path: P
         first = d.step()
         assert first.correct and int(first.headers["x-turnkv-prompt-tokens"]) > 4000
         # turn 1's P->D transfer is the gateway's first measurement of the link
-        wait_for(lambda: metric(c.gateway.url, "turnkv_link_samples") >= 1, what="a link measurement")
+        wait_for(lambda: metric(c.gateway.url, "turnkv_link_samples", direction="push") >= 1,
+                 what="a link measurement")
         second = d.step()
     assert second.correct and second.outcome in ("full", "none")
     assert second.headers["x-turnkv-action"] == action
     if action == "recompute":
         assert second.reason == "cheaper_to_recompute"
+
+
+def test_a_link_fast_only_towards_decode_is_learnt_from_the_first_pull(procs: list[launch.Running],
+                                                                        tmp_path: Path) -> None:
+    # A simulated engine charges the transfers it reads at its own link: D reads P's blocks over
+    # nvlink, P pulls D's over the host link (as with CUDA IPC on one H200: fast one way, slow back).
+    c = start_cluster(procs, tmp_path, policy="adaptive", sim_flags=("--time-scale", "1"),
+                      prefill_flags=("--no-prefix-caching", "--link", "host"), decode_flags=("--link", "nvlink"),
+                      gateway_env={"TURNKV_POLICY__PARAMS": '{"decode_local": false}'})
+    with Dialogue(c, system=LONG_SYSTEM, max_tokens=24) as d:
+        d.step()
+        wait_for(lambda: metric(c.gateway.url, "turnkv_link_samples", direction="push") >= 1,
+                 what="a P -> D measurement")
+        # nothing measured D -> P yet: the fast P -> D estimate stands in, so P pulls
+        second = d.step()
+        assert second.correct and second.headers["x-turnkv-action"] == "pull"
+        wait_for(lambda: metric(c.gateway.url, "turnkv_link_samples", direction="pull") >= 1,
+                 what="a D -> P measurement")
+        third = d.step()
+    assert third.correct and third.headers["x-turnkv-action"] == "recompute"
+    assert third.reason == "cheaper_to_recompute"
+    pull_bw = metric(c.gateway.url, "turnkv_link_bytes_per_second", direction="pull")
+    push_bw = metric(c.gateway.url, "turnkv_link_bytes_per_second", direction="push")
+    assert pull_bw < 1e9 < 100e9 < push_bw
 
 
 def test_decode_local_when_the_delta_is_small(procs: list[launch.Running], tmp_path: Path) -> None:

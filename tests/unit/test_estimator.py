@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from turnkv.reuse.cost import CostParams
+from turnkv.reuse.cost import CostParams, transfer_s
 from turnkv.reuse.estimator import CostEstimator, LinkEstimator, PrefillEstimator
 
 
@@ -55,7 +55,23 @@ def test_prefill_needs_varied_samples() -> None:
 def test_cost_estimator_combines_both() -> None:
     est = CostEstimator(CostParams())
     for nbytes in (1e6, 1e7, 1e8):
-        est.link.observe(nbytes, 0.001 + nbytes / 50e9, 1)
+        est.observe_link("prefill", nbytes, 0.001 + nbytes / 50e9, 1)
     p = est.params()
     assert p.link_bytes_per_s == pytest.approx(50e9, rel=1e-6)
+    assert p.push_bytes_per_s == pytest.approx(50e9, rel=1e-6)  # never measured: borrowed
     assert p.kv_bytes_per_token == CostParams().kv_bytes_per_token
+
+
+def test_link_directions_are_learnt_apart() -> None:
+    est = CostEstimator(CostParams())
+    for nbytes in (1e6, 1e7, 1e8):
+        est.observe_link("decode", nbytes, 0.002 + nbytes / 300e9, 1)  # D reads P's blocks: P -> D
+    p = est.params()
+    # nothing pulled yet: the pull estimate borrows P -> D's (the first pull then measures it)
+    assert p.link_bytes_per_s == pytest.approx(300e9, rel=1e-6) and est.pull.samples == 0
+    for nbytes in (1e6, 1e7, 1e8):
+        est.observe_link("prefill", nbytes, 0.002 + nbytes / 5e9, 1)  # P pulls D's blocks
+    p = est.params()
+    assert p.link_bytes_per_s == pytest.approx(5e9, rel=1e-6)
+    assert p.push_bytes_per_s == pytest.approx(300e9, rel=1e-6)
+    assert transfer_s(p, 16000) > 10 * transfer_s(p, 16000, push=True)

@@ -85,13 +85,13 @@ def test_metrics_restart_and_load() -> None:
 
 def test_link_samples_are_per_interval_means() -> None:
     r = reg()
-    samples: list[tuple[float, float, float]] = []
-    r.on_link_sample = lambda b, s, c: samples.append((b, s, c))
+    samples: list[tuple[str, float, float, float]] = []
+    r.on_link_sample = lambda role, b, s, c: samples.append((role, b, s, c))
     inst = r.instances["http://d0"]
     r.apply_metrics(inst, text(n=2, secs=0.2, nbytes=2e6))
     r.apply_metrics(inst, text(n=2, secs=0.2, nbytes=2e6))  # nothing new
     r.apply_metrics(inst, text(n=6, secs=1.0, nbytes=10e6))
-    assert samples == [(2e6, 0.2, 4)]
+    assert samples == [("decode", 2e6, 0.2, 4)]
 
 
 def test_prefix_cache_off_is_read_from_cache_config() -> None:

@@ -81,10 +81,11 @@ async def _report_pinned(svc: Services) -> None:
             svc.metrics.pinned_bytes.labels(url).set(p.tokens * svc.settings.kv_bytes_per_token)
             svc.metrics.pinned_handles.labels(url).set(p.handles)
         seen = set(pinned)
-        fixed, bw = svc.estimator.link.params()
-        svc.metrics.link_fixed_s.set(fixed)
-        svc.metrics.link_bytes_per_s.set(bw)
-        svc.metrics.link_samples.set(svc.estimator.link.samples)
+        for direction, (fixed, bw) in svc.estimator.links().items():
+            est = svc.estimator.pull if direction == "pull" else svc.estimator.push
+            svc.metrics.link_fixed_s.labels(direction).set(fixed)
+            svc.metrics.link_bytes_per_s.labels(direction).set(bw)
+            svc.metrics.link_samples.labels(direction).set(est.samples)
 
 
 async def _audit_once(svc: Services) -> bool:
@@ -149,7 +150,7 @@ def create_app(settings: Settings) -> Starlette:
             upstream = Upstream(session, settings.timeouts, settings.upstream_api_key)
             registry = Registry(settings.prefill, settings.decode, settings.block_size, settings.routing)
             estimator = CostEstimator(cost_priors(settings))
-            registry.on_link_sample = estimator.link.observe
+            registry.on_link_sample = estimator.observe_link
             registry.on_restart = lambda inst: metrics.engine_restarts.labels(inst.role).inc()
             svc = Services(
                 settings=settings, upstream=upstream, registry=registry, store=store,

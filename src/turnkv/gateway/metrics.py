@@ -44,10 +44,13 @@ class GatewayMetrics:
         self.template_class = Gauge("turnkv_template_class", "1 for the chat template's audited class",
                                     ["class"], registry=r)
         self.engine_restarts = Counter("turnkv_engine_restarts", "Engine restarts noticed", ["role"], registry=r)
-        self.link_bytes_per_s = Gauge("turnkv_link_bytes_per_second", "Estimated KV link bandwidth", registry=r)
-        self.link_fixed_s = Gauge("turnkv_link_fixed_seconds", "Estimated KV transfer fixed cost", registry=r)
-        self.link_samples = Gauge("turnkv_link_samples", "Transfer measurements behind the link estimate",
+        # direction: pull (D -> P, P's reads) or push (P -> D, D's reads)
+        self.link_bytes_per_s = Gauge("turnkv_link_bytes_per_second", "Estimated KV link bandwidth",
+                                      ["direction"], registry=r)
+        self.link_fixed_s = Gauge("turnkv_link_fixed_seconds", "Estimated KV transfer fixed cost", ["direction"],
                                   registry=r)
+        self.link_samples = Gauge("turnkv_link_samples", "Transfer measurements behind the link estimate",
+                                  ["direction"], registry=r)
         self.releases = Counter("turnkv_handle_releases", "Handles given back to decode unused, by why",
                                 ["why"], registry=r)
         self.store_up.set(1)

@@ -73,7 +73,8 @@ class Registry:
                 self.instances[u] = Instance(u, role)
         self._rr = itertools.count()
         self.on_restart: Callable[[Instance], None] = lambda inst: None
-        self.on_link_sample: Callable[[float, float, float], None] = lambda b, s, c: None
+        # (role of the engine that read, mean bytes, mean seconds, transfers)
+        self.on_link_sample: Callable[[str, float, float, float], None] = lambda r, b, s, c: None
 
     def role(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
@@ -178,7 +179,7 @@ class Registry:
         prev, inst._xfer = inst._xfer, cur
         if prev is not None and cur[0] > prev[0]:
             dc = cur[0] - prev[0]
-            self.on_link_sample((cur[1] - prev[1]) / dc, (cur[2] - prev[2]) / dc, dc)
+            self.on_link_sample(inst.role, (cur[1] - prev[1]) / dc, (cur[2] - prev[2]) / dc, dc)
 
     def _cache_config(self, inst: Instance, labels: dict[str, str]) -> None:
         if labels.get("enable_prefix_caching") == "False":

@@ -20,8 +20,12 @@ class Action(enum.StrEnum):
 
 @dataclass(frozen=True)
 class CostParams:
-    link_fixed_s: float = 0.002  # per KV transfer
-    link_bytes_per_s: float = 0.43e9  # KV transfer bandwidth
+    link_fixed_s: float = 0.002  # per KV transfer, D -> P (P pulls D's blocks)
+    link_bytes_per_s: float = 0.43e9  # KV transfer bandwidth, D -> P
+    # P -> D (D reads P's blocks after every P leg); links can be very asymmetric (CUDA IPC on one
+    # H200: 172-352 GB/s one way, 5-21 GB/s back). None: the same as D -> P.
+    push_fixed_s: float | None = None
+    push_bytes_per_s: float | None = None
     kv_bytes_per_token: int = 147456
     prefill_per_token_s: float = 25e-6
     prefill_attn_s: float = 1.2e-9  # per new token per token of context
@@ -46,11 +50,16 @@ def prefill_s(p: CostParams, new: int, context: int) -> float:
     return max(p.prefill_floor_s, p.prefill_per_token_s * new + p.prefill_attn_s * new * (context + new / 2))
 
 
-def transfer_s(p: CostParams, tokens: int, block_size: int = 16) -> float:
+def transfer_s(p: CostParams, tokens: int, block_size: int = 16, *, push: bool = False) -> float:
+    """Time to move ``tokens`` of KV: D -> P (a pull), or P -> D with ``push``."""
     if tokens <= 0:
         return 0.0
+    fixed, bw = p.link_fixed_s, p.link_bytes_per_s
+    if push:
+        fixed = fixed if p.push_fixed_s is None else p.push_fixed_s
+        bw = bw if p.push_bytes_per_s is None else p.push_bytes_per_s
     blocks = -(-tokens // block_size)
-    return p.link_fixed_s + blocks * block_size * p.kv_bytes_per_token / p.link_bytes_per_s
+    return fixed + blocks * block_size * p.kv_bytes_per_token / bw
 
 
 def pulled_tokens(p: CostParams, f: TurnFacts) -> int:
@@ -67,7 +76,7 @@ def estimate(p: CostParams, f: TurnFacts, block_size: int = 16) -> dict[Action, 
     hitp = min(f.prefill_cached_tokens, L - 1)
     hitd = min(f.decode_cached_tokens, L - 1)
     # after P, D pulls what its own prefix cache lacks and recomputes the last prompt token
-    p_to_d = transfer_s(p, L - hitd, block_size) + p.hop_s + p.prefill_floor_s
+    p_to_d = transfer_s(p, L - hitd, block_size, push=True) + p.hop_s + p.prefill_floor_s
     out = {Action.RECOMPUTE: p.hop_s + prefill_s(p, L - hitp, hitp) + p_to_d}
     if f.reusable_tokens > 0:
         pulled = pulled_tokens(p, f)

@@ -2,7 +2,10 @@
 
 Link: each scrape of an engine's ``vllm:nixl_xfer_time_seconds`` and ``vllm:nixl_bytes_transferred``
 histograms gives, for the transfers since the last scrape, their mean size and mean time; a
-weighted least-squares line through those points gives the fixed cost and the bandwidth.
+weighted least-squares line through those points gives the fixed cost and the bandwidth. The two
+directions are kept apart: P's histograms are its pulls from D, D's are its reads of P's blocks
+after every P leg, and a link can be fast one way and slow the other. A direction never measured
+borrows the other's estimate (P may never have pulled yet); the first pull then measures it.
 Prefill: each prefill call the gateway makes gives (new tokens, context, seconds); a least-squares
 fit of ``hop + a*new + b*new*(context + new/2)`` gives the per-token and attention terms.
 Until enough varied points exist, the configured priors stand.
@@ -108,8 +111,24 @@ class CostEstimator:
 
     def __init__(self, prior: CostParams) -> None:
         self.prior = prior
-        self.link = LinkEstimator(prior.link_fixed_s, prior.link_bytes_per_s)
+        self.pull = LinkEstimator(prior.link_fixed_s, prior.link_bytes_per_s)  # D -> P, read by P
+        self.push = LinkEstimator(prior.push_fixed_s if prior.push_fixed_s is not None else prior.link_fixed_s,
+                                  prior.push_bytes_per_s or prior.link_bytes_per_s)  # P -> D, read by D
         self.prefill = PrefillEstimator(prior)
+
+    def observe_link(self, reader_role: str, mean_bytes: float, mean_seconds: float, count: float) -> None:
+        """Transfers an engine made since the last scrape: a prefill engine reads D's blocks (pulls)."""
+        link = self.pull if reader_role == "prefill" else self.push
+        link.observe(mean_bytes, mean_seconds, count)
+
+    def links(self) -> dict[str, tuple[float, float]]:
+        """(fixed seconds, bytes per second) per direction, a direction never measured borrowing the other's."""
+        pull, push = self.pull.params(), self.push.params()
+        if not self.pull.samples and self.push.samples:
+            pull = push
+        if not self.push.samples and self.pull.samples:
+            push = pull
+        return {"pull": pull, "push": push}
 
     def observe_prefill(self, *, new_tokens: int, context_tokens: int, pulled_tokens: int, seconds: float,
                         block_size: int) -> None:
@@ -118,7 +137,8 @@ class CostEstimator:
         self.prefill.observe(new_tokens, context_tokens, seconds - pull)
 
     def params(self) -> CostParams:
-        fixed, bw = self.link.params()
+        links = self.links()
         hop, per_token, attn = self.prefill.params()
-        return replace(self.prior, link_fixed_s=fixed, link_bytes_per_s=bw, hop_s=hop,
+        return replace(self.prior, link_fixed_s=links["pull"][0], link_bytes_per_s=links["pull"][1],
+                       push_fixed_s=links["push"][0], push_bytes_per_s=links["push"][1], hop_s=hop,
                        prefill_per_token_s=per_token, prefill_attn_s=attn)
