@@ -7,6 +7,7 @@
 #   bash gpu/session.sh C2   more link-rate variants                                             ~8 min
 #   bash gpu/session.sh D1   setup, then TTFT at 16k with CUDA IPC GET on, P cache off            ~9 min
 #   bash gpu/session.sh D2   the same at 4k, then 16k with P's cache on                            ~8 min
+#   bash gpu/session.sh D3   (fresh machine) setup, correctness with CUDA IPC GET, 16k P cache on  ~9.5 min
 # Every step has its own time limit so the call ends well inside the tool's 10 minutes and the
 # results (and engine logs) are always packed into $OUT. Engines started here outlive the call
 # (process sessions of their own) until a later part stops them or the machine goes back.
@@ -69,6 +70,15 @@ case "$part" in
     step ttft_ipc_on "$(left 570)" python3 gpu/ttft.py --label ipc_cache_on --p-cache on --histories 16384 \
       --modes never-pull,always-pull,adaptive-pull,adaptive \
       --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --time-budget-s "$(left 480)"
+    python3 gpu/engines.py down
+    ;;
+  D3)  # on a fresh machine: setup, correctness with CUDA IPC GET on, then 16k TTFT with P's cache on
+    step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }
+    export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
+    step correctness_ipc "$(left 330)" python3 gpu/correctness.py --parts weights,planted,turnkv
+    python3 gpu/engines.py down
+    step ttft_ipc_on "$(left 575)" python3 gpu/ttft.py --label ipc_cache_on --p-cache on --histories 16384 \
+      --modes never-pull,always-pull,adaptive-pull,adaptive --time-budget-s "$(left 500)"
     python3 gpu/engines.py down
     ;;
   *) echo "unknown part $part"; exit 2 ;;
