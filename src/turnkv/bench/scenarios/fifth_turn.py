@@ -21,9 +21,16 @@ from turnkv.bench.scenarios.base import Bench, ConfigPlan, Deployment
 from turnkv.bench.stats import fmt_ms, fmt_ratio, turn_stats
 from turnkv.bench.workload import WorkloadSpec
 
-LINKS = ("host", "100gbe", "rdma400", "nvlink")
+LINKS = ("host", "h200-ipc", "100gbe", "rdma400", "nvlink")
 POLICIES = ("adaptive", "always-pull", "never-pull", "decode-local")
 FIXED = ("always-pull", "never-pull", "decode-local")
+# adaptive with decode-local off: the pull-or-recompute choice alone (as when D is too busy to
+# prefill), held against the better of always-pull and never-pull
+PULL_ONLY = "adaptive-pull"
+PULL_FIXED = ("always-pull", "never-pull")
+# a simulated engine charges the transfers it reads at its own link; "h200-ipc" is the H200 host with
+# CUDA IPC GET on: P pulls D's blocks at ~20 GB/s, D reads P's far faster (nvlink-like)
+DECODE_LINK = {"h200-ipc": "nvlink"}
 ENGINE = ("--vllm-compat", "0.33")  # 0.33 returns D's handle on the final SSE chunk
 TURN = 5
 
@@ -46,11 +53,17 @@ def _pd(history: int, link: str, cache: str, policy: str | None, conversations: 
     name = f"{_shape(history, user)}-{link}-{cache}-{label}"
     wl = replace(WORKLOAD, system_tokens=history, user_tokens=user, session_header=policy is not None,
                  conversations=conversations or WORKLOAD.conversations)
+    pull_only = policy == PULL_ONLY
+    d_link = DECODE_LINK.get(link)
     dep = Deployment("pd", engine_flags=(*ENGINE, "--link", link),
                      prefill_flags=("--no-prefix-caching",) if cache == "cold" else (),
-                     gateway_flags=("--policy", policy or "adaptive"))
-    what = "plain P/D (turnkv, no session ids)" if policy is None else f"turnkv --policy {policy}"
-    desc = f"1P1D, {link} link, P prefix cache {'off' if cache == 'cold' else 'on'}, {what}"
+                     decode_flags=("--link", d_link) if d_link else (),
+                     gateway_flags=("--policy", "adaptive" if pull_only or policy is None else policy),
+                     gateway_env=(("TURNKV_POLICY__PARAMS", '{"decode_local": false}'),) if pull_only else ())
+    what = "plain P/D (turnkv, no session ids)" if policy is None else (
+        "turnkv --policy adaptive, decode-local off" if pull_only else f"turnkv --policy {policy}")
+    links = f"{link} link" + (f" (D reads over {d_link})" if d_link else "")
+    desc = f"1P1D, {links}, P prefix cache {'off' if cache == 'cold' else 'on'}, {what}"
     tags = {"history": history, "user": user, "link": link, "cache": cache, "policy": label}
     return Bench(dep, (ConfigPlan(name, f"{_shape(history, user)} {link} P-cache {cache}", desc, wl, tags),))
 
@@ -67,18 +80,18 @@ def _colocated(history: int, conversations: int | None, user: int = WORKLOAD.use
 def benches(conversations: int | None = None) -> list[Bench]:
     out: list[Bench] = [_colocated(16000, conversations)]
     for link in LINKS:
-        for cache in ("cold", "warm"):
-            out += [_pd(16000, link, cache, p, conversations) for p in (None, *POLICIES)]
+        for cache in ("cold", "warm") if link != "h200-ipc" else ("cold",):
+            pols: tuple[str | None, ...] = (None, *POLICIES, *((PULL_ONLY,) if cache == "cold" else ()))
+            out += [_pd(16000, link, cache, p, conversations) for p in pols]
     for history in (2000, 8000, 32000):
         out.append(_colocated(history, conversations))
         for link in ("host", "rdma400"):
             # the host link moves 0.45 GB/s: a 32k history is ~10 s per transfer, so fewer conversations
             n = conversations or (4 if (link, history) == ("host", 32000) else None)
             out += [_pd(history, link, "cold", p, n) for p in (None, *POLICIES)]
-    # tool-output-sized user turns (2k tokens): more than adaptive lets D prefill itself, so the
-    # policy has to choose between pulling D's blocks and recomputing on P
+    # tool-output-sized user turns (2k tokens): ~90 ms of prefill on D, inside adaptive's stall budget
     out.append(_colocated(16000, conversations, user=2000))
-    for link in LINKS:
+    for link in ("host", "100gbe", "rdma400", "nvlink"):
         out += [_pd(16000, link, "cold", p, conversations, user=2000) for p in (None, *POLICIES)]
     return out
 
@@ -121,11 +134,11 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
                         and c.group.split()[0] == g.split()[0]), None)
         if co_name:
             names.append(co_name)
-    rows, checks = [], []
+    rows, checks, pull_rows = [], [], []
     keys = sorted({k[:4] for k in cells}, key=lambda k: (k[1], k[0], LINKS.index(k[2]), k[3]))
     nan = _Cell(math.nan, math.nan, 0, 0, "-")
     for hist, user, link, cache in keys:
-        get = {p: cells.get((hist, user, link, cache, p), nan) for p in ("plain", *POLICIES)}
+        get = {p: cells.get((hist, user, link, cache, p), nan) for p in ("plain", *POLICIES, PULL_ONLY)}
         co = colocated.get((hist, user), nan)
         fixed = {p: get[p] for p in FIXED if not math.isnan(get[p].p50)}
         best = min(fixed, key=lambda p: fixed[p].p50) if fixed else "-"
@@ -138,6 +151,17 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
                      fmt_ratio(_ratio(a.p50, co.p50)), fmt_ratio(_ratio(a.p50, best_p50)), a.actions, same])
         where = f"{_shape(hist, user)} {link} {cache}"
         checks.append(("adaptive <= 1.10x best fixed", where, _ratio(a.p50, best_p50), 1.10, same))
+        ap = get[PULL_ONLY]
+        pull_fixed = {p: get[p] for p in PULL_FIXED if not math.isnan(get[p].p50)}
+        if not math.isnan(ap.p50) and pull_fixed:
+            pbest = min(pull_fixed, key=lambda p: pull_fixed[p].p50)
+            pull_rows.append([_k(hist), link, cache, *(f"{fmt_ms(get[p].p50)} / {fmt_ms(get[p].p90)}"
+                                                       for p in (*PULL_FIXED, PULL_ONLY)),
+                              f"{pbest} {fmt_ms(pull_fixed[pbest].p50)}",
+                              fmt_ratio(_ratio(ap.p50, pull_fixed[pbest].p50)), ap.actions])
+            checks.append((f"{PULL_ONLY} <= 1.10x better of pull/recompute", where,
+                           _ratio(ap.p50, pull_fixed[pbest].p50), 1.10,
+                           "yes" if ap.actions == pull_fixed[pbest].actions else "no"))
         if hist == 16000 and cache == "cold" and link in ("rdma400", "nvlink"):
             checks.append(("adaptive <= 0.5x plain P/D", where, _ratio(a.p50, get["plain"].p50), 0.5, ""))
             checks.append(("adaptive <= 1.15x colocated", where, _ratio(a.p50, co.p50), 1.15, ""))
@@ -149,6 +173,11 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
         md_table(["history", "user turn", "link", "P cache", "colocated p50", "plain P/D", "always-pull", "never-pull",
                   "decode-local", "adaptive", "best fixed", "adaptive / plain", "adaptive / colocated",
                   "adaptive / best fixed", "adaptive actions", "same actions as best fixed"], rows), "",
+        f"## Pull or recompute: `{PULL_ONLY}` (adaptive with decode-local off)", "",
+        "The choice the policy faces when D should not prefill the turn itself (busy, or a long user turn), "
+        "held against the better of the two fixed policies.", "",
+        md_table(["history", "link", "P cache", "always-pull", "never-pull", PULL_ONLY, "better fixed",
+                  f"{PULL_ONLY} / better fixed", f"{PULL_ONLY} actions"], pull_rows), "",
         "## Targets (issue 4)", "",
         "Where adaptive took the same turn-5 actions as the best fixed policy, the two ran the same path and "
         "their ratio measures run-to-run noise (8 samples each), not the policy.", "",
@@ -172,7 +201,7 @@ def plot_turn5(configs: Sequence[ConfigResult], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = ("colocated", "plain", *FIXED, "adaptive")
+    order = ("colocated", "plain", *FIXED, "adaptive", PULL_ONLY)
     rows: dict[tuple[int, int, str, str], dict[str, _Cell]] = {}
     colocated: dict[tuple[int, int], _Cell] = {}
     for c in configs:
