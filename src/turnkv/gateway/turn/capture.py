@@ -145,6 +145,7 @@ def _account(ctx: TurnContext) -> None:
         outcome=outcome, action=ctx.action.value, reason=ctx.reason.value,
         matched_tokens=a.tokens if a else 0, tokens_pulled=reused, tokens_cached=cached, tokens_computed=computed,
         prompt_tokens=n_prompt, generated_tokens=len(ctx.capture.token_ids), prefill=ctx.prefill_url,
-        decode=ctx.decode_url, prefill_ms=round(ctx.prefill_s * 1e3, 2), ttft_ms=ttft_ms,
+        decode=ctx.decode_url, render_ms=round(ctx.render_s * 1e3, 2), planned_ms=round(ctx.planned_s * 1e3, 2),
+        prefill_ms=round(ctx.prefill_s * 1e3, 2), ttft_ms=ttft_ms,
         capture=ctx.capture_result, retries=ctx.retries or None, estimates_ms=ctx.estimates or None,
     )

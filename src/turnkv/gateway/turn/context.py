@@ -50,6 +50,7 @@ class TurnContext:
     prompt_chain: ChainBuilder | None = None
     claim: Claim | None = None
     claimed: bool = False  # the store holds our in-flight marker
+    render_s: float = 0.0  # render and claim, side by side
     handle_spent: bool = False  # the claimed handle went to P: it cannot be put back
     # plan
     assessment: Assessment | None = None
@@ -57,6 +58,7 @@ class TurnContext:
     action: Action = Action.RECOMPUTE
     estimates: dict[str, float] = field(default_factory=dict)
     handle_for_prefill: dict[str, Any] | None = None
+    planned_s: float = 0.0  # from the start of the turn to the end of PLAN: the gateway's own latency
     pull_tokens: int = 0
     expected_cached: int = 0  # prompt tokens P should not have to compute (its cache, plus the pull)
     prefill_url: str | None = None

@@ -41,6 +41,13 @@ def _assess(ctx: TurnContext) -> Assessment | None:
 
 
 async def run(ctx: TurnContext) -> TurnState:
+    try:
+        return await _plan(ctx)
+    finally:
+        ctx.planned_s = time.perf_counter() - ctx.started
+
+
+async def _plan(ctx: TurnContext) -> TurnState:
     svc = ctx.svc
     s = svc.settings
     a = ctx.assessment = _assess(ctx)
@@ -81,6 +88,7 @@ async def run(ctx: TurnContext) -> TurnState:
         ctx.handle_for_prefill = trim_handle(rec.handle, a.tokens, bs)
         return TurnState.PREFILL
     if decision.action is Action.DECODE_LOCAL and rec is not None:
+        ctx.expected_cached = facts.decode_cached_tokens  # D's own cache holds the conversation
         ctx.decode_url = rec.decode_url
         return TurnState.DECODE
     if rec is not None and a.releasable:

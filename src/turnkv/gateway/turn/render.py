@@ -9,6 +9,7 @@ Transition: RENDER → PLAN, or → PREFILL with the client's messages (no conve
 from __future__ import annotations
 
 import asyncio
+import time
 
 from turnkv.errors import ClientError, StoreError, UpstreamError, UpstreamStatus
 from turnkv.gateway.turn.context import TurnContext, TurnState
@@ -54,7 +55,9 @@ async def run(ctx: TurnContext) -> TurnState:
     if (ctx.body.get("n") or 1) != 1:
         ctx.reason = Reason.UNSUPPORTED_REQUEST
         return TurnState.PREFILL
+    t0 = time.perf_counter()
     rendered, claim = await asyncio.gather(_render(ctx), _claim(ctx), return_exceptions=True)
+    ctx.render_s = time.perf_counter() - t0
     if isinstance(claim, BaseException):
         raise claim
     ctx.claim = claim
