@@ -74,6 +74,8 @@ class Settings(BaseSettings):
     decoder_kv_blocks_ttl: float = Field(480.0, gt=0, description="the engines' decoder_kv_blocks_ttl")
     expiry_margin_s: float = Field(10.0, ge=0, description="forget a handle this long before P would decline it")
     kv_bytes_per_token: int = Field(147456, ge=1, description="KV bytes per token (Qwen3-8B bf16 by default)")
+    decode_local_direct: bool = Field(True, description="send a decode-local turn to D without rendering it "
+                                      "first, when the template keeps history and the last answer is echoed as is")
     release_unused: bool = Field(True, description="release D handles nobody will use (stateless turns...) at "
                                  "the cost of a 1-token request to a prefill engine")
     release_above_kv_usage: float = Field(0.95, ge=0, le=1.01,

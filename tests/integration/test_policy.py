@@ -63,7 +63,23 @@ def test_decode_local_when_the_delta_is_small(procs: list[launch.Running], tmp_p
         d.step()
         t = d.step()
         assert t.correct and t.outcome == "decode_local" and t.reason == "decode_local"
+        # the template keeps history and the answer came back as sent: no render call before D
+        assert t.headers.get("x-turnkv-direct") == "true" and "x-turnkv-prompt-tokens" not in t.headers
         assert d.step().correct  # the decode-local turn left a handle for the next one
+        # an edited answer: D's cache no longer covers it as expected, so the turn is rendered and checked
+        d.messages[-2]["content"] += " (edited by the client)"
+        edited = d.step()
+        assert edited.correct and "x-turnkv-direct" not in edited.headers
+        assert edited.headers["x-turnkv-matched-tokens"] != "0" and edited.outcome == "decode_local"
+
+
+def test_no_direct_decode_local_when_the_template_drops_reasoning(procs: list[launch.Running],
+                                                                   tmp_path: Path) -> None:
+    c = start_cluster(procs, tmp_path, template="strip", policy="adaptive", sim_flags=("--time-scale", "1"))
+    with Dialogue(c, system=LONG_SYSTEM, max_tokens=24) as d:
+        d.step()
+        t = d.step()
+    assert t.correct and "x-turnkv-direct" not in t.headers and t.reason != "full_match"
 
 
 def test_a_handle_that_cannot_be_stored_is_released(procs: list[launch.Running], tmp_path: Path,

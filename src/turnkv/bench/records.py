@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 FORMAT_VERSION = 1
-DECISION_HEADERS = ("x-turnkv-outcome", "x-turnkv-action", "x-turnkv-reason", "x-turnkv-matched-tokens")
+DECISION_HEADERS = ("x-turnkv-outcome", "x-turnkv-action", "x-turnkv-reason", "x-turnkv-matched-tokens",
+                    "x-turnkv-direct")
 
 
 @dataclass

@@ -148,4 +148,5 @@ def _account(ctx: TurnContext) -> None:
         decode=ctx.decode_url, render_ms=round(ctx.render_s * 1e3, 2), planned_ms=round(ctx.planned_s * 1e3, 2),
         prefill_ms=round(ctx.prefill_s * 1e3, 2), ttft_ms=ttft_ms,
         capture=ctx.capture_result, retries=ctx.retries or None, estimates_ms=ctx.estimates or None,
+        direct=ctx.direct or None,
     )

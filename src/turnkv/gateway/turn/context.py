@@ -51,6 +51,7 @@ class TurnContext:
     claim: Claim | None = None
     claimed: bool = False  # the store holds our in-flight marker
     render_s: float = 0.0  # render and claim, side by side
+    direct: bool = False  # decode-local without a render (turn/direct.py)
     handle_spent: bool = False  # the claimed handle went to P: it cannot be put back
     # plan
     assessment: Assessment | None = None

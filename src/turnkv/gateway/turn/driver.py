@@ -56,6 +56,8 @@ def _headers(ctx: TurnContext) -> dict[str, str]:
     if ctx.prompt_ids is not None:
         h["x-turnkv-prompt-tokens"] = str(len(ctx.prompt_ids))
     h["x-turnkv-pulled-tokens"] = str(ctx.pull_tokens)
+    if ctx.direct:
+        h["x-turnkv-direct"] = "true"  # decode-local without a render call (turn/direct.py)
     if ctx.prefill_cached is not None:
         h["x-turnkv-prefill-cached-tokens"] = str(ctx.prefill_cached)
     if ctx.prefill_url is not None and ctx.action is not Action.DECODE_LOCAL:

@@ -11,10 +11,21 @@ from __future__ import annotations
 import time
 
 from turnkv.gateway.answer import echoed_answer
+from turnkv.gateway.registry import Instance
 from turnkv.gateway.turn.context import TurnContext, TurnState
 from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, release_handle, trim_handle
 from turnkv.reuse.cost import Action, TurnFacts, pulled_tokens
 from turnkv.state.base import ClaimStatus
+from turnkv.state.record import ConversationRecord
+
+
+def likely_prefill_cached(rec: ConversationRecord | None, prefill: Instance | None, block_size: int) -> int:
+    """Prompt tokens the chosen P likely still caches: it computed the last prompt if it served the
+    last turn; how much of that survives there is measured (``Instance.cache_factor``)."""
+    if rec is None or prefill is None or prefill.url != rec.prefill_url:
+        return 0
+    bs = block_size
+    return int((rec.prompt_tokens // bs) * bs * prefill.cache_factor) // bs * bs
 
 
 def _engine_view(ctx: TurnContext, url: str) -> EngineView | None:
@@ -64,9 +75,7 @@ async def _plan(ctx: TurnContext) -> TurnState:
         return TurnState.PREFILL
     bs = s.block_size
     same_p = rec is not None and prefill is not None and prefill.url == rec.prefill_url
-    # P computed the last prompt, so its cache may hold it; how much of that survives is measured
-    p_cached = int((rec.prompt_tokens // bs) * bs * prefill.cache_factor) // bs * bs \
-        if rec is not None and prefill is not None and same_p else 0
+    p_cached = likely_prefill_cached(rec, prefill, bs)
     d_holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
     facts = TurnFacts(
         prompt_tokens=len(ctx.prompt_ids), reusable_tokens=a.tokens, prefill_cached_tokens=p_cached,

@@ -3,7 +3,10 @@
 Both run at once. The engine's own ``/v1/chat/completions/render`` (or a render service) is the
 authority for tokenization. A render the client caused to fail is the client's error; a render
 the engine failed (or a store that failed) only costs this turn its reuse.
-Transition: RENDER → PLAN, or → PREFILL with the client's messages (no conversation, or degraded).
+Where the template keeps history, the record is read first, and a turn ``turn.direct`` sends to D as
+decode-local skips the render.
+Transition: RENDER → PLAN, or → PREFILL with the client's messages (no conversation, or degraded),
+or → DECODE (decode-local without a render).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import time
 
 from turnkv.errors import ClientError, StoreError, UpstreamError, UpstreamStatus
+from turnkv.gateway.turn import direct
 from turnkv.gateway.turn.context import TurnContext, TurnState
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.chain import ChainBuilder
@@ -56,11 +60,23 @@ async def run(ctx: TurnContext) -> TurnState:
         ctx.reason = Reason.UNSUPPORTED_REQUEST
         return TurnState.PREFILL
     t0 = time.perf_counter()
-    rendered, claim = await asyncio.gather(_render(ctx), _claim(ctx), return_exceptions=True)
+    rendered: list[int] | BaseException
+    if direct.applies(ctx):
+        # the record first: a decode-local turn it allows needs no render at all
+        claim = ctx.claim = await _claim(ctx)
+        if claim is not None and direct.try_direct(ctx, claim):
+            ctx.render_s = time.perf_counter() - t0
+            return TurnState.DECODE
+        try:
+            rendered = await _render(ctx)
+        except Exception as exc:  # judged below, as when both run side by side
+            rendered = exc
+    else:
+        rendered, claimed = await asyncio.gather(_render(ctx), _claim(ctx), return_exceptions=True)
+        if isinstance(claimed, BaseException):
+            raise claimed
+        claim = ctx.claim = claimed
     ctx.render_s = time.perf_counter() - t0
-    if isinstance(claim, BaseException):
-        raise claim
-    ctx.claim = claim
     if isinstance(rendered, UpstreamStatus) and 400 <= rendered.upstream_status < 500:
         raise rendered  # the messages themselves are wrong: the client hears the engine's words
     if isinstance(rendered, UpstreamError):
