@@ -15,6 +15,7 @@ from turnkv.errors import StoreError
 from turnkv.gateway.metrics import turn_bucket
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.context import TurnContext
+from turnkv.gateway.turn.direct import history_digest
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.state.base import ClaimStatus
 from turnkv.state.record import ConversationRecord
@@ -74,6 +75,7 @@ def build_record(ctx: TurnContext) -> ConversationRecord | str:
         handle=h, engine_id=str(h["remote_engine_id"]), engine_epoch=d.epoch if d else None, num_tokens=n,
         chain=chain.digests(), block_size=s.block_size, prompt_tokens=len(prompt), answer_digest=answer,
         reasoning_digest=reasoning, turn=ctx.turn_index, created_at=now, expires_at=now + s.handle_ttl_s,
+        history_digest=history_digest(ctx.body, ctx.body.get("messages") or []) if s.decode_local_direct else None,
     )
 
 
