@@ -81,3 +81,5 @@ def test_configured_directions_stand_until_measured() -> None:
     est = CostEstimator(CostParams(link_bytes_per_s=5e9, push_fixed_s=0.001, push_bytes_per_s=200e9))
     p = est.params()
     assert (p.link_bytes_per_s, p.push_bytes_per_s, p.push_fixed_s) == (5e9, 200e9, 0.001)
+    est.observe_link("prefill", 1e8, 0.02, 1)
+    assert est.params().push_bytes_per_s == 200e9  # configured, so not borrowed from the pulls
