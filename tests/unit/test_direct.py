@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from turnkv.gateway.turn.direct import history_digest, new_tokens_estimate
+from turnkv.gateway.turn.direct import bytes_per_token, history_digest, new_tokens_estimate
 
 SYS = {"role": "system", "content": "You are terse."}
 ANSWER = {"role": "assistant", "content": "Sure."}
@@ -52,3 +52,14 @@ def test_history_digest_sees_what_changes_the_prompt() -> None:
     assert history_digest({"model": "m"}, [{"role": "user", "content": "a"}]) != recorded
     assert history_digest({"model": "m", "tools": [{"type": "function"}]}, nxt[:2]) != recorded
     assert history_digest({"model": "m", "chat_template_kwargs": {"enable_thinking": False}}, nxt[:2]) != recorded
+
+
+def test_the_conversation_measures_its_own_bytes_per_token() -> None:
+    history = [SYS, {"role": "user", "content": "x" * 986 + "12345678"}]  # 1000 other bytes with SYS, 8 digits
+    assert bytes_per_token(history, 8 + 250) == 4.0  # 1000 other bytes over 250 other tokens
+    assert bytes_per_token(history, 5) is None  # fewer tokens than digits: not a measurement
+    assert bytes_per_token([{"role": "user", "content": [{"type": "image_url"}]}], 100) is None
+    turn = [SYS, {"role": "user", "content": "a"}, ANSWER, {"role": "user", "content": "y" * 1000}]
+    # 4 bytes a token measured, used with a 25% margin: 1000 / 3.2 tokens, against 1000 / 2.5 unmeasured
+    assert new_tokens_estimate(turn, 4.0) == 313 + 8 * 3
+    assert new_tokens_estimate(turn) == 400 + 8 * 3

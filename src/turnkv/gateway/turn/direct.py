@@ -25,7 +25,12 @@ from turnkv.reuse.assess import Reason, TemplateClass
 from turnkv.reuse.cost import Action, TurnFacts
 from turnkv.state.base import Claim, ClaimStatus
 
-BYTES_PER_TOKEN = 2.5  # English runs ~4, CJK ~3 (a character, ~1 token), hex/base64/JSON 2-3
+# Text bytes per token: measured on the conversation itself at each capture (its messages' bytes over
+# its prompt's tokens), and used with a margin; before any measurement, a low guess (English runs ~4,
+# CJK ~3: a character, ~1 token; hex, base64 and JSON 2-3). Digits are a token each in Qwen-style
+# tokenizers, so they are counted apart.
+BYTES_PER_TOKEN = 2.5
+MARGIN = 1.25  # the new text may tokenize worse than the history did
 TOKENS_PER_MESSAGE = 8  # role markers and separators the template adds
 # request fields besides the messages that change the prompt the template renders
 PROMPT_FIELDS = ("model", "tools", "tool_choice", "chat_template", "chat_template_kwargs", "documents",
@@ -48,28 +53,44 @@ def _last_assistant(messages: Sequence[Any]) -> int | None:
     return i if i >= 0 and isinstance(messages[i], Mapping) else None
 
 
-def _text_tokens(text: str) -> float:
-    digits = sum(c.isdigit() for c in text)  # Qwen-style tokenizers give every digit its own token
-    return digits + (len(text.encode("utf-8")) - digits) / BYTES_PER_TOKEN
-
-
-def _content_tokens(content: Any) -> float | None:
-    """A message's text, in estimated tokens; None for parts that are not text (an image is many tokens)."""
-    if content is None:
-        return 0.0
+def _content_size(content: Any) -> tuple[int, int] | None:
+    """(digits, other UTF-8 bytes) of a message's text; None for parts that are not text (an image is
+    many tokens)."""
+    texts: list[str] = []
     if isinstance(content, str):
-        return _text_tokens(content)
-    if isinstance(content, list):
-        total = 0.0
+        texts.append(content)
+    elif isinstance(content, list):
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 return None
-            total += _text_tokens(part["text"])
-        return total
-    return None
+            texts.append(part["text"])
+    elif content is not None:
+        return None
+    digits = sum(sum(c.isdigit() for c in t) for t in texts)
+    return digits, sum(len(t.encode("utf-8")) for t in texts) - digits
 
 
-def new_tokens_estimate(messages: Sequence[Any]) -> int | None:
+def text_size(messages: Sequence[Any]) -> tuple[int, int] | None:
+    """(digits, other bytes) of the messages' text; None when one is not a message of text."""
+    total_d = total_b = 0
+    for m in messages:
+        size = _content_size(m.get("content")) if isinstance(m, Mapping) else None
+        if size is None:
+            return None
+        total_d, total_b = total_d + size[0], total_b + size[1]
+    return total_d, total_b
+
+
+def bytes_per_token(messages: Sequence[Any], prompt_tokens: int) -> float | None:
+    """What this conversation's text measured: its non-digit bytes per non-digit prompt token (the
+    template's own tokens count in, which keeps the figure low, so estimates from it high)."""
+    size = text_size(messages)
+    if size is None or prompt_tokens - size[0] <= 0 or size[1] <= 0:
+        return None
+    return min(8.0, max(1.0, size[1] / (prompt_tokens - size[0])))
+
+
+def new_tokens_estimate(messages: Sequence[Any], measured_bytes_per_token: float | None = None) -> int | None:
     """Tokens the messages after the last assistant message will add, rounded up; None when there is
     no assistant message (nothing for D to continue) or a message is not text."""
     i = _last_assistant(messages)
@@ -78,12 +99,12 @@ def new_tokens_estimate(messages: Sequence[Any]) -> int | None:
     tail = messages[i + 1:]
     if not tail or any(not isinstance(m, Mapping) or m.get("role") not in ("user", "tool", "system") for m in tail):
         return None
-    sizes = [_content_tokens(m.get("content")) for m in tail]
-    if any(n is None for n in sizes):
+    size = text_size(tail)
+    if size is None:
         return None
-    content = sum(n for n in sizes if n is not None)
+    bpt = measured_bytes_per_token / MARGIN if measured_bytes_per_token else BYTES_PER_TOKEN
     # the generation prompt, and the closing of the assistant turn the template re-emits
-    return int(content + 0.999) + TOKENS_PER_MESSAGE * (len(tail) + 2)
+    return int(size[0] + size[1] / bpt + 0.999) + TOKENS_PER_MESSAGE * (len(tail) + 2)
 
 
 def applies(ctx: TurnContext) -> bool:
@@ -116,7 +137,7 @@ def try_direct(ctx: TurnContext, claim: Claim) -> bool:
             rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest):
         return False
     i = _last_assistant(messages)
-    new = new_tokens_estimate(messages)
+    new = new_tokens_estimate(messages, rec.bytes_per_token)
     if i is None or new is None or rec.history_digest is None \
             or history_digest(ctx.body, messages[:i]) != rec.history_digest:
         return False  # the history before the answer changed (compacted, tools, options): render and check
