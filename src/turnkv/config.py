@@ -43,7 +43,9 @@ class CostPriors(BaseModel):
 
     model_config = ConfigDict(frozen=True)
     link_fixed_ms: float = Field(2.0, ge=0)
-    link_gbps: float = Field(0.43, gt=0, description="KV transfer bandwidth, GB/s")
+    link_gbps: float = Field(0.43, gt=0, description="KV transfer bandwidth D -> P (pulls), GB/s")
+    push_link_fixed_ms: float | None = Field(None, ge=0, description="P -> D; default: as D -> P")
+    push_link_gbps: float | None = Field(None, gt=0, description="P -> D bandwidth, GB/s; default: as D -> P")
     prefill_us_per_token: float = Field(25.0, ge=0)
     prefill_attn_ns: float = Field(1.2, ge=0, description="per new token per token of context")
     prefill_floor_ms: float = Field(10.0, ge=0)

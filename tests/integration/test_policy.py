@@ -71,6 +71,11 @@ def test_decode_local_when_the_delta_is_small(procs: list[launch.Running], tmp_p
         edited = d.step()
         assert edited.correct and "x-turnkv-direct" not in edited.headers
         assert edited.headers["x-turnkv-matched-tokens"] != "0" and edited.outcome == "decode_local"
+        assert d.step().headers.get("x-turnkv-direct") == "true"
+        # a compacted history with the last answer intact (as agent frameworks do): rendered and checked
+        del d.messages[1:3]
+        compacted = d.step()
+        assert compacted.correct and "x-turnkv-direct" not in compacted.headers
 
 
 def test_no_direct_decode_local_when_the_template_drops_reasoning(procs: list[launch.Running],

@@ -75,3 +75,11 @@ def test_link_directions_are_learnt_apart() -> None:
     assert p.link_bytes_per_s == pytest.approx(5e9, rel=1e-6)
     assert p.push_bytes_per_s == pytest.approx(300e9, rel=1e-6)
     assert transfer_s(p, 16000) > 10 * transfer_s(p, 16000, push=True)
+
+
+def test_configured_directions_stand_until_measured() -> None:
+    est = CostEstimator(CostParams(link_bytes_per_s=5e9, push_fixed_s=0.001, push_bytes_per_s=200e9))
+    p = est.params()
+    assert (p.link_bytes_per_s, p.push_bytes_per_s, p.push_fixed_s) == (5e9, 200e9, 0.001)
+    est.observe_link("prefill", 1e8, 0.02, 1)
+    assert est.params().push_bytes_per_s == 200e9  # configured, so not borrowed from the pulls

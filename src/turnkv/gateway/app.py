@@ -52,6 +52,8 @@ def cost_priors(settings: Settings) -> CostParams:
     c = settings.costs
     return CostParams(
         link_fixed_s=c.link_fixed_ms / 1e3, link_bytes_per_s=c.link_gbps * 1e9,
+        push_fixed_s=None if c.push_link_fixed_ms is None else c.push_link_fixed_ms / 1e3,
+        push_bytes_per_s=None if c.push_link_gbps is None else c.push_link_gbps * 1e9,
         kv_bytes_per_token=settings.kv_bytes_per_token, prefill_per_token_s=c.prefill_us_per_token / 1e6,
         prefill_attn_s=c.prefill_attn_ns / 1e9, prefill_floor_s=c.prefill_floor_ms / 1e3, hop_s=c.hop_ms / 1e3,
         recompute_threshold=c.recompute_threshold,

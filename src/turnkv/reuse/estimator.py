@@ -126,8 +126,8 @@ class CostEstimator:
         pull, push = self.pull.params(), self.push.params()
         if not self.pull.samples and self.push.samples:
             pull = push
-        if not self.push.samples and self.pull.samples:
-            push = pull
+        if not self.push.samples and self.pull.samples and self.prior.push_bytes_per_s is None:
+            push = pull  # unless the operator said what P -> D is
         return {"pull": pull, "push": push}
 
     def observe_prefill(self, *, new_tokens: int, context_tokens: int, pulled_tokens: int, seconds: float,

@@ -42,6 +42,9 @@ class ReusePolicy(Protocol):
     @property
     def checks_tokens(self) -> bool: ...
 
+    @property
+    def may_decode_local(self) -> bool: ...
+
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision: ...
 
 
@@ -64,6 +67,7 @@ class AdaptivePolicy:
 
     def __init__(self, params: AdaptiveParams) -> None:
         self.p = params
+        self.may_decode_local = params.decode_local
 
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
         new = facts.prompt_tokens - facts.decode_cached_tokens
@@ -91,6 +95,7 @@ class FixedParams(_Params):
 class AlwaysPullPolicy:
     name = "always-pull"
     checks_tokens = True
+    may_decode_local = False
 
     def __init__(self, params: FixedParams) -> None:
         pass
@@ -102,6 +107,7 @@ class AlwaysPullPolicy:
 class NeverPullPolicy:
     name = "never-pull"
     checks_tokens = True
+    may_decode_local = False
 
     def __init__(self, params: FixedParams) -> None:
         pass
@@ -113,6 +119,7 @@ class NeverPullPolicy:
 class DecodeLocalPolicy:
     name = "decode-local"
     checks_tokens = True
+    may_decode_local = True
 
     def __init__(self, params: FixedParams) -> None:
         pass
@@ -128,6 +135,7 @@ class UncheckedPolicy:
 
     name = "always-reuse-unchecked"
     checks_tokens = False
+    may_decode_local = False
 
     def __init__(self, params: FixedParams) -> None:
         pass

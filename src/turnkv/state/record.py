@@ -39,6 +39,10 @@ class ConversationRecord:
     created_at: float  # gateway wall clock
     expires_at: float  # gateway wall clock; past it the handle is not used
     extra: dict[str, Any] = field(default_factory=dict)
+    # digest of the request this answer was for (its messages and whatever else shapes the prompt):
+    # a next turn whose history before the answer has this digest continued the conversation as is
+    history_digest: str | None = None
+    bytes_per_token: float | None = None  # the conversation's text bytes per prompt token (turn/direct.py)
 
     @property
     def had_reasoning(self) -> bool:

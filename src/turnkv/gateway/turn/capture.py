@@ -15,6 +15,7 @@ from turnkv.errors import StoreError
 from turnkv.gateway.metrics import turn_bucket
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.context import TurnContext
+from turnkv.gateway.turn.direct import bytes_per_token, history_digest
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.state.base import ClaimStatus
 from turnkv.state.record import ConversationRecord
@@ -68,12 +69,15 @@ def build_record(ctx: TurnContext) -> ConversationRecord | str:
     else:
         chain = ChainBuilder(s.block_size).extend((prompt + cap.token_ids)[:n])
     answer, reasoning = cap.answer.digests()
+    messages = ctx.body.get("messages") or []
     now = time.time()
     return ConversationRecord(
         tenant=ctx.conversation.tenant, decode_url=str(ctx.decode_url), prefill_url=ctx.prefill_url,
         handle=h, engine_id=str(h["remote_engine_id"]), engine_epoch=d.epoch if d else None, num_tokens=n,
         chain=chain.digests(), block_size=s.block_size, prompt_tokens=len(prompt), answer_digest=answer,
         reasoning_digest=reasoning, turn=ctx.turn_index, created_at=now, expires_at=now + s.handle_ttl_s,
+        history_digest=history_digest(ctx.body, messages) if s.decode_local_direct else None,
+        bytes_per_token=bytes_per_token(messages, len(prompt)) if s.decode_local_direct else None,
     )
 
 

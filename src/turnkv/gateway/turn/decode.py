@@ -80,6 +80,7 @@ def fall_back_from_decode_local(ctx: TurnContext) -> TurnState:
     ctx.action = Action.RECOMPUTE
     ctx.retries.append("decode_local_failed")
     ctx.tried_decode.clear()
+    ctx.expected_cached, ctx.direct = 0, False  # P computes what its own cache lacks
     claim = ctx.claim
     if claim is not None and claim.status is ClaimStatus.FOUND and claim.record is not None:
         ctx.handle_for_prefill = release_handle(claim.record.handle)

@@ -12,6 +12,8 @@ Capture still builds the next record from D's own token ids.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,48 +25,97 @@ from turnkv.reuse.assess import Reason, TemplateClass
 from turnkv.reuse.cost import Action, TurnFacts
 from turnkv.state.base import Claim, ClaimStatus
 
-BYTES_PER_TOKEN = 3.0  # low for English (~4), about right for CJK (3 bytes a character, ~1 token)
+# Text bytes per token: measured on the conversation itself at each capture (its messages' bytes over
+# its prompt's tokens), and used with a margin; before any measurement, a low guess (English runs ~4,
+# CJK ~3: a character, ~1 token; hex, base64 and JSON 2-3). Digits are a token each in Qwen-style
+# tokenizers, so they are counted apart.
+BYTES_PER_TOKEN = 2.5
+MARGIN = 1.25  # the new text may tokenize worse than the history did
 TOKENS_PER_MESSAGE = 8  # role markers and separators the template adds
+# request fields besides the messages that change the prompt the template renders
+PROMPT_FIELDS = ("model", "tools", "tool_choice", "chat_template", "chat_template_kwargs", "documents",
+                 "add_generation_prompt", "continue_final_message", "add_special_tokens", "cache_salt",
+                 "reasoning_effort")
 
 
-def _text_bytes(content: Any) -> int | None:
-    """UTF-8 bytes of a message's text; None for parts that are not text (an image is many tokens)."""
-    if content is None:
-        return 0
-    if isinstance(content, str):
-        return len(content.encode("utf-8"))
-    if isinstance(content, list):
-        total = 0
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                return None
-            total += len(part["text"].encode("utf-8"))
-        return total
-    return None
+def history_digest(body: Mapping[str, Any], messages: Sequence[Any]) -> str:
+    """Digest of ``messages`` with the request fields that shape the prompt; equal digests, equal prompts
+    up to the end of these messages (the client sent the same history, tools and template options)."""
+    doc = {"messages": list(messages), **{k: body[k] for k in PROMPT_FIELDS if k in body}}
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
 
 
-def new_tokens_estimate(messages: Sequence[Any]) -> int | None:
-    """Tokens the messages after the last assistant message will add, rounded up; None when there is
-    no assistant message (nothing for D to continue) or a message is not text."""
+def _last_assistant(messages: Sequence[Any]) -> int | None:
     i = len(messages) - 1
     while i >= 0 and isinstance(messages[i], Mapping) and messages[i].get("role") != "assistant":
         i -= 1
-    if i < 0 or not isinstance(messages[i], Mapping):
+    return i if i >= 0 and isinstance(messages[i], Mapping) else None
+
+
+def _content_size(content: Any) -> tuple[int, int] | None:
+    """(digits, other UTF-8 bytes) of a message's text; None for parts that are not text (an image is
+    many tokens)."""
+    texts: list[str] = []
+    if isinstance(content, str):
+        texts.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                return None
+            texts.append(part["text"])
+    elif content is not None:
+        return None
+    digits = sum(sum(c.isdigit() for c in t) for t in texts)
+    return digits, sum(len(t.encode("utf-8")) for t in texts) - digits
+
+
+def text_size(messages: Sequence[Any]) -> tuple[int, int] | None:
+    """(digits, other bytes) of the messages' text; None when one is not a message of text."""
+    total_d = total_b = 0
+    for m in messages:
+        size = _content_size(m.get("content")) if isinstance(m, Mapping) else None
+        if size is None:
+            return None
+        total_d, total_b = total_d + size[0], total_b + size[1]
+    return total_d, total_b
+
+
+def bytes_per_token(messages: Sequence[Any], prompt_tokens: int) -> float | None:
+    """What this conversation's text measured: its non-digit bytes per non-digit prompt token (the
+    template's own tokens count in, which keeps the figure low, so estimates from it high)."""
+    size = text_size(messages)
+    if size is None or prompt_tokens - size[0] <= 0 or size[1] <= 0:
+        return None
+    return min(8.0, max(1.0, size[1] / (prompt_tokens - size[0])))
+
+
+def new_tokens_estimate(messages: Sequence[Any], measured_bytes_per_token: float | None = None) -> int | None:
+    """Tokens the messages after the last assistant message will add, rounded up; None when there is
+    no assistant message (nothing for D to continue) or a message is not text."""
+    i = _last_assistant(messages)
+    if i is None:
         return None
     tail = messages[i + 1:]
     if not tail or any(not isinstance(m, Mapping) or m.get("role") not in ("user", "tool", "system") for m in tail):
         return None
-    sizes = [_text_bytes(m.get("content")) for m in tail]
-    if any(n is None for n in sizes):
+    size = text_size(tail)
+    if size is None:
         return None
-    content = sum(n for n in sizes if n is not None)
+    bpt = measured_bytes_per_token / MARGIN if measured_bytes_per_token else BYTES_PER_TOKEN
     # the generation prompt, and the closing of the assistant turn the template re-emits
-    return int(content / BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * (len(tail) + 2)
+    return int(size[0] + size[1] / bpt + 0.999) + TOKENS_PER_MESSAGE * (len(tail) + 2)
 
 
 def applies(ctx: TurnContext) -> bool:
-    """Worth looking at the record before rendering: the setting, a template known to keep history."""
-    return ctx.svc.settings.decode_local_direct and ctx.svc.audit.cls is TemplateClass.PRESERVES
+    """Worth reading the record before rendering (instead of beside it): the setting is on, the template
+    keeps history, the policy may go decode-local, and the messages continue an answer with text."""
+    svc = ctx.svc
+    if not (svc.settings.decode_local_direct and svc.audit.cls is TemplateClass.PRESERVES
+            and svc.policy.may_decode_local):
+        return False
+    messages = ctx.body.get("messages") or []
+    return echoed_answer(messages) is not None and new_tokens_estimate(messages) is not None
 
 
 def try_direct(ctx: TurnContext, claim: Claim) -> bool:
@@ -75,18 +126,21 @@ def try_direct(ctx: TurnContext, claim: Claim) -> bool:
         return False
     if rec.tenant != ctx.conversation.tenant or time.time() >= rec.expires_at:
         return False
-    d = svc.registry.get(rec.decode_url)
-    if d is None or not d.healthy or (d.epoch is not None and rec.engine_epoch is not None
-                                      and d.epoch != rec.engine_epoch):
+    # the D routing would pick for this turn must be the one holding the conversation
+    d = svc.registry.pick("decode", prefer=rec.decode_url)
+    if d is None or d.url != rec.decode_url or (d.epoch is not None and rec.engine_epoch is not None
+                                                 and d.epoch != rec.engine_epoch):
         return False
     messages = ctx.body.get("messages") or []
     echoed = echoed_answer(messages)
     if echoed is None or echoed.answer_digest != rec.answer_digest or (
             rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest):
         return False
-    new = new_tokens_estimate(messages)
-    if new is None:
-        return False
+    i = _last_assistant(messages)
+    new = new_tokens_estimate(messages, rec.bytes_per_token)
+    if i is None or new is None or rec.history_digest is None \
+            or history_digest(ctx.body, messages[:i]) != rec.history_digest:
+        return False  # the history before the answer changed (compacted, tools, options): render and check
     bs = svc.settings.block_size
     prefill = svc.registry.pick("prefill", prefer=rec.prefill_url)
     held = (rec.num_tokens // bs) * bs
@@ -100,6 +154,7 @@ def try_direct(ctx: TurnContext, claim: Claim) -> bool:
         return False
     ctx.action, ctx.reason = Action.DECODE_LOCAL, Reason.DECODE_LOCAL
     ctx.decode_url = rec.decode_url
+    ctx.prefill_url = prefill.url if prefill else None  # for a fallback, and the next record
     ctx.expected_cached = held
     ctx.estimates = {k.value: round(v * 1e3, 3) for k, v in decision.estimates.items()}
     ctx.direct = True

@@ -36,6 +36,7 @@ async def rerun_without_handle(ctx: TurnContext) -> None:
     if ctx.action in (Action.PULL, Action.DECODE_LOCAL):
         ctx.action = Action.RECOMPUTE
     ctx.handle_for_prefill, ctx.pull_tokens, ctx.prefill_params = None, 0, None
+    ctx.expected_cached, ctx.direct = 0, False
     ctx.tried_decode.clear()
     ctx.state = TurnState.PREFILL
     await advance(ctx)
