@@ -45,7 +45,9 @@ def summarize(records: Iterable[RequestRecord]) -> TurnStats:
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     itl = [x for r in ok for x in r.itl_ms]
     lat = [r.latency_ms for r in ok if r.latency_ms is not None]
-    actions = Counter(r.decision["action"] for r in recs if "action" in r.decision)
+    # a decode-local turn that skipped the render is its own path ("decode_local direct")
+    actions = Counter(r.decision["action"] + (" direct" if r.decision.get("direct") == "true" else "")
+                      for r in recs if "action" in r.decision)
     return TurnStats(
         turn=recs[0].turn if recs and len({r.turn for r in recs}) == 1 else 0, n=len(recs),
         errors=len(recs) - len(ok), ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90),
