@@ -54,17 +54,23 @@ def test_a_link_fast_only_towards_decode_is_learnt_from_the_first_pull(procs: li
     assert third.reason == "cheaper_to_recompute"
     pull_bw = metric(c.gateway.url, "turnkv_link_bytes_per_second", direction="pull")
     push_bw = metric(c.gateway.url, "turnkv_link_bytes_per_second", direction="push")
-    assert pull_bw < 1e9 < 100e9 < push_bw
+    assert 10 * pull_bw < push_bw  # the two directions were learnt apart (simulated 0.43 vs 300 GB/s)
 
 
 def test_decode_local_when_the_delta_is_small(procs: list[launch.Running], tmp_path: Path) -> None:
     c = start_cluster(procs, tmp_path, policy="adaptive", sim_flags=("--time-scale", "1"))
+    renders = lambda: sim_state(c.prefill[0].url)["renders"]  # noqa: E731
     with Dialogue(c, system=LONG_SYSTEM, max_tokens=24) as d:
-        d.step()
+        before = renders()
+        first = d.step()
+        # a first turn with nothing stored is not rendered by the gateway: P and D render it themselves
+        assert first.correct and first.reason == "no_record" and renders() == before
+        assert int(first.headers["x-turnkv-prompt-tokens"]) > 4000  # P's count
         t = d.step()
         assert t.correct and t.outcome == "decode_local" and t.reason == "decode_local"
         # the template keeps history and the answer came back as sent: no render call before D
         assert t.headers.get("x-turnkv-direct") == "true" and "x-turnkv-prompt-tokens" not in t.headers
+        assert renders() == before
         assert d.step().correct  # the decode-local turn left a handle for the next one
         # an edited answer: D's cache no longer covers it as expected, so the turn is rendered and checked
         d.messages[-2]["content"] += " (edited by the client)"

@@ -47,9 +47,11 @@ def sampling_params(req: ChatRequest, limit: int, kv: dict[str, Any] | None, com
 class InfoRoutes:
     def __init__(self, server: SimServer) -> None:
         self.s = server
+        self.renders = 0  # render calls served, in /_sim/state (a gateway may skip them)
 
     async def render(self, request: Request) -> Response:
         s = self.s
+        self.renders += 1
         try:
             req = await parse_body(request, ChatRequest)
             check_model(req.model, s.settings.model)
@@ -146,7 +148,7 @@ class InfoRoutes:
             "engine_id": e.engine_id, "role": s.settings.engine.role, "compat": s.settings.engine.compat,
             "side_channel_port": e.side_channel_port, "pins": len(e.pins), "pinned_tokens": e.pinned_tokens(),
             "kv_cache_usage": e.pool.usage(), "free_blocks": e.pool.num_free,
-            "faults": s.faults.faults.model_dump(), "delayed": s.faults.delayed,
+            "faults": s.faults.faults.model_dump(), "delayed": s.faults.delayed, "renders": self.renders,
         })
 
 

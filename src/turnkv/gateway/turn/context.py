@@ -67,6 +67,7 @@ class TurnContext:
     # prefill
     prefill_params: dict[str, Any] | None = None  # P's kv_transfer_params, for D
     prefill_cached: int | None = None
+    prefill_prompt_tokens: int | None = None  # P's usage.prompt_tokens
     prefill_s: float = 0.0
     # decode
     decode_response: aiohttp.ClientResponse | None = None

@@ -56,6 +56,8 @@ def _headers(ctx: TurnContext) -> dict[str, str]:
         h["x-turnkv-matched-tokens"] = str(ctx.assessment.tokens)
     if ctx.prompt_ids is not None:
         h["x-turnkv-prompt-tokens"] = str(len(ctx.prompt_ids))
+    elif isinstance(ctx.prefill_prompt_tokens, int):
+        h["x-turnkv-prompt-tokens"] = str(ctx.prefill_prompt_tokens)  # not rendered: P's count
     h["x-turnkv-pulled-tokens"] = str(ctx.pull_tokens)
     if ctx.direct:
         h["x-turnkv-direct"] = "true"  # decode-local without a render call (turn/direct.py)

@@ -80,6 +80,7 @@ async def run(ctx: TurnContext) -> TurnState:
         details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
         if isinstance(details.get("cached_tokens"), int):
             ctx.prefill_cached = details["cached_tokens"]
+        ctx.prefill_prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
         _observe(ctx)
         return TurnState.DECODE
     raise last or UpstreamUnavailable("no prefill engine is available", leg="prefill")
@@ -88,9 +89,12 @@ async def run(ctx: TurnContext) -> TurnState:
 def _observe(ctx: TurnContext) -> None:
     svc = ctx.svc
     svc.metrics.prefill_seconds.labels(ctx.action.value).observe(ctx.prefill_s)
-    if ctx.prompt_ids is None:
+    if ctx.prompt_ids is not None:
+        n = len(ctx.prompt_ids)
+    elif ctx.conversation is not None and isinstance(ctx.prefill_prompt_tokens, int):
+        n = ctx.prefill_prompt_tokens  # a first turn sent as messages: P's usage says how long it was
+    else:
         return
-    n = len(ctx.prompt_ids)
     cached = ctx.prefill_cached if ctx.prefill_cached is not None else ctx.expected_cached
     svc.estimator.observe_prefill(new_tokens=n - cached, context_tokens=cached, pulled_tokens=ctx.pull_tokens,
                                   seconds=ctx.prefill_s, block_size=svc.settings.block_size)

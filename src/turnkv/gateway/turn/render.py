@@ -4,7 +4,7 @@ Both run at once. The engine's own ``/v1/chat/completions/render`` (or a render 
 authority for tokenization. A render the client caused to fail is the client's error; a render
 the engine failed (or a store that failed) only costs this turn its reuse.
 Where the template keeps history, the record is read first, and a turn ``turn.direct`` sends to D as
-decode-local skips the render.
+decode-local skips the render; so does a first turn (no assistant message) with no stored record.
 Transition: RENDER → PLAN, or → PREFILL with the client's messages (no conversation, or degraded),
 or → DECODE (decode-local without a render).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from turnkv.errors import ClientError, StoreError, UpstreamError, UpstreamStatus
 from turnkv.gateway.turn import direct
@@ -52,6 +53,11 @@ async def _claim(ctx: TurnContext) -> Claim | None:
     return claim
 
 
+def _continues(messages: list[Any]) -> bool:
+    """Whether the messages continue an answer (an assistant message is among them)."""
+    return any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+
+
 async def run(ctx: TurnContext) -> TurnState:
     if ctx.conversation is None:
         ctx.reason = Reason.NO_SESSION
@@ -61,12 +67,17 @@ async def run(ctx: TurnContext) -> TurnState:
         return TurnState.PREFILL
     t0 = time.perf_counter()
     rendered: list[int] | BaseException
-    if direct.applies(ctx):
-        # the record first: a decode-local turn it allows needs no render at all
+    first = not _continues(ctx.body.get("messages") or [])
+    if first or direct.applies(ctx):
+        # the record first: a decode-local turn it allows needs no render at all, nor does a
+        # conversation's first turn when nothing is stored (nothing of D's to check it against)
         claim = ctx.claim = await _claim(ctx)
         if claim is not None and direct.try_direct(ctx, claim):
             ctx.render_s = time.perf_counter() - t0
             return TurnState.DECODE
+        if first and (claim is None or claim.status is ClaimStatus.MISSING):
+            ctx.reason = Reason.NO_RECORD if claim is not None else Reason.STORE_UNAVAILABLE
+            return TurnState.PREFILL  # P and D render the messages themselves, as in plain P/D
         try:
             rendered = await _render(ctx)
         except Exception as exc:  # judged below, as when both run side by side
