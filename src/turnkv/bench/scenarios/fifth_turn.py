@@ -114,11 +114,13 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b and not (math.isnan(a) or math.isnan(b)) else math.nan
 
 
-def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]:
-    """The comparison tables and the targets; plus plot groups (one panel per history/link/cache)."""
-    cells: dict[tuple[int, int, str, str, str], _Cell] = {}
+Row = tuple[int, int, str, str]  # history, user tokens, link, P cache
+
+
+def _turn5_cells(configs: Sequence[ConfigResult]) -> tuple[dict[Row, dict[str, _Cell]], dict[tuple[int, int], _Cell]]:
+    """Turn-5 cells by row and policy, and colocated serving's by (history, user tokens); rows sorted."""
+    rows: dict[Row, dict[str, _Cell]] = {}
     colocated: dict[tuple[int, int], _Cell] = {}
-    groups: dict[str, list[str]] = {}
     for c in configs:
         t = c.meta.get("tags", {})
         if "history" not in t:
@@ -126,19 +128,29 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
         user = t.get("user", WORKLOAD.user_tokens)
         if t["policy"] == "colocated":
             colocated[(t["history"], user)] = _cell(c)
-            continue
-        cells[(t["history"], user, t["link"], t["cache"], t["policy"])] = _cell(c)
-        groups.setdefault(c.group, []).append(c.name)
+        else:
+            rows.setdefault((t["history"], user, t["link"], t["cache"]), {})[t["policy"]] = _cell(c)
+    order = sorted(rows, key=lambda k: (k[1], k[0], LINKS.index(k[2]), k[3]))
+    return {k: rows[k] for k in order}, colocated
+
+
+def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]:
+    """The comparison tables and the targets; plus plot groups (one panel per history/link/cache)."""
+    cells, colocated = _turn5_cells(configs)
+    groups: dict[str, list[str]] = {}
+    for c in configs:
+        t = c.meta.get("tags", {})
+        if "history" in t and t["policy"] != "colocated":
+            groups.setdefault(c.group, []).append(c.name)
     for g, names in groups.items():
         co_name = next((c.name for c in configs if c.meta.get("tags", {}).get("policy") == "colocated"
                         and c.group.split()[0] == g.split()[0]), None)
         if co_name:
             names.append(co_name)
     rows, checks, pull_rows = [], [], []
-    keys = sorted({k[:4] for k in cells}, key=lambda k: (k[1], k[0], LINKS.index(k[2]), k[3]))
     nan = _Cell(math.nan, math.nan, 0, 0, "-")
-    for hist, user, link, cache in keys:
-        get = {p: cells.get((hist, user, link, cache, p), nan) for p in ("plain", *POLICIES, PULL_ONLY)}
+    for (hist, user, link, cache), by_policy in cells.items():
+        get = {p: by_policy.get(p, nan) for p in ("plain", *POLICIES, PULL_ONLY)}
         co = colocated.get((hist, user), nan)
         fixed = {p: get[p] for p in FIXED if not math.isnan(get[p].p50)}
         best = min(fixed, key=lambda p: fixed[p].p50) if fixed else "-"
@@ -202,18 +214,8 @@ def plot_turn5(configs: Sequence[ConfigResult], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     order = ("colocated", "plain", *FIXED, "adaptive", PULL_ONLY)
-    rows: dict[tuple[int, int, str, str], dict[str, _Cell]] = {}
-    colocated: dict[tuple[int, int], _Cell] = {}
-    for c in configs:
-        t = c.meta.get("tags", {})
-        if "history" not in t:
-            continue
-        user = t.get("user", WORKLOAD.user_tokens)
-        if t["policy"] == "colocated":
-            colocated[(t["history"], user)] = _cell(c)
-        else:
-            rows.setdefault((t["history"], user, t["link"], t["cache"]), {})[t["policy"]] = _cell(c)
-    keys = sorted(rows, key=lambda k: (k[1], k[0], LINKS.index(k[2]), k[3]))
+    rows, colocated = _turn5_cells(configs)
+    keys = list(rows)
     fig, ax = plt.subplots(figsize=(max(8.0, 0.75 * len(keys)), 4.2))
     width = 0.8 / len(order)
     for j, pol in enumerate(order):
