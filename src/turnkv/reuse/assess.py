@@ -81,25 +81,39 @@ def _none(reason: Reason, record: ConversationRecord | None = None, releasable: 
     return Assessment(record, 0, False, reason, releasable)
 
 
+# reasons ``record_unusable`` gives while a record exists and belongs to the tenant
+_RECORD_KEPT = frozenset({Reason.EXPIRED, Reason.DECODE_UNAVAILABLE, Reason.ENGINE_RESTARTED})
+
+
+def record_unusable(claim: Claim, *, tenant: str, now: float, decode: EngineView | None) -> Reason | None:
+    """Why the claimed record cannot serve this turn whatever the prompt is; None when it may."""
+    if claim.status is ClaimStatus.MISSING:
+        return Reason.NO_RECORD
+    if claim.status is ClaimStatus.IN_FLIGHT:
+        return Reason.CONCURRENT_TURN
+    if claim.status is ClaimStatus.CORRUPT or claim.record is None:
+        return Reason.CORRUPT_RECORD
+    r = claim.record
+    if r.tenant != tenant:
+        return Reason.TENANT
+    if now >= r.expires_at:
+        return Reason.EXPIRED
+    if decode is None or not decode.healthy:
+        return Reason.DECODE_UNAVAILABLE
+    if decode.epoch is not None and r.engine_epoch is not None and decode.epoch != r.engine_epoch:
+        return Reason.ENGINE_RESTARTED
+    return None
+
+
 def assess(
     claim: Claim, prompt: Sequence[int], *, tenant: str, now: float, decode: EngineView | None,
     echoed: EchoedAnswer | None, template: TemplateClass, block_size: int, prompt_chain: ChainBuilder | None = None,
 ) -> Assessment:
-    if claim.status is ClaimStatus.MISSING:
-        return _none(Reason.NO_RECORD)
-    if claim.status is ClaimStatus.IN_FLIGHT:
-        return _none(Reason.CONCURRENT_TURN)
-    if claim.status is ClaimStatus.CORRUPT or claim.record is None:
-        return _none(Reason.CORRUPT_RECORD)
+    why = record_unusable(claim, tenant=tenant, now=now, decode=decode)
+    if why is not None:
+        return _none(why, claim.record if why in _RECORD_KEPT else None)
     r = claim.record
-    if r.tenant != tenant:
-        return _none(Reason.TENANT)
-    if now >= r.expires_at:
-        return _none(Reason.EXPIRED, r)
-    if decode is None or not decode.healthy:
-        return _none(Reason.DECODE_UNAVAILABLE, r)
-    if decode.epoch is not None and r.engine_epoch is not None and decode.epoch != r.engine_epoch:
-        return _none(Reason.ENGINE_RESTARTED, r)
+    assert r is not None
     if r.block_size != block_size:
         return _none(Reason.BLOCK_SIZE_CHANGED, r, releasable=True)
     a = agreement(r.chain, r.num_tokens, prompt, block_size, prompt_chain)

@@ -16,6 +16,7 @@ from turnkv.gateway.metrics import turn_bucket
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.context import TurnContext
 from turnkv.gateway.turn.direct import bytes_per_token, history_digest
+from turnkv.gateway.turn.direct import enabled as direct_enabled
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.state.base import ClaimStatus
 from turnkv.state.record import ConversationRecord
@@ -70,14 +71,16 @@ def build_record(ctx: TurnContext) -> ConversationRecord | str:
         chain = ChainBuilder(s.block_size).extend((prompt + cap.token_ids)[:n])
     answer, reasoning = cap.answer.digests()
     messages = ctx.body.get("messages") or []
+    # what a later direct turn is held against; not needed where no turn can be direct
+    direct = direct_enabled(ctx.svc, until_audited=True)
     now = time.time()
     return ConversationRecord(
         tenant=ctx.conversation.tenant, decode_url=str(ctx.decode_url), prefill_url=ctx.prefill_url,
         handle=h, engine_id=str(h["remote_engine_id"]), engine_epoch=d.epoch if d else None, num_tokens=n,
         chain=chain.digests(), block_size=s.block_size, prompt_tokens=len(prompt), answer_digest=answer,
         reasoning_digest=reasoning, turn=ctx.turn_index, created_at=now, expires_at=now + s.handle_ttl_s,
-        history_digest=history_digest(ctx.body, messages) if s.decode_local_direct else None,
-        bytes_per_token=bytes_per_token(messages, len(prompt)) if s.decode_local_direct else None,
+        history_digest=history_digest(ctx.body, messages) if direct else None,
+        bytes_per_token=bytes_per_token(messages, len(prompt)) if direct else None,
     )
 
 

@@ -16,14 +16,16 @@ import hashlib
 import json
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from turnkv.gateway.answer import echoed_answer
+from turnkv.gateway.services import Services
 from turnkv.gateway.turn.context import TurnContext
 from turnkv.gateway.turn.plan import likely_prefill_cached
-from turnkv.reuse.assess import Reason, TemplateClass
+from turnkv.reuse.assess import EchoedAnswer, EngineView, Reason, TemplateClass, record_unusable
 from turnkv.reuse.cost import Action, TurnFacts
-from turnkv.state.base import Claim, ClaimStatus
+from turnkv.state.base import Claim
 
 # Text bytes per token: measured on the conversation itself at each capture (its messages' bytes over
 # its prompt's tokens), and used with a margin; before any measurement, a low guess (English runs ~4,
@@ -46,7 +48,8 @@ def history_digest(body: Mapping[str, Any], messages: Sequence[Any]) -> str:
     return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
 
 
-def _last_assistant(messages: Sequence[Any]) -> int | None:
+def last_assistant(messages: Sequence[Any]) -> int | None:
+    """Index of the last assistant message; None when there is none (a conversation's first turn)."""
     i = len(messages) - 1
     while i >= 0 and isinstance(messages[i], Mapping) and messages[i].get("role") != "assistant":
         i -= 1
@@ -90,57 +93,79 @@ def bytes_per_token(messages: Sequence[Any], prompt_tokens: int) -> float | None
     return min(8.0, max(1.0, size[1] / (prompt_tokens - size[0])))
 
 
-def new_tokens_estimate(messages: Sequence[Any], measured_bytes_per_token: float | None = None) -> int | None:
-    """Tokens the messages after the last assistant message will add, rounded up; None when there is
-    no assistant message (nothing for D to continue) or a message is not text."""
-    i = _last_assistant(messages)
+@dataclass(frozen=True)
+class Candidate:
+    """A turn that continues an answer with text only: what the record is held against."""
+
+    echoed: EchoedAnswer
+    answer_at: int  # index of the last assistant message
+    new_messages: int  # messages after it
+    new_size: tuple[int, int]  # their (digits, other bytes)
+
+    def new_tokens(self, measured_bytes_per_token: float | None = None) -> int:
+        """Tokens the new messages will add, rounded up."""
+        bpt = measured_bytes_per_token / MARGIN if measured_bytes_per_token else BYTES_PER_TOKEN
+        digits, other = self.new_size
+        # the generation prompt, and the closing of the assistant turn the template re-emits
+        return int(digits + other / bpt + 0.999) + TOKENS_PER_MESSAGE * (self.new_messages + 2)
+
+
+def _candidate(messages: Sequence[Any]) -> Candidate | None:
+    i = last_assistant(messages)
     if i is None:
         return None
     tail = messages[i + 1:]
     if not tail or any(not isinstance(m, Mapping) or m.get("role") not in ("user", "tool", "system") for m in tail):
         return None
     size = text_size(tail)
-    if size is None:
+    echoed = echoed_answer(messages)
+    if size is None or echoed is None:
         return None
-    bpt = measured_bytes_per_token / MARGIN if measured_bytes_per_token else BYTES_PER_TOKEN
-    # the generation prompt, and the closing of the assistant turn the template re-emits
-    return int(size[0] + size[1] / bpt + 0.999) + TOKENS_PER_MESSAGE * (len(tail) + 2)
+    return Candidate(echoed, i, len(tail), size)
 
 
-def applies(ctx: TurnContext) -> bool:
-    """Worth reading the record before rendering (instead of beside it): the setting is on, the template
-    keeps history, the policy may go decode-local, and the messages continue an answer with text."""
-    svc = ctx.svc
-    if not (svc.settings.decode_local_direct and svc.audit.cls is TemplateClass.PRESERVES
-            and svc.policy.may_decode_local):
-        return False
-    messages = ctx.body.get("messages") or []
-    return echoed_answer(messages) is not None and new_tokens_estimate(messages) is not None
+def new_tokens_estimate(messages: Sequence[Any], measured_bytes_per_token: float | None = None) -> int | None:
+    """Tokens the messages after the last assistant message will add, rounded up; None when there is
+    no assistant message (nothing for D to continue) or a message is not text."""
+    c = _candidate(messages)
+    return None if c is None else c.new_tokens(measured_bytes_per_token)
 
 
-def try_direct(ctx: TurnContext, claim: Claim) -> bool:
+def enabled(svc: Services, *, until_audited: bool = False) -> bool:
+    """The setting is on and the template keeps history: direct turns are possible at all (with
+    ``until_audited``, also while the start-up audit has not classified the template yet)."""
+    ok = (TemplateClass.PRESERVES, TemplateClass.UNKNOWN) if until_audited else (TemplateClass.PRESERVES,)
+    return svc.settings.decode_local_direct and svc.audit.cls in ok
+
+
+def candidate(ctx: TurnContext) -> Candidate | None:
+    """The turn, when it is worth reading the record before rendering (instead of beside it): direct
+    turns are enabled, the policy may go decode-local, and the messages continue an answer with text."""
+    if not (enabled(ctx.svc) and ctx.svc.policy.may_decode_local):
+        return None
+    return _candidate(ctx.body.get("messages") or [])
+
+
+def try_direct(ctx: TurnContext, claim: Claim, cand: Candidate) -> bool:
     """Set the turn up as decode-local without a render, when the record and the policy allow it."""
     svc = ctx.svc
     rec = claim.record
-    if claim.status is not ClaimStatus.FOUND or rec is None or ctx.conversation is None:
-        return False
-    if rec.tenant != ctx.conversation.tenant or time.time() >= rec.expires_at:
+    if rec is None or ctx.conversation is None:
         return False
     # the D routing would pick for this turn must be the one holding the conversation
     d = svc.registry.pick("decode", prefer=rec.decode_url)
-    if d is None or d.url != rec.decode_url or (d.epoch is not None and rec.engine_epoch is not None
-                                                 and d.epoch != rec.engine_epoch):
+    view = EngineView(d.healthy, d.epoch) if d is not None and d.url == rec.decode_url else None
+    if record_unusable(claim, tenant=ctx.conversation.tenant, now=time.time(), decode=view) is not None:
         return False
-    messages = ctx.body.get("messages") or []
-    echoed = echoed_answer(messages)
-    if echoed is None or echoed.answer_digest != rec.answer_digest or (
+    assert d is not None
+    echoed = cand.echoed
+    if echoed.answer_digest != rec.answer_digest or (
             rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest):
         return False
-    i = _last_assistant(messages)
-    new = new_tokens_estimate(messages, rec.bytes_per_token)
-    if i is None or new is None or rec.history_digest is None \
-            or history_digest(ctx.body, messages[:i]) != rec.history_digest:
+    messages = ctx.body.get("messages") or []
+    if rec.history_digest is None or history_digest(ctx.body, messages[:cand.answer_at]) != rec.history_digest:
         return False  # the history before the answer changed (compacted, tools, options): render and check
+    new = cand.new_tokens(rec.bytes_per_token)
     bs = svc.settings.block_size
     prefill = svc.registry.pick("prefill", prefer=rec.prefill_url)
     held = (rec.num_tokens // bs) * bs

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from turnkv.errors import ClientError, StoreError, UpstreamError, UpstreamStatus
 from turnkv.gateway.turn import direct
@@ -53,11 +52,6 @@ async def _claim(ctx: TurnContext) -> Claim | None:
     return claim
 
 
-def _continues(messages: list[Any]) -> bool:
-    """Whether the messages continue an answer (an assistant message is among them)."""
-    return any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
-
-
 async def run(ctx: TurnContext) -> TurnState:
     if ctx.conversation is None:
         ctx.reason = Reason.NO_SESSION
@@ -67,12 +61,13 @@ async def run(ctx: TurnContext) -> TurnState:
         return TurnState.PREFILL
     t0 = time.perf_counter()
     rendered: list[int] | BaseException
-    first = not _continues(ctx.body.get("messages") or [])
-    if first or direct.applies(ctx):
+    first = direct.last_assistant(ctx.body.get("messages") or []) is None
+    cand = None if first else direct.candidate(ctx)
+    if first or cand is not None:
         # the record first: a decode-local turn it allows needs no render at all, nor does a
         # conversation's first turn when nothing is stored (nothing of D's to check it against)
         claim = ctx.claim = await _claim(ctx)
-        if claim is not None and direct.try_direct(ctx, claim):
+        if claim is not None and cand is not None and direct.try_direct(ctx, claim, cand):
             ctx.render_s = time.perf_counter() - t0
             return TurnState.DECODE
         if first and (claim is None or claim.status is ClaimStatus.MISSING):
