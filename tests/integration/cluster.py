@@ -32,9 +32,20 @@ class Cluster:
     def truth_client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.truth.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
-    def turn_events(self) -> list[dict[str, Any]]:
-        lines = (self.log_dir / "gateway.log").read_text().splitlines()
-        return [e for e in (json.loads(x) for x in lines if x.startswith("{")) if e.get("event") == "turn"]
+    def turn_events(self, count: int) -> list[dict[str, Any]]:
+        """The gateway's turn log, once it holds `count` turns: a streamed turn is logged after its last
+        chunk has reached the client (capture runs then), so the log can trail the responses."""
+        found: list[dict[str, Any]] = []
+
+        def logged() -> bool:
+            nonlocal found
+            # Only complete lines: the gateway may be mid-write.
+            lines = (self.log_dir / "gateway.log").read_text().split("\n")[:-1]
+            found = [e for e in (json.loads(x) for x in lines if x.startswith("{")) if e.get("event") == "turn"]
+            return len(found) >= count
+
+        wait_for(logged, what=f"{count} turns in the gateway log")
+        return found
 
 
 def start_cluster(
@@ -172,11 +183,14 @@ class Dialogue:
         self.client.close()
         self.truth.close()
 
-    def step(self, *, session: str | None = None, client: openai.OpenAI | None = None) -> Turn:
+    def step(self, *, session: str | None = None, client: openai.OpenAI | None = None, truth: bool = True) -> Turn:
+        """One turn; with truth=False the ground truth is not asked, so the next turn can follow at once."""
         answer, headers, ids = ask(client or self.client, self.messages, stream=self.stream,
                                    session=session or self.session, tools=self.tools, max_tokens=self.max_tokens)
-        expected, _, _ = ask(self.truth, self.messages, stream=self.stream, session=None, tools=self.tools,
-                             max_tokens=self.max_tokens)
+        expected: dict[str, Any] = {}
+        if truth:
+            expected, _, _ = ask(self.truth, self.messages, stream=self.stream, session=None, tools=self.tools,
+                                 max_tokens=self.max_tokens)
         self.advance(answer, ids)
         return Turn(answer, headers, expected)
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import openai
 import pytest
 
-from tests.integration.cluster import converse, metric, start_cluster
+from tests.conftest import RedisServer
+from tests.integration.cluster import Dialogue, converse, metric, start_cluster
+from tests.integration.latency import LatencyProxy
 from turnkv import launch
 
 pytestmark = pytest.mark.integration
@@ -21,11 +24,29 @@ def test_keep_template_reuses_every_later_turn(procs: list[launch.Running], tmp_
     assert turns[0].reason == "no_record"
     assert [t.outcome for t in turns[1:]] == ["full"] * 4
     assert all(t.headers["x-turnkv-action"] == "pull" for t in turns[1:])
-    events = c.turn_events()
+    events = c.turn_events(5)
     assert [e["capture"] for e in events] == ["stored"] * 5
     assert sum(e["tokens_pulled"] for e in events) > 0
     pulled = metric(c.prefill[0].url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     assert pulled > 0  # the prefill engine really loaded KV from the decode engine
+
+
+def test_a_turn_sent_the_moment_the_last_stream_ends_finds_its_record(
+        procs: list[launch.Running], tmp_path: Path, redis_server: RedisServer, redis_url: str) -> None:
+    # An agent sends its next turn as soon as it reads [DONE], possibly to another gateway replica: the
+    # record must be stored by then, or that turn meets the previous turn's claim (in_flight) and
+    # recomputes everything. Replica A reaches Redis over a slow path, so a record stored after [DONE]
+    # would arrive late.
+    with LatencyProxy(redis_server.port, delay_s=0.1) as slow:
+        c = start_cluster(procs, tmp_path, compat="0.33", redis_url=f"redis://127.0.0.1:{slow.port}/0")
+        b = launch.gateway("gateway-b", [p.url for p in c.prefill], [d.url for d in c.decode],
+                           "--policy", "always-pull", "--redis-url", redis_url, log_dir=tmp_path)
+        procs.append(b)
+        with Dialogue(c, stream=True) as d, \
+                openai.OpenAI(base_url=b.url + "/v1", api_key="key-a", max_retries=0, timeout=60) as to_b:
+            turns = [d.step(truth=False, client=to_b if i % 2 else None) for i in range(6)]
+    assert [t.reason for t in turns[1:]] == ["full_match"] * 5
+    assert [t.outcome for t in turns[1:]] == ["full"] * 5
 
 
 def test_streaming_on_026_has_no_handle_and_says_so(procs: list[launch.Running], tmp_path: Path) -> None:
@@ -33,7 +54,7 @@ def test_streaming_on_026_has_no_handle_and_says_so(procs: list[launch.Running],
     turns = converse(c, 3, stream=True)
     assert all(t.correct for t in turns)
     assert [t.reason for t in turns] == ["no_record"] * 3
-    assert {e["capture"] for e in c.turn_events()} == {"no_handle_in_stream"}
+    assert {e["capture"] for e in c.turn_events(3)} == {"no_handle_in_stream"}
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -112,7 +112,7 @@ def test_decode_failing_before_output_is_rerun(procs: list[launch.Running], tmp_
         sim_control(c.decode[0].url, fail_next=1)
         t = d.step()
         assert t.correct
-        events = c.turn_events()
+        events = c.turn_events(2)
         assert "turn_rerun" in events[-1]["retries"]
 
 

@@ -92,7 +92,7 @@ async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[Non
     held: list[bytes] = []
     released = False
     restarted = False
-    ok = False
+    finished = False
     ctx.relay_started = True
     try:
         while True:
@@ -123,12 +123,21 @@ async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[Non
                 break
         if held:
             yield b"".join(held)
-        yield frame(DONE)
+        # Store the next record before the client sees [DONE]: an agent sends its next turn the moment
+        # this one ends, and that turn must find the record, not this turn's claim.
         ok = ctx.capture.error is None and ctx.capture.finish_reason is not None
+        finished = True
+        await _finish(ctx, ok)
+        yield frame(DONE)
     finally:
         close(ctx)
-        with anyio.CancelScope(shield=True), anyio.move_on_after(FINISH_TIMEOUT_S):
-            await capture.finish(ctx, ok=ok)
+        if not finished:
+            await _finish(ctx, False)
+
+
+async def _finish(ctx: TurnContext, ok: bool) -> None:
+    with anyio.CancelScope(shield=True), anyio.move_on_after(FINISH_TIMEOUT_S):
+        await capture.finish(ctx, ok=ok)
 
 
 class RelayResponse(StreamingResponse):
@@ -145,5 +154,4 @@ class RelayResponse(StreamingResponse):
         finally:
             if not self._ctx.relay_started:
                 close(self._ctx)
-                with anyio.CancelScope(shield=True), anyio.move_on_after(FINISH_TIMEOUT_S):
-                    await capture.finish(self._ctx, ok=False)
+                await _finish(self._ctx, False)
