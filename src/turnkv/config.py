@@ -66,6 +66,8 @@ class Settings(BaseSettings):
     redis_namespace: str = "turnkv"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(1, ge=1, le=256, description="gateway processes sharing the port; more than one "
+                         "needs redis_url, where they share conversation state")
     models: list[str] = Field(default_factory=list, description="served model names; empty: ask the engines")
     session_headers: list[str] = Field(default_factory=lambda: ["x-session-id"],
                                        description="headers that carry a conversation id, first wins")
@@ -111,6 +113,9 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if not self.prefill or not self.decode:
             raise ConfigError("at least one --prefill and one --decode URL are needed")
+        if self.workers > 1 and not self.redis_url:
+            raise ConfigError("--workers above 1 needs --redis-url: each worker is a process of its own, and a "
+                              "conversation's next turn may reach any of them")
         if self.decoder_kv_blocks_ttl - 5.0 - self.expiry_margin_s <= 0:
             raise ConfigError("decoder_kv_blocks_ttl must exceed 5 s (vLLM's expiry margin) + expiry_margin_s")
         for url in [*self.prefill, *self.decode, *([self.render] if self.render else [])]:

@@ -24,21 +24,40 @@ from typing import IO, Any
 import uvicorn
 
 READY_TIMEOUT_S = 60.0
+LISTEN_BACKLOG = 2048
+
+
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to host:port (0: a free port), not yet listening."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def announce(sock: socket.socket) -> None:
+    """The one line a parent (``spawn``) waits for: the URL, printed once connections can queue."""
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
+    print(json.dumps({"listening": f"http://{shown}:{port}"}), flush=True)
+
+
+def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning") -> None:
+    """Serve ``app`` on a listening socket until SIGTERM or SIGINT."""
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
+                            lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 def serve(app: Any, host: str, port: int, log_level: str = "warning") -> None:
     """Bind, announce the URL on stdout, then serve ``app`` with uvicorn until stopped."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    bound = sock.getsockname()[1]
-    shown = f"[{host}]" if family == socket.AF_INET6 else host
-    print(json.dumps({"listening": f"http://{shown}:{bound}"}), flush=True)
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
-                            lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    sock = bind(host, port)
+    sock.listen(LISTEN_BACKLOG)
+    announce(sock)
+    run_uvicorn(app, sock, log_level)
 
 
 @dataclass

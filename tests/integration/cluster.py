@@ -52,7 +52,7 @@ def start_cluster(
     procs: list[launch.Running], log_dir: Path, *, template: str = "keep", compat: str = "0.26",
     policy: str = "always-pull", n_prefill: int = 1, n_decode: int = 1, redis_url: str | None = None,
     sim_flags: tuple[str, ...] = (), prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
-    gateway_env: dict[str, str] | None = None,
+    gateway_env: dict[str, str] | None = None, gateway_args: tuple[str, ...] = (),
 ) -> Cluster:
     common = ("--time-scale", "0", "--template", template, "--vllm-compat", compat, *sim_flags)
     ps = [launch.sim(f"prefill{i}", "prefill", *common, *prefill_flags, log_dir=log_dir) for i in range(n_prefill)]
@@ -61,7 +61,7 @@ def start_cluster(
     procs += ds
     truth = launch.sim("truth", "colocated", *common, log_dir=log_dir)
     procs.append(truth)
-    extra = ["--policy", policy] + (["--redis-url", redis_url] if redis_url else [])
+    extra = ["--policy", policy, *(["--redis-url", redis_url] if redis_url else []), *gateway_args]
     env = {"TURNKV_HEALTH_INTERVAL_S": "0.2", "TURNKV_SCRAPE_INTERVAL_S": "0.2", **(gateway_env or {})}
     gw = launch.gateway("gateway", [p.url for p in ps], [d.url for d in ds], *extra, log_dir=log_dir, env=env)
     procs.append(gw)

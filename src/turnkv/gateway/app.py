@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypedDict
@@ -142,7 +143,12 @@ def create_app(settings: Settings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[State]:
         connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0, keepalive_timeout=30)
-        metrics = GatewayMetrics()
+        # set by `serve --workers N` (workers.py); prometheus_client itself reads it when imported
+        multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        metrics = GatewayMetrics(multiprocess_dir=multiprocess_dir)
+        log = make_logger("turnkv.turn", json=settings.log_json)
+        if multiprocess_dir is not None:
+            log = log.bind(worker=os.getpid())  # which of the workers served a turn
         store = StoreGuard(
             _store(settings), retry_s=settings.store_retry_s,
             on_error=lambda op: metrics.redis_errors.labels(op).inc(),
@@ -157,7 +163,7 @@ def create_app(settings: Settings) -> Starlette:
             svc = Services(
                 settings=settings, upstream=upstream, registry=registry, store=store,
                 policy=build_policy(settings.policy.name, settings.policy.params), estimator=estimator,
-                metrics=metrics, log=make_logger("turnkv.turn", json=settings.log_json),
+                metrics=metrics, log=log,
             )
             svc.releaser = Releaser(upstream, registry, metrics, next(iter(settings.models), None))
             audited = False

@@ -1,8 +1,15 @@
-"""turnkv's Prometheus metrics, in a registry owned by the app (no globals)."""
+"""turnkv's Prometheus metrics, in a registry owned by the app (no globals).
+
+Under ``--workers N`` every worker writes its samples to files in a shared directory (prometheus_client's
+multiprocess mode) and ``/metrics``, whichever worker answers it, reads them all: counters and histograms
+are summed; each gauge says how its workers' values combine (``multiprocess_mode``), ignoring workers
+that have exited.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -14,8 +21,9 @@ def turn_bucket(turn: int) -> str:
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._multiprocess_dir = multiprocess_dir
         self.requests = Counter("turnkv_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
         self.ttft = Histogram("turnkv_ttft_seconds", "Gateway-side time to first token",
@@ -30,30 +38,35 @@ class GatewayMetrics:
                                        registry=r)
         self.retries = Counter("turnkv_retries", "Retried engine calls", ["leg", "reason"], registry=r)
         self.redis_errors = Counter("turnkv_redis_errors", "Conversation store failures", ["op"], registry=r)
-        self.store_up = Gauge("turnkv_store_up", "1 when the conversation store answers", registry=r)
+        self.store_up = Gauge("turnkv_store_up", "1 when the conversation store answers", registry=r,
+                              multiprocess_mode="livemin")
         self.captures = Counter("turnkv_handle_captures", "Decode handles captured or missed", ["result"],
                                 registry=r)
         self.render_mismatch = Counter("turnkv_render_mismatch",
                                        "Turns whose rendered prompt differed from the decode engine's", registry=r)
-        self.pinned_tokens = Gauge("turnkv_pinned_kv_tokens", "Decode KV tokens pinned by live handles",
-                                   ["decode"], registry=r)
-        self.pinned_bytes = Gauge("turnkv_pinned_kv_bytes", "Decode KV bytes pinned by live handles", ["decode"],
-                                  registry=r)
-        self.pinned_handles = Gauge("turnkv_pinned_handles", "Live handles per decode engine", ["decode"],
-                                    registry=r)
+
+        def shared(name: str, doc: str, label: str) -> Gauge:
+            """A gauge every worker sets from the same source (the store, the engines): the latest stands."""
+            return Gauge(name, doc, [label], registry=r, multiprocess_mode="livemostrecent")
+
+        self.pinned_tokens = shared("turnkv_pinned_kv_tokens", "Decode KV tokens pinned by live handles", "decode")
+        self.pinned_bytes = shared("turnkv_pinned_kv_bytes", "Decode KV bytes pinned by live handles", "decode")
+        self.pinned_handles = shared("turnkv_pinned_handles", "Live handles per decode engine", "decode")
         self.template_class = Gauge("turnkv_template_class", "1 for the chat template's audited class",
-                                    ["class"], registry=r)
+                                    ["class"], registry=r, multiprocess_mode="livemax")
         self.engine_restarts = Counter("turnkv_engine_restarts", "Engine restarts noticed", ["role"], registry=r)
-        # direction: pull (D -> P, P's reads) or push (P -> D, D's reads)
-        self.link_bytes_per_s = Gauge("turnkv_link_bytes_per_second", "Estimated KV link bandwidth",
-                                      ["direction"], registry=r)
-        self.link_fixed_s = Gauge("turnkv_link_fixed_seconds", "Estimated KV transfer fixed cost", ["direction"],
-                                  registry=r)
+        # direction: pull (D -> P, P's reads) or push (P -> D, D's reads); each worker learns the link itself
+        self.link_bytes_per_s = shared("turnkv_link_bytes_per_second", "Estimated KV link bandwidth", "direction")
+        self.link_fixed_s = shared("turnkv_link_fixed_seconds", "Estimated KV transfer fixed cost", "direction")
         self.link_samples = Gauge("turnkv_link_samples", "Transfer measurements behind the link estimate",
-                                  ["direction"], registry=r)
+                                  ["direction"], registry=r, multiprocess_mode="livemax")
         self.releases = Counter("turnkv_handle_releases", "Handles given back to decode unused, by why",
                                 ["why"], registry=r)
         self.store_up.set(1)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self._multiprocess_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(merged)

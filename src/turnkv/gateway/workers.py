@@ -1,0 +1,156 @@
+"""``turnkv serve --workers N``: N gateway processes on one port, and the supervisor that keeps them.
+
+One Python event loop relays a few hundred streamed requests per second and, with hundreds of streams,
+adds its queueing to every token; more cores need more processes. Each worker is a whole gateway
+(``create_app``: its own aiohttp session, Redis pool, engine registry and background loops). They share
+conversation records through Redis, which is why more than one worker needs ``redis_url``: a
+conversation's next turn may reach any worker. Each worker listens on a socket of its own with
+SO_REUSEPORT, so the kernel spreads connections over workers by address, rather than handing most of
+them to whichever worker happened to wake first on a shared socket. Metrics from all workers are merged
+through prometheus_client's multiprocess directory (see ``metrics.py``).
+
+The supervisor holds the port (bound, never listening) so that port 0 resolves once and every worker
+binds the same one; it prints the listening URL once all workers listen, forwards SIGTERM/SIGINT, and
+restarts a worker that dies, up to ``MAX_RESTARTS`` within ``RESTART_WINDOW_S``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from multiprocessing.context import SpawnProcess
+from types import FrameType
+from typing import Any
+
+from prometheus_client import multiprocess
+
+from turnkv.config import Settings
+from turnkv.launch import LISTEN_BACKLOG, READY_TIMEOUT_S, announce, bind
+
+STOP_TIMEOUT_S = 10.0
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+SUPERVISE_TICK_S = 1.0  # how long a wait for a worker's exit or a signal lasts before looking again
+
+
+def _worker(settings: Settings, ready: Any) -> None:
+    """One worker process: listen on the shared port, tell the supervisor, serve until SIGTERM."""
+    from turnkv.gateway.app import create_app
+    from turnkv.launch import run_uvicorn
+    from turnkv.logging import configure_stdlib
+
+    configure_stdlib(settings.log_level)
+    sock = bind(settings.host, settings.port, reuse_port=True)
+    sock.listen(LISTEN_BACKLOG)
+    ready.put(os.getpid())
+    run_uvicorn(create_app(settings), sock)
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, metrics_dir: str) -> None:
+        self.settings = settings
+        self.metrics_dir = metrics_dir
+        self._ctx = multiprocessing.get_context("spawn")
+        self._ready = self._ctx.Queue()
+        self.workers: list[SpawnProcess] = []
+        self._restarts: list[float] = []
+
+    def start(self, index: int | None = None) -> None:
+        p = self._ctx.Process(target=_worker, args=(self.settings, self._ready), name="turnkv-worker")
+        p.start()
+        if index is None:
+            self.workers.append(p)
+        else:
+            self.workers[index] = p
+
+    def wait_ready(self, n: int) -> bool:
+        """True once n workers listen; False if one exits first or READY_TIMEOUT_S passes."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for _ in range(n):
+            while True:
+                if any(p.exitcode is not None for p in self.workers):
+                    return False
+                if time.monotonic() > deadline:
+                    return False
+                try:
+                    self._ready.get(timeout=0.2)
+                    break
+                except queue.Empty:
+                    continue
+        return True
+
+    def replace_exited(self) -> bool:
+        """Restart workers that exited; False once they die too often to keep going."""
+        now = time.monotonic()
+        for i, p in enumerate(self.workers):
+            if p.exitcode is None:
+                continue
+            print(f"turnkv: worker {p.pid} exited with {p.exitcode}; starting another", file=sys.stderr, flush=True)
+            if p.pid is not None:
+                multiprocess.mark_process_dead(p.pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+            self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S] + [now]
+            if len(self._restarts) > MAX_RESTARTS:
+                return False
+            self.start(i)
+        return True
+
+    def stop(self) -> None:
+        for p in self.workers:
+            if p.exitcode is None:
+                p.terminate()  # SIGTERM: uvicorn finishes open requests (timeout_graceful_shutdown)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for p in self.workers:
+            p.join(max(deadline - time.monotonic(), 0))
+            if p.exitcode is None:
+                p.kill()
+                p.join(STOP_TIMEOUT_S)
+        self._ready.close()
+
+
+def serve_workers(settings: Settings) -> int:
+    """Run ``settings.workers`` gateway processes until SIGTERM or SIGINT; the exit status."""
+    holder = bind(settings.host, settings.port, reuse_port=True)  # never listens: only holds the port
+    settings = settings.model_copy(update={"port": holder.getsockname()[1]})
+    metrics_dir = tempfile.mkdtemp(prefix="turnkv-metrics-")
+    # read by prometheus_client when a worker imports it: the workers are spawned, not forked
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    wake_r, wake_w = os.pipe()
+    stopping = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        os.write(wake_w, b"x")
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    sup = Supervisor(settings, metrics_dir)
+    status = 0
+    try:
+        for _ in range(settings.workers):
+            sup.start()
+        if not sup.wait_ready(settings.workers):
+            print("turnkv serve: a worker did not start", file=sys.stderr, flush=True)
+            return 1
+        announce(holder)
+        while not stopping:
+            multiprocessing.connection.wait([*(p.sentinel for p in sup.workers), wake_r], SUPERVISE_TICK_S)
+            if not stopping and not sup.replace_exited():
+                print("turnkv serve: workers keep exiting; stopping", file=sys.stderr, flush=True)
+                status = 1
+                break
+    finally:
+        sup.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        os.close(wake_r)
+        os.close(wake_w)
+        holder.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return status
