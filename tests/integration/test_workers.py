@@ -32,6 +32,14 @@ def workers_of(pid: int) -> set[int]:
     return found
 
 
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 def step_on_new_connection(d: Dialogue, c: Cluster) -> Turn:
     # a new connection per turn: the kernel spreads connections over the workers by address
     with c.client() as client:
@@ -62,3 +70,15 @@ def test_workers_share_conversations_and_metrics(procs: list[launch.Running], tm
     assert metric(c.gateway.url, "turnkv_reuse_decisions_total") == TURNS + 2
     assert c.gateway.stop() == 0
     assert workers_of(gateway_pid) == set()
+
+
+def test_workers_exit_with_their_supervisor(procs: list[launch.Running], tmp_path: Path, redis_url: str) -> None:
+    c = start_cluster(procs, tmp_path, compat="0.33", redis_url=redis_url, gateway_args=("--workers", "2"))
+    pids = workers_of(c.gateway.proc.pid)
+    assert len(pids) == 2
+    c.gateway.kill()  # SIGKILL: the supervisor cannot pass anything on
+    try:
+        wait_for(lambda: not any(alive(p) for p in pids), what="the workers to stop")
+    finally:
+        for p in filter(alive, pids):
+            os.kill(p, signal.SIGKILL)  # leave no orphan serving a port

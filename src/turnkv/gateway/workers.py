@@ -16,6 +16,7 @@ restarts a worker that dies, up to ``MAX_RESTARTS`` within ``RESTART_WINDOW_S``.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -24,7 +25,9 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
+from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
 from types import FrameType
 from typing import Any
@@ -40,12 +43,21 @@ RESTART_WINDOW_S = 60.0
 SUPERVISE_TICK_S = 1.0  # how long a wait for a worker's exit or a signal lasts before looking again
 
 
-def _worker(settings: Settings, ready: Any) -> None:
+def _exit_with_supervisor(lifeline: Connection) -> None:
+    """Stop this worker (as SIGTERM would) once the supervisor is gone, even if it was killed outright:
+    its end of the lifeline closes with it."""
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv()
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _worker(settings: Settings, ready: Any, lifeline: Connection) -> None:
     """One worker process: listen on the shared port, tell the supervisor, serve until SIGTERM."""
     from turnkv.gateway.app import create_app
     from turnkv.launch import run_uvicorn
     from turnkv.logging import configure_stdlib
 
+    threading.Thread(target=_exit_with_supervisor, args=(lifeline,), daemon=True).start()
     configure_stdlib(settings.log_level)
     sock = bind(settings.host, settings.port, reuse_port=True)
     sock.listen(LISTEN_BACKLOG)
@@ -59,11 +71,14 @@ class Supervisor:
         self.metrics_dir = metrics_dir
         self._ctx = multiprocessing.get_context("spawn")
         self._ready = self._ctx.Queue()
+        # the supervisor keeps the sending end and never sends: the workers see EOF when it exits
+        self._lifeline, self._keep = self._ctx.Pipe(duplex=False)
         self.workers: list[SpawnProcess] = []
         self._restarts: list[float] = []
 
     def start(self, index: int | None = None) -> None:
-        p = self._ctx.Process(target=_worker, args=(self.settings, self._ready), name="turnkv-worker")
+        p = self._ctx.Process(target=_worker, args=(self.settings, self._ready, self._lifeline),
+                              name="turnkv-worker")
         p.start()
         if index is None:
             self.workers.append(p)
@@ -112,6 +127,8 @@ class Supervisor:
                 p.kill()
                 p.join(STOP_TIMEOUT_S)
         self._ready.close()
+        self._keep.close()
+        self._lifeline.close()
 
 
 def serve_workers(settings: Settings) -> int:
