@@ -84,11 +84,10 @@ async def _report_pinned(svc: Services) -> None:
             svc.metrics.pinned_bytes.labels(url).set(p.tokens * svc.settings.kv_bytes_per_token)
             svc.metrics.pinned_handles.labels(url).set(p.handles)
         seen = set(pinned)
-        for direction, (fixed, bw) in svc.estimator.links().items():
-            est = svc.estimator.pull if direction == "pull" else svc.estimator.push
-            svc.metrics.link_fixed_s.labels(direction).set(fixed)
-            svc.metrics.link_bytes_per_s.labels(direction).set(bw)
-            svc.metrics.link_samples.labels(direction).set(est.samples)
+        for direction, link in svc.estimator.links().items():
+            svc.metrics.link_fixed_s.labels(direction).set(link.fixed_s)
+            svc.metrics.link_bytes_per_s.labels(direction).set(link.bytes_per_s)
+            svc.metrics.link_samples.labels(direction).set(link.samples)
 
 
 async def _audit_once(svc: Services) -> bool:

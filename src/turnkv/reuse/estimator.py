@@ -14,7 +14,7 @@ Until enough varied points exist, the configured priors stand.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from turnkv.reuse.cost import CostParams, transfer_s
 
@@ -106,6 +106,13 @@ class PrefillEstimator:
         return max(fit[0], 0.0), fit[1] / 1e3, max(fit[2], 0.0) / 1e9
 
 
+@dataclass(frozen=True)
+class LinkEstimate:
+    fixed_s: float
+    bytes_per_s: float
+    samples: int  # this direction's own measurements (0 while it borrows the other's)
+
+
 class CostEstimator:
     """The cost parameters a policy sees: priors refined by the link and prefill estimators."""
 
@@ -121,14 +128,14 @@ class CostEstimator:
         link = self.pull if reader_role == "prefill" else self.push
         link.observe(mean_bytes, mean_seconds, count)
 
-    def links(self) -> dict[str, tuple[float, float]]:
-        """(fixed seconds, bytes per second) per direction, a direction never measured borrowing the other's."""
+    def links(self) -> dict[str, LinkEstimate]:
+        """The estimate per direction, a direction never measured borrowing the other's."""
         pull, push = self.pull.params(), self.push.params()
         if not self.pull.samples and self.push.samples:
             pull = push
         if not self.push.samples and self.pull.samples and self.prior.push_bytes_per_s is None:
             push = pull  # unless the operator said what P -> D is
-        return {"pull": pull, "push": push}
+        return {"pull": LinkEstimate(*pull, self.pull.samples), "push": LinkEstimate(*push, self.push.samples)}
 
     def observe_prefill(self, *, new_tokens: int, context_tokens: int, pulled_tokens: int, seconds: float,
                         block_size: int) -> None:
@@ -139,6 +146,6 @@ class CostEstimator:
     def params(self) -> CostParams:
         links = self.links()
         hop, per_token, attn = self.prefill.params()
-        return replace(self.prior, link_fixed_s=links["pull"][0], link_bytes_per_s=links["pull"][1],
-                       push_fixed_s=links["push"][0], push_bytes_per_s=links["push"][1], hop_s=hop,
+        return replace(self.prior, link_fixed_s=links["pull"].fixed_s, link_bytes_per_s=links["pull"].bytes_per_s,
+                       push_fixed_s=links["push"].fixed_s, push_bytes_per_s=links["push"].bytes_per_s, hop_s=hop,
                        prefill_per_token_s=per_token, prefill_attn_s=attn)

@@ -56,6 +56,9 @@ def last_assistant(messages: Sequence[Any]) -> int | None:
     return i if i >= 0 and isinstance(messages[i], Mapping) else None
 
 
+_DIGITS = b"0123456789"  # tokenizers give each its own token
+
+
 def _content_size(content: Any) -> tuple[int, int] | None:
     """(digits, other UTF-8 bytes) of a message's text; None for parts that are not text (an image is
     many tokens)."""
@@ -69,8 +72,10 @@ def _content_size(content: Any) -> tuple[int, int] | None:
             texts.append(part["text"])
     elif content is not None:
         return None
-    digits = sum(sum(c.isdigit() for c in t) for t in texts)
-    return digits, sum(len(t.encode("utf-8")) for t in texts) - digits
+    raw = [t.encode("utf-8") for t in texts]
+    size = sum(len(b) for b in raw)
+    other = sum(len(b.translate(None, _DIGITS)) for b in raw)  # in C: histories run to 100s of KB
+    return size - other, other
 
 
 def text_size(messages: Sequence[Any]) -> tuple[int, int] | None:
