@@ -95,3 +95,20 @@ def test_a_stateless_turn_sees_what_a_collecting_one_sees(payload: bytes) -> Non
 def test_stateless_turns_still_never_see_a_handle() -> None:
     out, _ = DecodeCapture(keep_token_ids=True, collect=False).chunk(FINAL)
     assert json.loads(out)["kv_transfer_params"] is None
+
+
+# vLLM writes compact JSON; another server might not. Either way the ids are captured and hidden.
+SPACED = b'{"choices": [{"index": 0, "delta": {"content": ""}}], "prompt_token_ids": [1, 2, 3]}'
+# a first chunk that also ends the answer and carries the handle
+ONE_CHUNK = (b'{"id":"c","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"length","token_ids":[9]}],'
+             b'"prompt_token_ids":[1,2,3],"kv_transfer_params":{"do_remote_decode":true,"remote_num_tokens":4}}')
+
+
+@pytest.mark.parametrize(("payload", "keep"), [(ROLE, False), (ROLE, True), (SPACED, False), (SPACED, True),
+                                               (ONE_CHUNK, False), (ONE_CHUNK, True)])
+def test_prompt_ids_are_captured_and_shown_only_when_asked(payload: bytes, keep: bool) -> None:
+    cap = DecodeCapture(keep_token_ids=keep)
+    out, _ = cap.chunk(payload)
+    assert json.loads(out)["prompt_token_ids"] == ([1, 2, 3] if keep else None)
+    assert cap.prompt_token_ids == [1, 2, 3]
+    assert "kv_transfer_params" not in json.loads(out) or json.loads(out)["kv_transfer_params"] is None

@@ -64,14 +64,21 @@ def _shows_output(payload: bytes) -> bool:
     return False
 
 
-def _null_list(payload: bytes, key: bytes) -> bytes:
-    """Replace the first ``key`` list of ints in compact JSON with null (ids never hold a ']')."""
+def _cut_list(payload: bytes, key: bytes) -> tuple[bytes, bytes | None]:
+    """The payload with the first ``key`` list of ints in compact JSON replaced by null, and that list's
+    JSON (ids never hold a ']'); (payload, None) when there is none."""
     i = payload.find(key)
     if i < 0:
-        return payload
+        return payload, None
     start = i + len(key) - 1
     end = payload.find(b"]", start)
-    return payload[:start] + b"null" + payload[end + 1:] if end > 0 else payload
+    if end < 0:
+        return payload, None
+    return payload[:start] + b"null" + payload[end + 1:], payload[start:end + 1]
+
+
+def _null_list(payload: bytes, key: bytes) -> bytes:
+    return _cut_list(payload, key)[0]
 
 
 def frame(payload: bytes) -> bytes:
@@ -88,7 +95,10 @@ class DecodeCapture:
 
     keep_token_ids: bool  # the client asked for return_token_ids itself
     collect: bool = True  # gather what the next turn needs; False: only relay (a stateless turn)
-    prompt_token_ids: list[int] | None = None
+    _prompt_ids: list[int] | None = None
+    # D's prompt ids as D sent them (a 16k-token prompt is 100 KB of JSON in the first chunk): parsed when
+    # the capture needs them, after the answer, rather than before the first token is relayed
+    _prompt_ids_json: bytes | None = None
     token_ids: list[int] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None
     finish_reason: str | None = None
@@ -97,6 +107,21 @@ class DecodeCapture:
     usage: dict[str, Any] | None = None
     chunks: int = 0
 
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        if self._prompt_ids_json is not None:
+            try:
+                ids = json.loads(self._prompt_ids_json)
+            except ValueError:
+                ids = None
+            self._prompt_ids = ids if isinstance(ids, list) else None
+            self._prompt_ids_json = None
+        return self._prompt_ids
+
+    @prompt_token_ids.setter
+    def prompt_token_ids(self, ids: list[int] | None) -> None:
+        self._prompt_ids, self._prompt_ids_json = ids, None
+
     def chunk(self, payload: bytes) -> tuple[bytes, bool]:
         """One SSE payload: the bytes to forward, and whether it carries generated tokens or text."""
         if payload == DONE:
@@ -104,8 +129,9 @@ class DecodeCapture:
         if not self.collect and _relay_as_is(payload):
             self.chunks += 1
             return payload, _shows_output(payload)
+        cut, prompt_json = _cut_list(payload, b'"prompt_token_ids":[')
         try:
-            obj = json.loads(payload)
+            obj = json.loads(cut)
         except ValueError:
             return payload, False
         if not isinstance(obj, dict):
@@ -115,16 +141,21 @@ class DecodeCapture:
             return payload, False
         self.chunks += 1
         redump = False  # the handle is removed from the parsed chunk; the ids are nulled in the bytes
-        ptids = obj.get("prompt_token_ids")
-        if isinstance(ptids, list):
-            self.prompt_token_ids = ptids
+        if prompt_json is not None:
+            self._prompt_ids, self._prompt_ids_json = None, prompt_json
+            if not self.keep_token_ids:
+                payload = cut
+        elif isinstance(obj.get("prompt_token_ids"), list):  # not compact JSON: parsed with the rest
+            self.prompt_token_ids = obj["prompt_token_ids"]
             if not self.keep_token_ids:
                 obj["prompt_token_ids"] = None
-                payload = _null_list(payload, b'"prompt_token_ids":[')
+                redump = True
         if obj.get("kv_transfer_params") is not None:
             if isinstance(obj["kv_transfer_params"], dict):
                 self.kv_transfer_params = obj["kv_transfer_params"]
             obj["kv_transfer_params"] = None
+            if prompt_json is not None and self.keep_token_ids:
+                obj["prompt_token_ids"] = self.prompt_token_ids  # the client asked for them
             redump = True
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
