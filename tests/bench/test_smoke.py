@@ -76,3 +76,18 @@ def test_markdown_and_png(smoke_out: Path) -> None:
         assert len(rows) >= WORKLOAD.turns, name
     assert (smoke_out / "ttft_by_turn.png").read_bytes()[:8] == PNG_MAGIC
     assert json.loads((smoke_out / "results.json").read_text())["format"] == 1
+
+
+def test_the_suite_runs_its_gateways_as_workers(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "turnkv", "bench", "scenarios", "--suite", "smoke", "--out",
+                           str(tmp_path), "--no-progress", "--only", "smoke-turnkv", "--gateway-workers", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    configs = {c.name: c for c in RunResult.read(tmp_path / "results.json").configs}
+    assert set(configs) == {"smoke-turnkv", "smoke-plain"}  # one deployment, two loads
+    turnkv = configs["smoke-turnkv"]
+    assert any("--workers 2" in c and "--redis-url" in c for c in turnkv.meta["commands"])
+    assert all(r.ok for r in turnkv.requests)
+    later = [r for r in turnkv.requests if r.turn > 1]
+    assert all(int(r.decision.get("matched-tokens", 0)) > 0 or r.decision.get("direct") == "true" for r in later)
+    assert turnkv.meta["gateway_cpu_s"] > 0  # the workers' CPU, not only the supervisor's

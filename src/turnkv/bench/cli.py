@@ -99,7 +99,7 @@ def _scenarios(a: argparse.Namespace) -> int:
     from turnkv.bench.scenarios.suites import run_suite
 
     return run_suite(a.suite, _out_dir(a, a.suite), only=a.only, show_progress=a.progress, command=_command(),
-                     conversations=a.conversations, resume=a.resume)
+                     conversations=a.conversations, resume=a.resume, gateway_workers=a.gateway_workers)
 
 
 def _report(a: argparse.Namespace) -> int:
@@ -150,6 +150,8 @@ def add_bench_parser(sub: Any) -> None:
                    help="run only configurations whose name contains this (repeatable)")
     s.add_argument("--conversations", type=int, default=None, help="override the suite's conversations per config")
     s.add_argument("--resume", action="store_true", help="keep the configurations already in OUT/results.json")
+    s.add_argument("--gateway-workers", type=int, default=1, metavar="N",
+                   help="run each gateway as N workers (turnkv serve --workers N, with Redis; pinned to CPUs 1..N)")
     _bool_flag(s, "progress", True, "progress line on stderr")
     s.set_defaults(func=_scenarios)
 

@@ -32,6 +32,35 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime: fields 14 and 15 of stat
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children...), as /proc shows them now."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we looked
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and of its live descendants (a gateway with --workers is several)."""
+    total = cpu_seconds(pid)
+    for p in descendants(pid):
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(p)
+    return total
+
+
 def pin(pid: int, cpus: set[int]) -> bool:
     """Restricts a process to ``cpus`` where the machine has them; False when it could not."""
     have = os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))

@@ -14,7 +14,7 @@ import os
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +42,14 @@ class Deployment:
     gateway_env: tuple[tuple[str, str], ...] = ()  # TURNKV_* settings without a flag
     redis: bool = False
     count_redis_round_trips: bool = False  # route Redis through the counting relay
-    pin: bool = False  # gateway on CPU 1; engines, redis and the load generator on CPU 0
+    pin: bool = False  # gateway on CPU 1 (1..N with N workers); engines, redis and the load generator on CPU 0
+    gateway_workers: int = 1  # turnkv serve --workers N (needs Redis)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "engine_flags": list(self.engine_flags), "prefill_flags": list(self.prefill_flags),
                 "decode_flags": list(self.decode_flags), "gateway_flags": list(self.gateway_flags),
                 "gateway_env": dict(self.gateway_env),
-                "redis": self.redis, "pinned": self.pin}
+                "redis": self.redis, "pinned": self.pin, "gateway_workers": self.gateway_workers}
 
     def commands(self) -> list[str]:
         """The equivalent shell commands (ports are picked at start: shown as placeholders)."""
@@ -60,7 +61,9 @@ class Deployment:
         if self.kind == "pd":
             redis = " --redis-url redis://127.0.0.1:$REDIS_PORT/0" if self.redis else ""
             env = "".join(f"{k}={v} " for k, v in self.gateway_env)
-            out.append(f"{env}turnkv serve --prefill $P --decode $D {' '.join(self.gateway_flags)}{redis}".strip())
+            workers = f" --workers {self.gateway_workers}" if self.gateway_workers > 1 else ""
+            out.append(f"{env}turnkv serve --prefill $P --decode $D {' '.join(self.gateway_flags)}{redis}{workers}"
+                       .strip())
         return out
 
 
@@ -82,6 +85,14 @@ class Bench:
     deployment: Deployment
     plans: tuple[ConfigPlan, ...]
     warmup: WorkloadSpec | None = None
+
+
+def with_gateway_workers(bench: Bench, n: int) -> Bench:
+    """The bench with its gateway run as ``n`` workers, which share conversations through Redis."""
+    d = bench.deployment
+    if n <= 1 or d.kind != "pd":
+        return bench
+    return replace(bench, deployment=replace(d, gateway_workers=n, redis=True))
 
 
 @dataclass
@@ -114,6 +125,8 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
                 target = Target(prefill=p.url, decode=dd.url)
             else:
                 extra = list(d.gateway_flags)
+                if d.gateway_workers > 1:
+                    extra += ["--workers", str(d.gateway_workers)]
                 if d.redis:
                     redis = procs.RedisServer()
                     url = redis.url
@@ -127,8 +140,12 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
                 started.append(gateway)
                 target = Target(url=gateway.url)
         if d.pin:
+            gateway_cpus = set(range(1, 1 + d.gateway_workers))
             for r in started:
-                procs.pin(r.proc.pid, {1} if r is gateway else {0})
+                procs.pin(r.proc.pid, gateway_cpus if r is gateway else {0})
+            if gateway is not None:
+                for pid in procs.descendants(gateway.proc.pid):  # workers; a restarted one inherits
+                    procs.pin(pid, gateway_cpus)
             if redis is not None:
                 procs.pin(redis.proc.pid, {0})
         yield Deployed(target, gateway, [r for r in started if r is not gateway], redis, relay)
@@ -178,7 +195,7 @@ def run_bench(bench: Bench, log_root: Path, *, show_progress: bool = True) -> li
 def _measure(plan: ConfigPlan, d: Deployment, dep: Deployed, show_progress: bool) -> ConfigResult:
     meta: dict[str, Any] = {"commands": d.commands(), "tags": plan.tags}
     gw_pid = dep.gateway.proc.pid if dep.gateway else None
-    cpu0 = procs.cpu_seconds(gw_pid) if gw_pid else 0.0
+    cpu0 = procs.tree_cpu_seconds(gw_pid) if gw_pid else 0.0
     eng0 = sum(procs.cpu_seconds(e.proc.pid) for e in dep.engines)
     rs0 = dep.redis.commandstats() if dep.redis else {}
     rt0 = dep.relay.round_trips if dep.relay else 0
@@ -187,7 +204,7 @@ def _measure(plan: ConfigPlan, d: Deployment, dep: Deployed, show_progress: bool
     records = asyncio.run(run_load(plan.workload, dep.target, label=plan.name, show_progress=show_progress))
     wall = time.perf_counter() - t0
     if gw_pid:
-        meta["gateway_cpu_s"] = procs.cpu_seconds(gw_pid) - cpu0
+        meta["gateway_cpu_s"] = procs.tree_cpu_seconds(gw_pid) - cpu0
     meta["engine_cpu_s"] = sum(procs.cpu_seconds(e.proc.pid) for e in dep.engines) - eng0
     if dep.redis:
         meta["redis_commands"] = procs.stats_delta(rs0, dep.redis.commandstats())

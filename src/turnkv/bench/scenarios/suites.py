@@ -13,7 +13,7 @@ from pathlib import Path
 
 from turnkv.bench.records import ConfigResult, RunResult
 from turnkv.bench.scenarios import fifth_turn, overhead, smoke
-from turnkv.bench.scenarios.base import Bench, run_bench
+from turnkv.bench.scenarios.base import Bench, run_bench, with_gateway_workers
 
 Analyzer = Callable[[Sequence[ConfigResult]], tuple[str, dict[str, list[str]]]]
 SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
@@ -57,11 +57,13 @@ def write(run: RunResult, out: Path) -> None:
 
 
 def run_suite(name: str, out: Path, *, only: list[str] | None = None, show_progress: bool = True,
-              command: str = "", conversations: int | None = None, resume: bool = False) -> int:
+              command: str = "", conversations: int | None = None, resume: bool = False,
+              gateway_workers: int = 1) -> int:
     """Runs the suite's benches; with ``resume``, keeps the configurations already in ``out/results.json``
-    and runs only the benches that have none there (a stopped run goes on where it stopped)."""
+    and runs only the benches that have none there (a stopped run goes on where it stopped). With
+    ``gateway_workers`` above 1 every gateway runs that many workers, with a Redis store."""
     make, _ = SUITES[name]
-    benches = [b for b in make(conversations)
+    benches = [with_gateway_workers(b, gateway_workers) for b in make(conversations)
                if not only or any(s in p.name for s in only for p in b.plans)]
     run = RunResult(suite=name, command=command)
     run.extra["failures"] = []
