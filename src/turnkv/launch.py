@@ -27,11 +27,12 @@ READY_TIMEOUT_S = 60.0
 LISTEN_BACKLOG = 2048
 
 
-def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+def bind(host: str, port: int, *, reuse_port: bool = False, reuse_addr: bool = True) -> socket.socket:
     """A TCP socket bound to host:port (0: a free port), not yet listening."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_addr:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))

@@ -38,7 +38,9 @@ def test_a_turn_sent_the_moment_the_last_stream_ends_finds_its_record(
     # recomputes everything. Replica A reaches Redis over a slow path, so a record stored after [DONE]
     # would arrive late.
     with LatencyProxy(redis_server.port, delay_s=0.1) as slow:
-        c = start_cluster(procs, tmp_path, compat="0.33", redis_url=f"redis://127.0.0.1:{slow.port}/0")
+        # a Redis timeout well above the path's delay: the store must answer, late
+        c = start_cluster(procs, tmp_path, compat="0.33", redis_url=f"redis://127.0.0.1:{slow.port}/0",
+                          gateway_env={"TURNKV_TIMEOUTS__REDIS_S": "2"})
         b = launch.gateway("gateway-b", [p.url for p in c.prefill], [d.url for d in c.decode],
                            "--policy", "always-pull", "--redis-url", redis_url, log_dir=tmp_path)
         procs.append(b)

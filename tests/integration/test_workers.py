@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -13,7 +16,7 @@ from turnkv import launch
 
 pytestmark = pytest.mark.integration
 
-TURNS = 8
+MAX_TURNS = 40  # connections spread by address over 2 workers: all 40 on one has odds of 2**-39
 
 
 def workers_of(pid: int) -> set[int]:
@@ -40,6 +43,17 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def start(procs: list[launch.Running], tmp_path: Path, redis_url: str) -> Cluster:
+    # TMPDIR: the workers' metrics directory lives there (and a killed supervisor leaves it behind)
+    return start_cluster(procs, tmp_path, compat="0.33", redis_url=redis_url, gateway_args=("--workers", "2"),
+                         gateway_env={"TMPDIR": str(tmp_path)})
+
+
+def served_by(c: Cluster, count: int) -> list[int]:
+    """The worker pid of each of the gateway's turns so far."""
+    return [int(e["worker"]) for e in c.turn_events(count)]
+
+
 def step_on_new_connection(d: Dialogue, c: Cluster) -> Turn:
     # a new connection per turn: the kernel spreads connections over the workers by address
     with c.client() as client:
@@ -48,32 +62,51 @@ def step_on_new_connection(d: Dialogue, c: Cluster) -> Turn:
 
 def test_workers_share_conversations_and_metrics(procs: list[launch.Running], tmp_path: Path,
                                                  redis_url: str) -> None:
-    c = start_cluster(procs, tmp_path, compat="0.33", redis_url=redis_url, gateway_args=("--workers", "2"))
+    c = start(procs, tmp_path, redis_url)
     gateway_pid = c.gateway.proc.pid
     first = workers_of(gateway_pid)
     assert len(first) == 2
     with Dialogue(c) as d:
-        turns = [step_on_new_connection(d, c) for _ in range(TURNS)]
+        turns: list[Turn] = []
+        while len(turns) < MAX_TURNS and (len(turns) < 4 or set(served_by(c, len(turns))) != first):
+            turns.append(step_on_new_connection(d, c))
+        assert set(served_by(c, len(turns))) == first  # both workers took turns of the one conversation
         assert all(t.correct for t in turns)
-        assert [t.outcome for t in turns[1:]] == ["full"] * (TURNS - 1)
+        assert [t.outcome for t in turns[1:]] == ["full"] * (len(turns) - 1)
         # whichever worker answers /metrics reports every worker's turns
-        assert metric(c.gateway.url, "turnkv_reuse_decisions_total") == TURNS
+        assert metric(c.gateway.url, "turnkv_reuse_decisions_total") == len(turns)
         assert metric(c.gateway.url, "turnkv_store_up") == 1
         assert metric(c.gateway.url, "turnkv_template_class", **{"class": "preserves"}) == 1
 
-        # a worker that dies is replaced; its counts stay in the totals
+        # a worker that dies is replaced; its counts stay in the totals, and the new one serves
         victim = min(first)
         os.kill(victim, signal.SIGKILL)
         wait_for(lambda: len(workers_of(gateway_pid) - {victim}) == 2, what="a replacement worker")
-        more = [step_on_new_connection(d, c) for _ in range(2)]
-    assert all(t.correct and t.outcome == "full" for t in more)
-    assert metric(c.gateway.url, "turnkv_reuse_decisions_total") == TURNS + 2
+        (replacement,) = workers_of(gateway_pid) - first
+        before = len(turns)
+        while len(turns) < before + MAX_TURNS and replacement not in served_by(c, len(turns)):
+            turns.append(step_on_new_connection(d, c))
+    assert replacement in served_by(c, len(turns))
+    assert all(t.correct and t.outcome == "full" for t in turns[before:])
+    assert metric(c.gateway.url, "turnkv_reuse_decisions_total") == len(turns)
     assert c.gateway.stop() == 0
     assert workers_of(gateway_pid) == set()
+    assert not list(tmp_path.glob("turnkv-metrics-*"))  # removed on the way out
+
+
+def test_a_port_in_use_is_refused(procs: list[launch.Running], tmp_path: Path, redis_url: str) -> None:
+    # with SO_REUSEPORT a second gateway could silently join the first's port and take half its traffic
+    c = start(procs, tmp_path, redis_url)
+    port = str(urlsplit(c.gateway.url).port)
+    second = subprocess.run(
+        [sys.executable, "-m", "turnkv", "serve", "--prefill", c.prefill[0].url, "--decode", c.decode[0].url,
+         "--redis-url", redis_url, "--workers", "2", "--port", port],
+        capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2 and "cannot take" in second.stderr
 
 
 def test_workers_exit_with_their_supervisor(procs: list[launch.Running], tmp_path: Path, redis_url: str) -> None:
-    c = start_cluster(procs, tmp_path, compat="0.33", redis_url=redis_url, gateway_args=("--workers", "2"))
+    c = start(procs, tmp_path, redis_url)
     pids = workers_of(c.gateway.proc.pid)
     assert len(pids) == 2
     c.gateway.kill()  # SIGKILL: the supervisor cannot pass anything on

@@ -112,3 +112,25 @@ def test_prompt_ids_are_captured_and_shown_only_when_asked(payload: bytes, keep:
     assert json.loads(out)["prompt_token_ids"] == ([1, 2, 3] if keep else None)
     assert cap.prompt_token_ids == [1, 2, 3]
     assert "kv_transfer_params" not in json.loads(out) or json.loads(out)["kv_transfer_params"] is None
+
+
+# a completion's chunk carries the prompt's ids in its choice, not at the top level
+COMPLETION = (b'{"id":"c","object":"text_completion","choices":[{"index":0,"text":"x","prompt_token_ids":[1,2,3],'
+              b'"token_ids":[9],"finish_reason":"length"}],"kv_transfer_params":{"do_remote_decode":true}}')
+SPACED_IDS = b'{"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [9]}], "prompt_token_ids":[1,2,3]}'
+
+
+def test_a_completion_keeps_its_ids_where_they_were() -> None:
+    out, _ = DecodeCapture(keep_token_ids=True).chunk(COMPLETION)
+    seen = json.loads(out)
+    assert seen["choices"][0]["prompt_token_ids"] == [1, 2, 3] and "prompt_token_ids" not in seen
+    assert seen["kv_transfer_params"] is None
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_generated_ids_in_spaced_json_are_hidden_unless_asked(keep: bool) -> None:
+    cap = DecodeCapture(keep_token_ids=keep)
+    seen = json.loads(cap.chunk(SPACED_IDS)[0])
+    assert seen["choices"][0]["token_ids"] == ([9] if keep else None)
+    assert seen["prompt_token_ids"] == ([1, 2, 3] if keep else None)
+    assert (cap.token_ids, cap.prompt_token_ids) == ([9], [1, 2, 3])

@@ -1,8 +1,8 @@
 """``create_app(settings)``: the gateway as an ASGI app, with everything it owns built in its lifespan.
 
 The lifespan owns one aiohttp session, one store (Redis pool or in-process), the engine registry
-and three background loops (engine health and metrics, the pinned-memory report, the template
-audit), all cancelled when the app stops.
+and its background loops (engine health and metrics, the pinned-memory report, the releaser, the
+template audit), all cancelled, and waited for, when the app stops.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +44,9 @@ from turnkv.state.redis import RedisStore
 
 AUDIT_ATTEMPTS = 30
 STARTUP_AUDIT_S = 3.0
+STOP_LOOPS_S = 5.0
+STOP_TICK_S = 0.1
+logger = logging.getLogger("turnkv.app")
 
 
 class State(TypedDict):
@@ -138,12 +142,32 @@ async def _audit_until_done(svc: Services) -> None:
         await asyncio.sleep(2.0)
 
 
-def create_app(settings: Settings) -> Starlette:
+def _log_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("background.crashed task=%s", task.get_coro(), exc_info=task.exception())
+
+
+async def stop_tasks(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the background loops and wait for them, bounded. A cancellation can be lost inside a
+    library (redis-py and aiohttp can turn one that meets their own timeout into a timeout error,
+    which a loop then survives), so it is repeated until every loop has ended."""
+    pending = {t for t in tasks if not t.done()}
+    deadline = time.monotonic() + STOP_LOOPS_S
+    while pending and time.monotonic() < deadline:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=STOP_TICK_S)
+    if pending:
+        logger.error("background.not_stopped tasks=%s", [t.get_coro() for t in pending])
+
+
+def create_app(settings: Settings, *, multiprocess_dir: str | None = None) -> Starlette:
+    """The gateway; ``multiprocess_dir`` is set by ``serve --workers N`` (workers.py): where the workers'
+    metrics meet, so that /metrics reports all of them."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[State]:
         connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0, keepalive_timeout=30)
-        # set by `serve --workers N` (workers.py); prometheus_client itself reads it when imported
-        multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         metrics = GatewayMetrics(multiprocess_dir=multiprocess_dir)
         log = make_logger("turnkv.turn", json=settings.log_json)
         if multiprocess_dir is not None:
@@ -168,19 +192,15 @@ def create_app(settings: Settings) -> Starlette:
             audited = False
             with anyio.move_on_after(STARTUP_AUDIT_S):
                 audited = await _audit_once(svc)  # engines already up: know the template before serving
-            async with asyncio.TaskGroup() as tg:
-                tasks = [
-                    tg.create_task(registry.run(upstream, settings.health_interval_s, settings.scrape_interval_s)),
-                    tg.create_task(_report_pinned(svc)),
-                    tg.create_task(svc.releaser.run()),
-                ]
-                if not audited:
-                    tasks.append(tg.create_task(_audit_until_done(svc)))
-                try:
-                    yield {"services": svc}
-                finally:
-                    for t in tasks:
-                        t.cancel()
+            loops = [registry.run(upstream, settings.health_interval_s, settings.scrape_interval_s),
+                     _report_pinned(svc), svc.releaser.run(), *([] if audited else [_audit_until_done(svc)])]
+            tasks = [asyncio.create_task(c) for c in loops]
+            for t in tasks:
+                t.add_done_callback(_log_crash)
+            try:
+                yield {"services": svc}
+            finally:
+                await stop_tasks(tasks)
         await store.close()
 
     app = Starlette(

@@ -46,7 +46,9 @@ class GatewayMetrics:
                                        "Turns whose rendered prompt differed from the decode engine's", registry=r)
 
         def shared(name: str, doc: str, label: str) -> Gauge:
-            """A gauge every worker sets from the same source (the store, the engines): the latest stands."""
+            """A gauge every worker reports on its own schedule: the latest report stands. The same for
+            all workers where it comes from the store (pinned memory); each worker's own estimate for
+            the links, all three link gauges from one report."""
             return Gauge(name, doc, [label], registry=r, multiprocess_mode="livemostrecent")
 
         self.pinned_tokens = shared("turnkv_pinned_kv_tokens", "Decode KV tokens pinned by live handles", "decode")
@@ -58,8 +60,8 @@ class GatewayMetrics:
         # direction: pull (D -> P, P's reads) or push (P -> D, D's reads); each worker learns the link itself
         self.link_bytes_per_s = shared("turnkv_link_bytes_per_second", "Estimated KV link bandwidth", "direction")
         self.link_fixed_s = shared("turnkv_link_fixed_seconds", "Estimated KV transfer fixed cost", "direction")
-        self.link_samples = Gauge("turnkv_link_samples", "Transfer measurements behind the link estimate",
-                                  ["direction"], registry=r, multiprocess_mode="livemax")
+        self.link_samples = shared("turnkv_link_samples", "Transfer measurements behind the link estimate",
+                                   "direction")
         self.releases = Counter("turnkv_handle_releases", "Handles given back to decode unused, by why",
                                 ["why"], registry=r)
         self.store_up.set(1)

@@ -44,6 +44,7 @@ class SSESplitter:
         return bool(self._buf.strip())
 
 
+_PROMPT_IDS = b'"prompt_token_ids":['
 _OUTPUT_MARKS = (b'"content":"', b'"reasoning":"', b'"reasoning_content":"', b'"text":"')
 
 
@@ -129,13 +130,17 @@ class DecodeCapture:
         if not self.collect and _relay_as_is(payload):
             self.chunks += 1
             return payload, _shows_output(payload)
-        cut, prompt_json = _cut_list(payload, b'"prompt_token_ids":[')
+        cut, prompt_json = _cut_list(payload, _PROMPT_IDS)
         try:
             obj = json.loads(cut)
         except ValueError:
             return payload, False
         if not isinstance(obj, dict):
             return payload, False
+        if prompt_json is not None and not (obj.get("prompt_token_ids", 0) is None
+                                            and payload.count(_PROMPT_IDS) == 1):
+            # not the chunk's own top-level list (a completion's choice carries it): parse it all
+            obj, prompt_json = json.loads(payload), None
         if "error" in obj and "choices" not in obj:
             self.error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
             return payload, False
@@ -154,8 +159,6 @@ class DecodeCapture:
             if isinstance(obj["kv_transfer_params"], dict):
                 self.kv_transfer_params = obj["kv_transfer_params"]
             obj["kv_transfer_params"] = None
-            if prompt_json is not None and self.keep_token_ids:
-                obj["prompt_token_ids"] = self.prompt_token_ids  # the client asked for them
             redump = True
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
@@ -169,7 +172,9 @@ class DecodeCapture:
                 visible = visible or bool(ids)
                 if not self.keep_token_ids:
                     choice["token_ids"] = None
-                    payload = _null_list(payload, b'"token_ids":[')
+                    nulled = _null_list(payload, b'"token_ids":[')
+                    redump = redump or nulled is payload  # not compact JSON: only a redump hides them
+                    payload = nulled
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 self.answer.delta(delta)
@@ -181,7 +186,11 @@ class DecodeCapture:
             if choice.get("finish_reason") is not None:
                 self.finish_reason = str(choice["finish_reason"])
                 visible = True
-        return (_dumps(obj) if redump else payload), visible
+        if not redump:
+            return payload, visible
+        if prompt_json is not None and self.keep_token_ids:
+            obj["prompt_token_ids"] = self.prompt_token_ids  # the client asked for them
+        return _dumps(obj), visible
 
     def body(self, obj: dict[str, Any]) -> dict[str, Any]:
         """A non-streaming body: collect, and return it as the client should see it."""

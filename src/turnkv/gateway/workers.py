@@ -9,24 +9,30 @@ SO_REUSEPORT, so the kernel spreads connections over workers by address, rather 
 them to whichever worker happened to wake first on a shared socket. Metrics from all workers are merged
 through prometheus_client's multiprocess directory (see ``metrics.py``).
 
-The supervisor holds the port (bound, never listening) so that port 0 resolves once and every worker
-binds the same one; it prints the listening URL once all workers listen, forwards SIGTERM/SIGINT, and
-restarts a worker that dies, up to ``MAX_RESTARTS`` within ``RESTART_WINDOW_S``.
+The supervisor first makes sure nothing listens on the port (with SO_REUSEPORT a second gateway could
+otherwise join this one's group and take half its connections), then holds the port (bound with
+SO_REUSEPORT alone, never listening) so that port 0 resolves once and every worker binds the same
+one. It prints the listening URL once all workers listen, forwards SIGTERM/SIGINT, and restarts a
+worker that dies, up to ``MAX_RESTARTS`` within ``RESTART_WINDOW_S``; past that it stops them all
+and exits 1. Linux only: elsewhere SO_REUSEPORT does not spread connections, or does not exist.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import multiprocessing
 import multiprocessing.connection
 import os
 import queue
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
 from types import FrameType
@@ -40,6 +46,7 @@ from turnkv.launch import LISTEN_BACKLOG, READY_TIMEOUT_S, announce, bind
 STOP_TIMEOUT_S = 10.0
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
+METRICS_PREFIX = "turnkv-metrics-"
 SUPERVISE_TICK_S = 1.0  # how long a wait for a worker's exit or a signal lasts before looking again
 
 
@@ -51,7 +58,7 @@ def _exit_with_supervisor(lifeline: Connection) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _worker(settings: Settings, ready: Any, lifeline: Connection) -> None:
+def _worker(settings: Settings, ready: Any, lifeline: Connection, metrics_dir: str) -> None:
     """One worker process: listen on the shared port, tell the supervisor, serve until SIGTERM."""
     from turnkv.gateway.app import create_app
     from turnkv.launch import run_uvicorn
@@ -62,7 +69,7 @@ def _worker(settings: Settings, ready: Any, lifeline: Connection) -> None:
     sock = bind(settings.host, settings.port, reuse_port=True)
     sock.listen(LISTEN_BACKLOG)
     ready.put(os.getpid())
-    run_uvicorn(create_app(settings), sock)
+    run_uvicorn(create_app(settings, multiprocess_dir=metrics_dir), sock)
 
 
 class Supervisor:
@@ -77,7 +84,7 @@ class Supervisor:
         self._restarts: list[float] = []
 
     def start(self, index: int | None = None) -> None:
-        p = self._ctx.Process(target=_worker, args=(self.settings, self._ready, self._lifeline),
+        p = self._ctx.Process(target=_worker, args=(self.settings, self._ready, self._lifeline, self.metrics_dir),
                               name="turnkv-worker")
         p.start()
         if index is None:
@@ -85,12 +92,13 @@ class Supervisor:
         else:
             self.workers[index] = p
 
-    def wait_ready(self, n: int) -> bool:
-        """True once n workers listen; False if one exits first or READY_TIMEOUT_S passes."""
+    def wait_ready(self, n: int, stopping: Callable[[], bool]) -> bool:
+        """True once n workers listen; False if one exits first, a stop is asked for, or READY_TIMEOUT_S
+        passes."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         for _ in range(n):
             while True:
-                if any(p.exitcode is not None for p in self.workers):
+                if stopping() or any(p.exitcode is not None for p in self.workers):
                     return False
                 if time.monotonic() > deadline:
                     return False
@@ -131,12 +139,38 @@ class Supervisor:
         self._lifeline.close()
 
 
+def _hold_port(host: str, port: int) -> socket.socket:
+    """The supervisor's socket on the port; OSError when something already listens there."""
+    if port:
+        bind(host, port).close()  # SO_REUSEADDR alone: refused while anything listens on the port
+    # SO_REUSEPORT alone: workers can join it (and bind past TIME_WAIT), a SO_REUSEADDR server cannot
+    return bind(host, port, reuse_port=True, reuse_addr=False)
+
+
+def _remove_stale_metrics() -> None:
+    """Metric directories of supervisors that were killed outright (nothing else removes them)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{METRICS_PREFIX}*-")):
+        pid = path.rsplit("-", 2)[-2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def serve_workers(settings: Settings) -> int:
     """Run ``settings.workers`` gateway processes until SIGTERM or SIGINT; the exit status."""
-    holder = bind(settings.host, settings.port, reuse_port=True)  # never listens: only holds the port
+    if not sys.platform.startswith("linux"):
+        print("turnkv serve: --workers needs Linux (SO_REUSEPORT); run replicas behind a load balancer instead",
+              file=sys.stderr)
+        return 2
+    try:
+        holder = _hold_port(settings.host, settings.port)
+    except OSError as exc:
+        print(f"turnkv serve: cannot take {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+        return 2
     settings = settings.model_copy(update={"port": holder.getsockname()[1]})
-    metrics_dir = tempfile.mkdtemp(prefix="turnkv-metrics-")
-    # read by prometheus_client when a worker imports it: the workers are spawned, not forked
+    _remove_stale_metrics()
+    metrics_dir = tempfile.mkdtemp(prefix=METRICS_PREFIX, suffix=f"-{os.getpid()}-")
+    # read by prometheus_client when a worker imports it (the workers are spawned, not forked): it
+    # makes their metrics write to files there
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     wake_r, wake_w = os.pipe()
     stopping = False
@@ -152,7 +186,9 @@ def serve_workers(settings: Settings) -> int:
     try:
         for _ in range(settings.workers):
             sup.start()
-        if not sup.wait_ready(settings.workers):
+        if not sup.wait_ready(settings.workers, lambda: stopping):
+            if stopping:
+                return 0
             print("turnkv serve: a worker did not start", file=sys.stderr, flush=True)
             return 1
         announce(holder)

@@ -8,8 +8,11 @@ conversation its reuse. Ends the turn with one log event and its metrics.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
+
+import anyio
 
 from turnkv.errors import StoreError
 from turnkv.gateway.metrics import turn_bucket
@@ -23,6 +26,8 @@ from turnkv.state.record import ConversationRecord
 
 # the store keeps a record this long past its last usable moment, to tell "expired" from "none"
 EXPIRED_GRACE_S = 120.0
+FINISH_TIMEOUT_S = 5.0
+log = logging.getLogger("turnkv.capture")
 
 
 def _handle_ok(h: dict[str, Any] | None, seq_len: int, block_size: int) -> str | None:
@@ -119,6 +124,16 @@ async def finish(ctx: TurnContext, *, ok: bool) -> None:
     ctx.capture_result = "stored" if stored else str(rec)
     svc.metrics.captures.labels(ctx.capture_result if stored or conv is not None else "no_session").inc()
     _account(ctx)
+
+
+async def end(ctx: TurnContext, *, ok: bool) -> None:
+    """``finish``, bounded in time, shielded from the client leaving, and never raising: the client's
+    answer is complete whatever happens to the next turn's record (a failure is logged)."""
+    try:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(FINISH_TIMEOUT_S):
+            await finish(ctx, ok=ok)
+    except Exception:
+        log.exception("capture.failed request_id=%s", ctx.request_id)
 
 
 def _release(svc: Services, handle: dict[str, Any], why: str) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-import anyio
 from starlette.responses import JSONResponse, Response
 
 from turnkv.errors import GatewayError, UpstreamError
@@ -44,8 +43,7 @@ async def rerun_without_handle(ctx: TurnContext) -> None:
 
 async def _fail(ctx: TurnContext) -> None:
     stream.close(ctx)
-    with anyio.CancelScope(shield=True), anyio.move_on_after(stream.FINISH_TIMEOUT_S):
-        await capture.finish(ctx, ok=False)
+    await capture.end(ctx, ok=False)
 
 
 def _headers(ctx: TurnContext) -> dict[str, str]:
@@ -87,5 +85,5 @@ async def run_turn(ctx: TurnContext) -> Response:
     except (GatewayError, AssertionError):
         await _fail(ctx)
         raise
-    await capture.finish(ctx, ok=True)
+    await capture.end(ctx, ok=True)
     return JSONResponse(body, headers=_headers(ctx))

@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
-import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -25,7 +24,6 @@ from turnkv.gateway.sse import DONE, SSESplitter, frame
 from turnkv.gateway.turn import capture
 from turnkv.gateway.turn.context import TurnContext
 
-FINISH_TIMEOUT_S = 5.0
 DRAIN_TIMEOUT_S = 1.0
 
 
@@ -127,17 +125,12 @@ async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[Non
         # this one ends, and that turn must find the record, not this turn's claim.
         ok = ctx.capture.error is None and ctx.capture.finish_reason is not None
         finished = True
-        await _finish(ctx, ok)
+        await capture.end(ctx, ok=ok)
         yield frame(DONE)
     finally:
         close(ctx)
         if not finished:
-            await _finish(ctx, False)
-
-
-async def _finish(ctx: TurnContext, ok: bool) -> None:
-    with anyio.CancelScope(shield=True), anyio.move_on_after(FINISH_TIMEOUT_S):
-        await capture.finish(ctx, ok=ok)
+            await capture.end(ctx, ok=False)
 
 
 class RelayResponse(StreamingResponse):
@@ -154,4 +147,4 @@ class RelayResponse(StreamingResponse):
         finally:
             if not self._ctx.relay_started:
                 close(self._ctx)
-                await _finish(self._ctx, False)
+                await capture.end(self._ctx, ok=False)
