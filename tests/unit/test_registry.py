@@ -83,6 +83,15 @@ def test_metrics_restart_and_load() -> None:
     assert restarts == ["http://p0"] and inst.epoch == 200.0
 
 
+@pytest.mark.parametrize(("in_flight", "busy"), [(0, 3), (3, 3), (7, 7)])
+def test_busy_is_the_engines_count_or_the_gateways_own_when_more(in_flight: int, busy: int) -> None:
+    r = reg()
+    inst = r.instances["http://p0"]
+    r.apply_metrics(inst, text(start=100.0))  # the engine said 3 running at its last scrape
+    inst.in_flight = in_flight
+    assert inst.busy == busy
+
+
 def test_link_samples_are_per_interval_means() -> None:
     r = reg()
     samples: list[tuple[str, float, float, float]] = []

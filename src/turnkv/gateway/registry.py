@@ -52,6 +52,12 @@ class Instance:
     _hits: float | None = field(default=None, repr=False)
     _xfer: tuple[float, float, float] | None = field(default=None, repr=False)  # count, bytes, seconds
 
+    @property
+    def busy(self) -> int:
+        """Requests running there: the engine's own count, or this gateway's requests in flight when
+        more (the engine's count is as old as the last scrape, and a burst since is only seen here)."""
+        return max(self.running, self.in_flight)
+
 
 def _version_tuple(v: str | None) -> tuple[int, ...]:
     try:

@@ -177,7 +177,7 @@ def try_direct(ctx: TurnContext, claim: Claim, cand: Candidate) -> bool:
     facts = TurnFacts(
         prompt_tokens=rec.num_tokens + new, reusable_tokens=rec.num_tokens,
         prefill_cached_tokens=likely_prefill_cached(rec, prefill, bs), decode_cached_tokens=held,
-        decode_local_possible=True, decode_busy=d.running,
+        decode_local_possible=True, decode_busy=d.busy,
     )
     decision = svc.policy.decide(facts, svc.estimator.params())
     if decision.action is not Action.DECODE_LOCAL:

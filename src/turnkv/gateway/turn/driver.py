@@ -1,7 +1,8 @@
 """Runs one chat turn: the steps in order, then the answer as JSON or as a relayed stream.
 
 Follow a request here: ``render.run`` → ``plan.run`` → ``prefill.run`` → ``decode.run``, then
-``stream.relay`` (streaming) or the JSON path below, and ``capture.finish`` at the end of both.
+``stream.relay`` (streaming) or the JSON path below, and ``capture.end`` at the end of both (for a
+stream, before its ``[DONE]``).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ async def _plan(ctx: TurnContext) -> TurnState:
     facts = TurnFacts(
         prompt_tokens=len(ctx.prompt_ids), reusable_tokens=a.tokens, prefill_cached_tokens=p_cached,
         decode_cached_tokens=(a.tokens // bs) * bs if d_holds else 0, decode_local_possible=d_holds,
-        decode_busy=decode.running if decode is not None else 0,
+        decode_busy=decode.busy if decode is not None else 0,
     )
     costs = svc.estimator.params()
     decision = svc.policy.decide(facts, costs)
