@@ -13,6 +13,7 @@ import pytest
 
 from tests.integration.cluster import Cluster, Dialogue, Turn, metric, start_cluster, wait_for
 from turnkv import launch
+from turnkv.bench.procs import descendants
 
 pytestmark = pytest.mark.integration
 
@@ -20,18 +21,14 @@ MAX_TURNS = 40  # connections spread by address over 2 workers: all 40 on one ha
 
 
 def workers_of(pid: int) -> set[int]:
-    """The gateway's worker processes (spawned children; not multiprocessing's resource tracker)."""
+    """The gateway's worker processes (spawned; not multiprocessing's resource tracker)."""
     found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for p in descendants(pid):
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
+            if b"spawn_main" in (Path("/proc") / str(p) / "cmdline").read_bytes():
+                found.add(p)
+        except OSError:
             continue  # exited while we looked
-        if ppid == pid and b"spawn_main" in cmdline:
-            found.add(int(entry.name))
     return found
 
 

@@ -6,10 +6,15 @@ from typing import Any
 
 import pytest
 
-from turnkv.gateway.turn.direct import bytes_per_token, history_digest, new_tokens_estimate
+from turnkv.gateway.turn.direct import bytes_per_token, continuation, history_digest
 
 SYS = {"role": "system", "content": "You are terse."}
 ANSWER = {"role": "assistant", "content": "Sure."}
+
+
+def new_tokens_estimate(messages: list[Any], measured_bytes_per_token: float | None = None) -> int | None:
+    c = continuation(messages)
+    return None if c is None else c.new_tokens(measured_bytes_per_token)
 
 
 @pytest.mark.parametrize(

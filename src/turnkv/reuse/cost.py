@@ -33,6 +33,13 @@ class CostParams:
     hop_s: float = 0.003  # one HTTP request to an engine, end to end, without compute
     recompute_threshold: int = 64  # vLLM's kv_recompute_threshold: smaller pulls are not made
 
+    def link(self, *, push: bool = False) -> tuple[float, float]:
+        """(fixed seconds per transfer, bytes per second) of D -> P, or of P -> D with ``push``."""
+        if not push:
+            return self.link_fixed_s, self.link_bytes_per_s
+        return (self.link_fixed_s if self.push_fixed_s is None else self.push_fixed_s,
+                self.link_bytes_per_s if self.push_bytes_per_s is None else self.push_bytes_per_s)
+
 
 @dataclass(frozen=True)
 class TurnFacts:
@@ -54,10 +61,7 @@ def transfer_s(p: CostParams, tokens: int, block_size: int = 16, *, push: bool =
     """Time to move ``tokens`` of KV: D -> P (a pull), or P -> D with ``push``."""
     if tokens <= 0:
         return 0.0
-    fixed, bw = p.link_fixed_s, p.link_bytes_per_s
-    if push:
-        fixed = fixed if p.push_fixed_s is None else p.push_fixed_s
-        bw = bw if p.push_bytes_per_s is None else p.push_bytes_per_s
+    fixed, bw = p.link(push=push)
     blocks = -(-tokens // block_size)
     return fixed + blocks * block_size * p.kv_bytes_per_token / bw
 

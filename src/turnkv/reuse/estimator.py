@@ -118,9 +118,8 @@ class CostEstimator:
 
     def __init__(self, prior: CostParams) -> None:
         self.prior = prior
-        self.pull = LinkEstimator(prior.link_fixed_s, prior.link_bytes_per_s)  # D -> P, read by P
-        self.push = LinkEstimator(prior.push_fixed_s if prior.push_fixed_s is not None else prior.link_fixed_s,
-                                  prior.push_bytes_per_s or prior.link_bytes_per_s)  # P -> D, read by D
+        self.pull = LinkEstimator(*prior.link())  # D -> P, read by P
+        self.push = LinkEstimator(*prior.link(push=True))  # P -> D, read by D
         self.prefill = PrefillEstimator(prior)
 
     def observe_link(self, reader_role: str, mean_bytes: float, mean_seconds: float, count: float) -> None:

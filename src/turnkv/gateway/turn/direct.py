@@ -22,7 +22,7 @@ from typing import Any
 from turnkv.gateway.answer import echoed_answer
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.context import TurnContext
-from turnkv.gateway.turn.plan import likely_prefill_cached
+from turnkv.gateway.turn.plan import estimates_ms, likely_prefill_cached
 from turnkv.reuse.assess import EchoedAnswer, EngineView, Reason, TemplateClass, record_unusable
 from turnkv.reuse.cost import Action, TurnFacts
 from turnkv.state.base import Claim
@@ -115,7 +115,9 @@ class Candidate:
         return int(digits + other / bpt + 0.999) + TOKENS_PER_MESSAGE * (self.new_messages + 2)
 
 
-def _candidate(messages: Sequence[Any]) -> Candidate | None:
+def continuation(messages: Sequence[Any]) -> Candidate | None:
+    """The messages as a continuation of their last answer with text only; None when there is no
+    assistant message (nothing for D to continue), nothing after it, or a message is not text."""
     i = last_assistant(messages)
     if i is None:
         return None
@@ -127,13 +129,6 @@ def _candidate(messages: Sequence[Any]) -> Candidate | None:
     if size is None or echoed is None:
         return None
     return Candidate(echoed, i, len(tail), size)
-
-
-def new_tokens_estimate(messages: Sequence[Any], measured_bytes_per_token: float | None = None) -> int | None:
-    """Tokens the messages after the last assistant message will add, rounded up; None when there is
-    no assistant message (nothing for D to continue) or a message is not text."""
-    c = _candidate(messages)
-    return None if c is None else c.new_tokens(measured_bytes_per_token)
 
 
 def enabled(svc: Services, *, until_audited: bool = False) -> bool:
@@ -148,7 +143,7 @@ def candidate(ctx: TurnContext) -> Candidate | None:
     turns are enabled, the policy may go decode-local, and the messages continue an answer with text."""
     if not (enabled(ctx.svc) and ctx.svc.policy.may_decode_local):
         return None
-    return _candidate(ctx.body.get("messages") or [])
+    return continuation(ctx.body.get("messages") or [])
 
 
 def try_direct(ctx: TurnContext, claim: Claim, cand: Candidate) -> bool:
@@ -186,6 +181,6 @@ def try_direct(ctx: TurnContext, claim: Claim, cand: Candidate) -> bool:
     ctx.decode_url = rec.decode_url
     ctx.prefill_url = prefill.url if prefill else None  # for a fallback, and the next record
     ctx.expected_cached = held
-    ctx.estimates = {k.value: round(v * 1e3, 3) for k, v in decision.estimates.items()}
+    ctx.estimates = estimates_ms(decision)
     ctx.direct = True
     return True

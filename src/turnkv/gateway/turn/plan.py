@@ -15,6 +15,7 @@ from turnkv.gateway.registry import Instance
 from turnkv.gateway.turn.context import TurnContext, TurnState
 from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, release_handle, trim_handle
 from turnkv.reuse.cost import Action, TurnFacts, pulled_tokens
+from turnkv.reuse.policies import Decision
 from turnkv.state.base import ClaimStatus
 from turnkv.state.record import ConversationRecord
 
@@ -26,6 +27,11 @@ def likely_prefill_cached(rec: ConversationRecord | None, prefill: Instance | No
         return 0
     bs = block_size
     return int((rec.prompt_tokens // bs) * bs * prefill.cache_factor) // bs * bs
+
+
+def estimates_ms(decision: Decision) -> dict[str, float]:
+    """The policy's TTFT estimates per action, in ms, as the turn log shows them."""
+    return {k.value: round(v * 1e3, 3) for k, v in decision.estimates.items()}
 
 
 def _engine_view(ctx: TurnContext, url: str) -> EngineView | None:
@@ -85,7 +91,7 @@ async def _plan(ctx: TurnContext) -> TurnState:
     costs = svc.estimator.params()
     decision = svc.policy.decide(facts, costs)
     ctx.action = decision.action
-    ctx.estimates = {k.value: round(v * 1e3, 3) for k, v in decision.estimates.items()}
+    ctx.estimates = estimates_ms(decision)
     if decision.reason is not None:
         ctx.reason = decision.reason
     ctx.expected_cached = p_cached
