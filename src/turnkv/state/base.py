@@ -1,15 +1,27 @@
-"""The conversation store contract: claim a record once, put the next one, report what is pinned.
+"""The conversation store contract: claim a record once, put the next one, and index the decode KV
+that stored handles pin, per decode engine, so that it can be held within a budget.
 
 ``claim`` is atomic: of two turns racing on one conversation, one gets the record and the other
-sees ``in_flight``. A claimed key holds an in-flight marker until ``put`` replaces it or
-``release`` drops it (or it times out). Implementations raise ``StoreError`` on any failure.
+sees ``in_flight``. A claimed key holds the claiming turn's in-flight marker until ``put`` replaces
+it or ``release`` (by that owner) drops it, or it times out.
+
+The pin index: a stored record whose ``handle`` is set pins ``num_tokens`` of KV on its decode
+engine until a turn claims it (the turn then owns the handle: it pulls it or releases it), the
+store evicts it, or it expires. ``evict`` takes pins off one engine, idle longest first, and leaves
+their records without a handle (``unpinned`` says why), so no turn can use a handle that is being
+released; it returns the entries whose handles the caller must release at the engine, and never
+one whose record a turn claimed meanwhile (that turn owns the handle).
+
+Every operation touches the keys of one Redis Cluster hash slot at a time: a conversation's keys
+share its slot, each engine's index its own. Implementations raise ``StoreError`` on any failure.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from turnkv.state.record import ConversationRecord
 
@@ -37,14 +49,45 @@ class Pinned:
     tokens: int
 
 
+@dataclass(frozen=True)
+class PinEntry:
+    """One stored handle in the pin index of its decode engine."""
+
+    key: str  # the conversation's store key
+    decode_url: str
+    tokens: int
+    handle: dict[str, Any]  # D's kv_transfer_params: what a release sends back
+    stored_at: float  # wall clock; idle since then
+    expires_at: float  # wall clock; past it the handle is not used (D frees it soon after)
+    engine_epoch: float | None  # the engine's process start time when it made the handle
+
+
 class ConversationStore(Protocol):
-    async def claim(self, key: str) -> Claim: ...
+    async def claim(self, key: str, *, owner: str) -> Claim:
+        """Take the record (single use) and leave ``owner``'s in-flight marker; drops its pin entry."""
 
-    async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None: ...
+    async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
+        """Store the next record (replacing any marker) and, when it holds a handle, index its pin."""
 
-    async def release(self, key: str) -> None: ...
+    async def release(self, key: str, *, owner: str) -> None:
+        """Drop ``owner``'s in-flight marker (a turn that stores nothing); anything else stays."""
 
-    async def pinned(self, now: float) -> dict[str, Pinned]: ...
+    async def pinned(self, decode_urls: Sequence[str]) -> dict[str, Pinned]:
+        """What the index holds per engine (engines with nothing pinned are absent)."""
+
+    async def evict(self, decode_url: str, *, keep_tokens: int, why: str) -> list[PinEntry]:
+        """Take pins off ``decode_url``, idle longest first, until at most ``keep_tokens`` stay pinned;
+        their records lose the handle (``unpinned = why``). Returns the entries to release."""
+
+    async def prune(self, decode_url: str, *, now: float, epoch: float | None) -> list[PinEntry]:
+        """Drop index entries that no longer pin anything: past ``expires_at``, of an engine epoch other
+        than ``epoch`` (when given: a restart freed them), or whose record is gone or holds another
+        handle. Returns them (nothing to release: the engine freed or will free them itself)."""
+
+    async def put_doc(self, key: str, value: str, ttl_s: float) -> None:
+        """A small document (a stored Responses API object) under ``key``, with a TTL."""
+
+    async def get_doc(self, key: str) -> str | None: ...
 
     async def ping(self) -> None: ...
 

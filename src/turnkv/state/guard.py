@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from turnkv.errors import StoreError
-from turnkv.state.base import Claim, ConversationStore, Pinned
+from turnkv.state.base import Claim, ConversationStore, PinEntry, Pinned
 from turnkv.state.record import ConversationRecord
 
 T = TypeVar("T")
@@ -52,17 +52,29 @@ class StoreGuard:
             self._on_state(True)
         return result
 
-    async def claim(self, key: str) -> Claim:
-        return await self._call("claim", lambda: self.store.claim(key))
+    async def claim(self, key: str, *, owner: str) -> Claim:
+        return await self._call("claim", lambda: self.store.claim(key, owner=owner))
 
     async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
         await self._call("put", lambda: self.store.put(key, record, ttl_s))
 
-    async def release(self, key: str) -> None:
-        await self._call("release", lambda: self.store.release(key))
+    async def release(self, key: str, *, owner: str) -> None:
+        await self._call("release", lambda: self.store.release(key, owner=owner))
 
-    async def pinned(self, now: float) -> dict[str, Pinned]:
-        return await self._call("pinned", lambda: self.store.pinned(now))
+    async def pinned(self, decode_urls: Sequence[str]) -> dict[str, Pinned]:
+        return await self._call("pinned", lambda: self.store.pinned(decode_urls))
+
+    async def evict(self, decode_url: str, *, keep_tokens: int, why: str) -> list[PinEntry]:
+        return await self._call("evict", lambda: self.store.evict(decode_url, keep_tokens=keep_tokens, why=why))
+
+    async def prune(self, decode_url: str, *, now: float, epoch: float | None) -> list[PinEntry]:
+        return await self._call("prune", lambda: self.store.prune(decode_url, now=now, epoch=epoch))
+
+    async def put_doc(self, key: str, value: str, ttl_s: float) -> None:
+        await self._call("put_doc", lambda: self.store.put_doc(key, value, ttl_s))
+
+    async def get_doc(self, key: str) -> str | None:
+        return await self._call("get_doc", lambda: self.store.get_doc(key))
 
     async def ping(self) -> None:
         await self._call("ping", self.store.ping)

@@ -1,66 +1,142 @@
-"""An in-process conversation store, for a single gateway replica without Redis."""
+"""An in-process conversation store, for a single gateway replica without Redis.
+
+The same contract as the Redis store (``state.base``); all of it runs on one event loop, so each
+method is atomic by construction.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus, Pinned
+from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus, PinEntry, Pinned
 from turnkv.state.record import ConversationRecord
+
+
+@dataclasses.dataclass
+class _Marker:
+    owner: str
 
 
 class MemoryStore:
     def __init__(self, clock: Callable[[], float] = time.monotonic, max_entries: int = 100_000) -> None:
         self._clock = clock
         self._max = max_entries
-        self._data: dict[str, tuple[float, ConversationRecord | None]] = {}  # key -> (deadline, record|marker)
+        # key -> (deadline on the store's clock, record or a claiming turn's marker)
+        self._data: dict[str, tuple[float, ConversationRecord | _Marker]] = {}
+        self._pins: dict[str, dict[str, PinEntry]] = {}  # decode url -> conversation key -> entry
+        self._docs: dict[str, tuple[float, str]] = {}
 
-    def _live(self, key: str) -> tuple[float, ConversationRecord | None] | None:
+    def _live(self, key: str) -> tuple[float, ConversationRecord | _Marker] | None:
         item = self._data.get(key)
         if item is not None and item[0] <= self._clock():
             del self._data[key]
             return None
         return item
 
-    async def claim(self, key: str) -> Claim:
+    def _unindex(self, key: str, record: ConversationRecord) -> None:
+        pins = self._pins.get(record.decode_url)
+        if pins is not None:
+            pins.pop(key, None)
+
+    async def claim(self, key: str, *, owner: str) -> Claim:
         item = self._live(key)
         if item is None:
             return Claim(ClaimStatus.MISSING)
-        if item[1] is None:
+        if isinstance(item[1], _Marker):
             return Claim(ClaimStatus.IN_FLIGHT)
-        self._data[key] = (self._clock() + IN_FLIGHT_TTL_S, None)
+        self._data[key] = (self._clock() + IN_FLIGHT_TTL_S, _Marker(owner))
+        self._unindex(key, item[1])
         return Claim(ClaimStatus.FOUND, item[1])
 
     async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
         if len(self._data) >= self._max and key not in self._data:
-            self._evict()
+            self._evict_oldest()
+        old = self._live(key)
+        if old is not None and isinstance(old[1], ConversationRecord):
+            self._unindex(key, old[1])
         self._data[key] = (self._clock() + ttl_s, record)
+        if record.handle is not None:
+            self._pins.setdefault(record.decode_url, {})[key] = PinEntry(
+                key, record.decode_url, record.num_tokens, record.handle, record.created_at, record.expires_at,
+                record.engine_epoch)
 
-    async def release(self, key: str) -> None:
+    async def release(self, key: str, *, owner: str) -> None:
         item = self._data.get(key)
-        if item is not None and item[1] is None:
+        if item is not None and isinstance(item[1], _Marker) and item[1].owner == owner:
             del self._data[key]
 
-    async def pinned(self, now: float) -> dict[str, Pinned]:
+    async def pinned(self, decode_urls: Sequence[str]) -> dict[str, Pinned]:
         out: dict[str, Pinned] = {}
-        for key in list(self._data):
-            item = self._live(key)
-            if item is None or item[1] is None or item[1].expires_at <= now:
-                continue
-            r = item[1]
-            p = out.get(r.decode_url, Pinned(0, 0))
-            out[r.decode_url] = Pinned(p.handles + 1, p.tokens + r.num_tokens)
+        for url in decode_urls:
+            pins = self._pins.get(url)
+            if pins:
+                out[url] = Pinned(len(pins), sum(e.tokens for e in pins.values()))
         return out
 
-    def _evict(self) -> None:
+    async def evict(self, decode_url: str, *, keep_tokens: int, why: str) -> list[PinEntry]:
+        pins = self._pins.get(decode_url, {})
+        total = sum(e.tokens for e in pins.values())
+        out: list[PinEntry] = []
+        for e in sorted(pins.values(), key=lambda e: e.stored_at):
+            if total <= keep_tokens:
+                break
+            del pins[e.key]
+            total -= e.tokens
+            item = self._live(e.key)
+            if item is None or not isinstance(item[1], ConversationRecord) or item[1].pin_id != str(
+                    e.handle.get("remote_request_id")):
+                continue  # claimed or replaced meanwhile: not ours to release
+            self._data[e.key] = (item[0], dataclasses.replace(item[1], handle=None, unpinned=why))
+            out.append(e)
+        return out
+
+    async def prune(self, decode_url: str, *, now: float, epoch: float | None) -> list[PinEntry]:
+        pins = self._pins.get(decode_url, {})
+        out: list[PinEntry] = []
+        for e in list(pins.values()):
+            item = self._live(e.key)
+            gone = item is None or not isinstance(item[1], ConversationRecord) or item[1].pin_id != str(
+                e.handle.get("remote_request_id"))
+            other_epoch = epoch is not None and e.engine_epoch is not None and e.engine_epoch != epoch
+            if gone or other_epoch or e.expires_at <= now:
+                del pins[e.key]
+                out.append(e)
+        return out
+
+    async def put_doc(self, key: str, value: str, ttl_s: float) -> None:
+        self._docs[key] = (self._clock() + ttl_s, value)
+        if len(self._docs) > self._max:
+            now = self._clock()
+            for k in [k for k, (deadline, _) in self._docs.items() if deadline <= now]:
+                del self._docs[k]
+            while len(self._docs) > self._max:
+                del self._docs[min(self._docs, key=lambda k: self._docs[k][0])]
+
+    async def get_doc(self, key: str) -> str | None:
+        item = self._docs.get(key)
+        if item is None or item[0] <= self._clock():
+            self._docs.pop(key, None)
+            return None
+        return item[1]
+
+    def _evict_oldest(self) -> None:
         now = self._clock()
         for key in [k for k, (deadline, _) in self._data.items() if deadline <= now]:
-            del self._data[key]
+            self._drop(key)
         while len(self._data) >= self._max:
-            del self._data[min(self._data, key=lambda k: self._data[k][0])]
+            self._drop(min(self._data, key=lambda k: self._data[k][0]))
+
+    def _drop(self, key: str) -> None:
+        _, value = self._data.pop(key)
+        if isinstance(value, ConversationRecord):
+            self._unindex(key, value)
 
     async def ping(self) -> None:
         return None
 
     async def close(self) -> None:
         self._data.clear()
+        self._pins.clear()
+        self._docs.clear()

@@ -11,10 +11,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
-FORMAT_VERSION = 2  # 2: explicit chaining, d[i] = H(d[i-1] + block i)
+FORMAT_VERSION = 3  # 2: explicit chaining, d[i] = H(d[i-1] + block i); 3: optional handle
 
 
 def text_digest(text: str | None) -> str:
@@ -26,7 +26,7 @@ class ConversationRecord:
     tenant: str
     decode_url: str
     prefill_url: str | None
-    handle: dict[str, Any]
+    handle: dict[str, Any] | None  # None: the record pins nothing on D (see ``unpinned``)
     engine_id: str
     engine_epoch: float | None  # the decode engine's process start time when the handle was made
     num_tokens: int  # tokens whose KV the handle's blocks hold (remote_num_tokens)
@@ -38,11 +38,19 @@ class ConversationRecord:
     turn: int
     created_at: float  # gateway wall clock
     expires_at: float  # gateway wall clock; past it the handle is not used
-    extra: dict[str, Any] = field(default_factory=dict)
     # digest of the request this answer was for (its messages and whatever else shapes the prompt):
     # a next turn whose history before the answer has this digest continued the conversation as is
     history_digest: str | None = None
     bytes_per_token: float | None = None  # the conversation's text bytes per prompt token (turn/direct.py)
+    # why the record holds no handle: released to keep D's memory within its budget ("budget"), under
+    # memory pressure ("pressure"), not worth its bytes ("not_needed"), or never had one
+    # ("no_handle_in_stream"); D's blocks may still sit in its prefix cache, so decode-local can use them
+    unpinned: str | None = None
+
+    @property
+    def pin_id(self) -> str | None:
+        """The handle's request id on D: what tells this pin from the conversation's next one."""
+        return None if self.handle is None else str(self.handle.get("remote_request_id"))
 
     @property
     def had_reasoning(self) -> bool:
