@@ -30,6 +30,32 @@ class Timeouts(BaseModel):
     decode_read_s: float = Field(300.0, gt=0, description="longest silence between two decode chunks")
     health_s: float = Field(1.0, gt=0)
     redis_s: float = Field(0.25, gt=0, description="one Redis command; past it the turn runs without state")
+    # First-token deadlines: past them the turn is tried once more another way (another engine, or plain
+    # P/D without a handle), then answered with an error; never minutes of silence. 30 s is ~8x the worst
+    # TTFT p99 seen on the H200 at 32 concurrent conversations (plain P/D, 3.9 s).
+    prefill_first_token_s: float = Field(30.0, gt=0, description="a prefill call (max_tokens 1, pull included)")
+    decode_first_token_s: float = Field(30.0, gt=0, description="from sending D the turn to its first token")
+    decode_per_token_s: float = Field(1.0, gt=0, description="non-streamed turns: allowance per requested token "
+                                      "on top of decode_first_token_s (D answers them only at the end)")
+
+
+class DecodeMemory(BaseModel):
+    """How much decode KV stored handles may pin, and when they are given back (README: Decode memory)."""
+
+    model_config = ConfigDict(frozen=True)
+    pin_budget_share: float = Field(0.5, gt=0, le=1, description="share of each decode engine's KV capacity that "
+                                    "stored handles may pin; above it the pins idle longest are released")
+    capacity_tokens: int | None = Field(None, ge=1, description="a decode engine's KV capacity in tokens when its "
+                                        "/metrics does not say (vllm:cache_config_info num_gpu_blocks x block_size)")
+    pressure_kv_usage: float = Field(0.9, gt=0, le=1.01, description="D's KV usage at which pins are released")
+    pressure_keep_share: float = Field(0.1, ge=0, le=1, description="under pressure, pins are released down to "
+                                       "this share of capacity")
+    pin: str = Field("auto", pattern="^(auto|always)$", description="auto: keep a conversation's handle pinned "
+                     "only when the policy would pull it on the next turn; always: keep every handle")
+    janitor_interval_s: float = Field(5.0, gt=0, description="how often pins are checked against budget, "
+                                      "pressure, expiry and engine restarts")
+    release_on_shutdown: bool = Field(True, description="with the in-process store, release every pin on "
+                                      "shutdown (nobody else can use them)")
 
 
 class PolicySettings(BaseModel):
@@ -82,8 +108,11 @@ class Settings(BaseSettings):
                                       "first, when the template keeps history and the last answer is echoed as is")
     release_unused: bool = Field(True, description="release D handles nobody will use (stateless turns...) at "
                                  "the cost of a 1-token request to a prefill engine")
-    release_above_kv_usage: float = Field(0.95, ge=0, le=1.01,
-                                          description="release new handles while D's KV cache is fuller than this")
+    decode_memory: DecodeMemory = Field(default_factory=DecodeMemory)
+    drain_s: float = Field(30.0, ge=0, description="on SIGTERM: how long in-flight turns may finish; the rest end "
+                           "with an error event")
+    shutdown_delay_s: float = Field(0.0, ge=0, description="on SIGTERM: how long /ready says false while requests "
+                                    "are still served, before new connections are refused")
     upstream_api_key: str | None = Field(None, description="bearer token for the engines; default: the client's")
     allow_client_kv_transfer_params: bool = Field(False, description="let clients send kv_transfer_params")
     routing: str = Field("affinity", pattern="^(affinity|least-loaded|round-robin)$",

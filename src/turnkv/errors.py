@@ -4,9 +4,11 @@
   x ClientError                      400 invalid_request_error: the request is wrong
     - BodyTooLarge                   413
     - ModelNotFound                  404 model_not_found
+  x Unavailable                      503 server_error, with ``Retry-After``: the gateway is shutting down
   x UpstreamError                    an engine failed; carries ``leg`` and ``instance``
     - UpstreamUnavailable            503: no instance could be reached
     - UpstreamTimeout                504
+      · FirstTokenDeadline           the engine did not start its answer in time
     - UpstreamStatus                 the engine answered an error status (its body is kept)
     - UpstreamProtocolError          502: the engine answered something we cannot read
 * StoreError                         the conversation store failed; never rendered: the turn
@@ -25,6 +27,7 @@ class GatewayError(Exception):
     status: int = 500
     type: str = "internal_error"
     code: str | None = None
+    retry_after: float | None = None  # seconds, sent as Retry-After
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -51,6 +54,17 @@ class ModelNotFound(ClientError):
     code = "model_not_found"
 
 
+class Unavailable(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "unavailable"
+    retry_after = 1.0
+
+
+class ShuttingDown(Unavailable):
+    code = "shutting_down"
+
+
 class UpstreamError(GatewayError):
     status = 502
     type = "upstream_error"
@@ -72,6 +86,10 @@ class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"
     kind = "timeout"
+
+
+class FirstTokenDeadline(UpstreamTimeout):
+    code = "first_token_deadline"
 
 
 class UpstreamProtocolError(UpstreamError):

@@ -7,6 +7,7 @@ backlog until the app's startup is done. So no polling and no port races.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -19,11 +20,15 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import IO, Any
 
 import uvicorn
 
+from turnkv.gateway.lifecycle import Drain
+
 READY_TIMEOUT_S = 60.0
+GRACE_S = 5.0  # after the drain: for the aborted turns to send their error events and settle
 LISTEN_BACKLOG = 2048
 
 
@@ -46,11 +51,40 @@ def announce(sock: socket.socket) -> None:
     print(json.dumps({"listening": f"http://{shown}:{port}"}), flush=True)
 
 
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, telling the app's ``Drain`` (``gateway.lifecycle``) when a shutdown begins: the app says
+    it is not ready at once, and the server stops listening only ``delay_s`` later."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, delay_s: float) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._delay_s = delay_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._drain.bind(self._loop)
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain.draining or self._delay_s <= 0 or self._loop is None:
+            self._drain.begin(0.0)
+            super().handle_exit(sig, frame)
+            return
+        self._drain.begin(self._delay_s)
+        self._loop.call_soon_threadsafe(self._loop.call_later, self._delay_s, super().handle_exit, sig, frame)
+
+
 def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning") -> None:
-    """Serve ``app`` on a listening socket until SIGTERM or SIGINT."""
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
+    """Serve ``app`` on a listening socket until SIGTERM or SIGINT. An app with a ``Drain`` in its state
+    (the gateway) gets its drain time before the server gives up on its connections."""
+    drain: Drain | None = getattr(getattr(app, "state", None), "drain", None)
+    delay_s = float(getattr(app.state, "shutdown_delay_s", 0.0)) if drain is not None else 0.0
+    graceful = delay_s + drain.drain_s + GRACE_S if drain is not None else GRACE_S
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=int(graceful + 1),
                             lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    server = _DrainingServer(config, drain, delay_s) if drain is not None else uvicorn.Server(config)
+    server.run(sockets=[sock])
 
 
 def serve(app: Any, host: str, port: int, log_level: str = "warning") -> None:

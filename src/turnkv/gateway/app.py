@@ -23,11 +23,13 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from turnkv.config import Settings
-from turnkv.errors import GatewayError, StoreError, UpstreamError, UpstreamStatus
+from turnkv.errors import GatewayError, UpstreamError, UpstreamStatus
 from turnkv.gateway import routes
 from turnkv.gateway.audit import classify, engine_renderer
 from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpected
+from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
+from turnkv.gateway.pins import PinKeeper
 from turnkv.gateway.registry import Registry
 from turnkv.gateway.release import Releaser
 from turnkv.gateway.services import Services, TemplateAudit
@@ -46,6 +48,7 @@ AUDIT_ATTEMPTS = 30
 STARTUP_AUDIT_S = 3.0
 STOP_LOOPS_S = 5.0
 STOP_TICK_S = 0.1
+SHUTDOWN_RELEASE_S = 5.0
 logger = logging.getLogger("turnkv.app")
 
 
@@ -72,22 +75,9 @@ def _store(settings: Settings) -> ConversationStore:
     return MemoryStore()
 
 
-async def _report_pinned(svc: Services) -> None:
-    seen: set[str] = set()
+async def _report_links(svc: Services) -> None:
     while True:
         await asyncio.sleep(svc.settings.scrape_interval_s)
-        try:
-            pinned = await svc.store.pinned(time.time())
-        except StoreError:
-            continue
-        for url in seen - set(pinned):
-            for g in (svc.metrics.pinned_tokens, svc.metrics.pinned_bytes, svc.metrics.pinned_handles):
-                g.labels(url).set(0)
-        for url, p in pinned.items():
-            svc.metrics.pinned_tokens.labels(url).set(p.tokens)
-            svc.metrics.pinned_bytes.labels(url).set(p.tokens * svc.settings.kv_bytes_per_token)
-            svc.metrics.pinned_handles.labels(url).set(p.handles)
-        seen = set(pinned)
         for direction, link in svc.estimator.links().items():
             svc.metrics.link_fixed_s.labels(direction).set(link.fixed_s)
             svc.metrics.link_bytes_per_s.labels(direction).set(link.bytes_per_s)
@@ -127,7 +117,7 @@ async def _audit_once(svc: Services) -> bool:
         svc.audit = TemplateAudit(TemplateClass.UNKNOWN, f"audit failed: {exc}")
         return False
     svc.audit = TemplateAudit(cls, detail)
-    if svc.releaser is not None and svc.releaser.model is None and svc.models:
+    if svc.releaser.model is None and svc.models:
         svc.releaser.model = svc.models[0]
     for c in TemplateClass:
         svc.metrics.template_class.labels(c.value).set(1 if c is cls else 0)
@@ -161,9 +151,22 @@ async def stop_tasks(tasks: list[asyncio.Task[None]]) -> None:
         logger.error("background.not_stopped tasks=%s", [t.get_coro() for t in pending])
 
 
-def create_app(settings: Settings, *, multiprocess_dir: str | None = None) -> Starlette:
+async def _shut_down(svc: Services) -> None:
+    """After the last connection closed: with a store nobody else reads, give every pin back, and send
+    the releases still queued (bounded: D frees them at its TTL otherwise)."""
+    with anyio.move_on_after(SHUTDOWN_RELEASE_S):
+        if svc.settings.decode_memory.release_on_shutdown and not svc.settings.redis_url:
+            n = await svc.pins.release_all()
+            if n:
+                svc.log.info("pins.shutdown", released=n)
+        await svc.releaser.drain(SHUTDOWN_RELEASE_S)
+
+
+def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain: Drain | None = None) -> Starlette:
     """The gateway; ``multiprocess_dir`` is set by ``serve --workers N`` (workers.py): where the workers'
-    metrics meet, so that /metrics reports all of them."""
+    metrics meet, so that /metrics reports all of them. ``drain`` is how the server that runs the app
+    tells it a shutdown began (``launch.run_uvicorn``)."""
+    drain = drain or Drain(settings.drain_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[State]:
@@ -183,23 +186,26 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None) -> St
             estimator = CostEstimator(cost_priors(settings))
             registry.on_link_sample = estimator.observe_link
             registry.on_restart = lambda inst: metrics.engine_restarts.labels(inst.role).inc()
+            releaser = Releaser(upstream, registry, metrics, next(iter(settings.models), None))
+            pins = PinKeeper(settings, registry, store, releaser, metrics, log)
+            registry.on_scraped = pins.on_scraped
             svc = Services(
                 settings=settings, upstream=upstream, registry=registry, store=store,
                 policy=build_policy(settings.policy.name, settings.policy.params), estimator=estimator,
-                metrics=metrics, log=log,
+                metrics=metrics, log=log, releaser=releaser, pins=pins, drain=drain,
             )
-            svc.releaser = Releaser(upstream, registry, metrics, next(iter(settings.models), None))
             audited = False
             with anyio.move_on_after(STARTUP_AUDIT_S):
                 audited = await _audit_once(svc)  # engines already up: know the template before serving
             loops = [registry.run(upstream, settings.health_interval_s, settings.scrape_interval_s),
-                     _report_pinned(svc), svc.releaser.run(), *([] if audited else [_audit_until_done(svc)])]
+                     _report_links(svc), releaser.run(), pins.run(), *([] if audited else [_audit_until_done(svc)])]
             tasks = [asyncio.create_task(c) for c in loops]
             for t in tasks:
                 t.add_done_callback(_log_crash)
             try:
                 yield {"services": svc}
             finally:
+                await _shut_down(svc)
                 await stop_tasks(tasks)
         await store.close()
 
@@ -216,4 +222,6 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None) -> St
         exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_exception,
                             Exception: on_unexpected},
     )
+    app.state.drain = drain  # for the server: launch.run_uvicorn tells it when a shutdown begins
+    app.state.shutdown_delay_s = settings.shutdown_delay_s
     return app

@@ -15,8 +15,10 @@ log = logging.getLogger("turnkv.errors")
 
 
 def error_response(exc: GatewayError, request_id: str | None = None) -> JSONResponse:
-    headers = {"x-request-id": request_id} if request_id else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    headers = {"x-request-id": request_id} if request_id else {}
+    if exc.retry_after is not None:
+        headers["retry-after"] = str(max(1, round(exc.retry_after)))
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
 
 def sse_error_event(exc: GatewayError) -> bytes:

@@ -24,8 +24,6 @@ class GatewayMetrics:
     def __init__(self, multiprocess_dir: str | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._multiprocess_dir = multiprocess_dir
-        self.requests = Counter("turnkv_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=r)
         self.ttft = Histogram("turnkv_ttft_seconds", "Gateway-side time to first token",
                               ["turn", "outcome"], buckets=_TTFT_BUCKETS, registry=r)
         self.prefill_seconds = Histogram("turnkv_prefill_seconds", "Prefill call duration", ["action"],
@@ -54,6 +52,12 @@ class GatewayMetrics:
         self.pinned_tokens = shared("turnkv_pinned_kv_tokens", "Decode KV tokens pinned by live handles", "decode")
         self.pinned_bytes = shared("turnkv_pinned_kv_bytes", "Decode KV bytes pinned by live handles", "decode")
         self.pinned_handles = shared("turnkv_pinned_handles", "Live handles per decode engine", "decode")
+        self.pinned_capacity_bytes = shared("turnkv_pinned_kv_capacity_bytes",
+                                            "Decode engine KV capacity (0: not known)", "decode")
+        self.pinned_budget_bytes = shared("turnkv_pinned_kv_budget_bytes",
+                                          "Decode KV bytes stored handles may pin (0: no budget known)", "decode")
+        self.deadline_misses = Counter("turnkv_first_token_deadline_misses",
+                                       "Engine calls past their first-token deadline", ["leg"], registry=r)
         self.template_class = Gauge("turnkv_template_class", "1 for the chat template's audited class",
                                     ["class"], registry=r, multiprocess_mode="livemax")
         self.engine_restarts = Counter("turnkv_engine_restarts", "Engine restarts noticed", ["role"], registry=r)
@@ -62,6 +66,8 @@ class GatewayMetrics:
         self.link_fixed_s = shared("turnkv_link_fixed_seconds", "Estimated KV transfer fixed cost", "direction")
         self.link_samples = shared("turnkv_link_samples", "Transfer measurements behind the link estimate",
                                    "direction")
+        # why: unused, superseded, not_needed, budget, pressure, failed_turn, shutdown, store_unavailable;
+        # duplicate, dropped and failed count releases not sent or not answered
         self.releases = Counter("turnkv_handle_releases", "Handles given back to decode unused, by why",
                                 ["why"], registry=r)
         self.store_up.set(1)

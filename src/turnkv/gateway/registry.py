@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -28,7 +29,10 @@ ROUTING = ("affinity", "least-loaded", "round-robin")
 PLUGIN_HEADER = "x-turnkv-plugin"  # set by plugins/vllm-turnkv: "<version>; streams=chat,completions"
 AFFINITY_SLACK = 8  # in-flight requests a preferred instance may have above the least busy one
 MIN_EXPECTED_HITS = 256  # tokens of expected cache hits before the observed ones are compared with them
-_SCRAPED = ("process_start_time_seconds", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+MISSES_TO_SUSPEND = 3  # first-token deadlines missed in a row before an engine is taken out of routing
+SUSPEND_S = 30.0  # how long; then one more miss takes it out again
+_SCRAPED = ("process_start_time_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
             "vllm:prefix_cache_hits_total", "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count",
             "vllm:nixl_bytes_transferred_sum")
 
@@ -42,7 +46,11 @@ class Instance:
     epoch: float | None = None  # process_start_time_seconds from its /metrics
     version: str | None = None
     running: int = 0  # vllm:num_requests_running
+    waiting: int = 0  # vllm:num_requests_waiting: admitted but not scheduled (no free KV blocks, or a full batch)
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc
+    capacity_tokens: int | None = None  # KV cache size: num_gpu_blocks x block_size (vllm:cache_config_info)
+    deadline_misses: int = 0  # first-token deadlines missed in a row
+    suspended_until: float = 0.0  # monotonic; out of routing until then (missed deadlines), whatever /health says
     stream_handles: bool | None = None  # whether its SSE streams end with a KV handle (seen, or by version)
     # how much of the prefix-cache hit the gateway expects actually happens (1: all; 0: cache off or evicting)
     cache_factor: float = 1.0
@@ -51,6 +59,11 @@ class Instance:
     block_size_warned: bool = False
     _hits: float | None = field(default=None, repr=False)
     _xfer: tuple[float, float, float] | None = field(default=None, repr=False)  # count, bytes, seconds
+
+    @property
+    def routable(self) -> bool:
+        """Healthy by its probe and not suspended for missing first-token deadlines."""
+        return self.healthy and time.monotonic() >= self.suspended_until
 
     @property
     def busy(self) -> int:
@@ -79,6 +92,7 @@ class Registry:
                 self.instances[u] = Instance(u, role)
         self._rr = itertools.count()
         self.on_restart: Callable[[Instance], None] = lambda inst: None
+        self.on_scraped: Callable[[Instance], None] = lambda inst: None  # after each read of its metrics
         # (role of the engine that read, mean bytes, mean seconds, transfers)
         self.on_link_sample: Callable[[str, float, float, float], None] = lambda r, b, s, c: None
 
@@ -90,7 +104,7 @@ class Registry:
 
     def pick(self, role: str, prefer: str | None = None, exclude: frozenset[str] = frozenset()) -> Instance | None:
         pool = [i for i in self.role(role) if i.url not in exclude]
-        healthy = [i for i in pool if i.healthy] or pool
+        healthy = [i for i in pool if i.routable] or pool
         if not healthy:
             return None
         if self.routing == "round-robin":
@@ -117,6 +131,24 @@ class Registry:
         if inst is not None and inst.healthy:
             log.warning("instance.unhealthy url=%s", url)
             inst.healthy = False
+
+    def missed_deadline(self, url: str) -> None:
+        """A first-token deadline passed on this engine; a few in a row take it out of routing until its
+        health probe passes again."""
+        inst = self.instances.get(url)
+        if inst is None:
+            return
+        inst.deadline_misses += 1
+        if inst.deadline_misses >= MISSES_TO_SUSPEND and inst.routable:
+            log.warning("instance.suspended url=%s reason=first_token_deadline misses=%d for_s=%.0f", url,
+                        inst.deadline_misses, SUSPEND_S)
+            inst.suspended_until = time.monotonic() + SUSPEND_S
+            inst.deadline_misses = MISSES_TO_SUSPEND - 1
+
+    def met_deadline(self, url: str | None) -> None:
+        inst = self.get(url)
+        if inst is not None:
+            inst.deadline_misses = 0
 
     def supports_prompt_token_ids(self, inst: Instance) -> bool:
         """vLLM >= 0.32 takes the prompt as ``kv_transfer_params.prompt_token_ids`` on chat requests."""
@@ -175,8 +207,10 @@ class Registry:
                 self.on_restart(inst)
             inst.epoch = start
         inst.running = int(values.get("vllm:num_requests_running", 0))
+        inst.waiting = int(values.get("vllm:num_requests_waiting", 0))
         inst.kv_usage = values.get("vllm:kv_cache_usage_perc", 0.0)
         self._cache_factor(inst, values.get("vllm:prefix_cache_hits_total"))
+        self.on_scraped(inst)
         count = values.get("vllm:nixl_xfer_time_seconds_count")
         if count is None:
             return
@@ -192,6 +226,9 @@ class Registry:
             inst.cache_factor = 0.0  # nothing the gateway expects P to have cached is there
             inst.prefix_caching = False
         bs = labels.get("block_size")
+        blocks = labels.get("num_gpu_blocks")
+        if bs and bs.isdigit() and blocks and blocks.isdigit():
+            inst.capacity_tokens = int(blocks) * int(bs)
         if bs and bs.isdigit() and int(bs) != self.block_size and not inst.block_size_warned:
             inst.block_size_warned = True
             log.warning("instance.block_size_mismatch url=%s engine=%s gateway=%s", inst.url, bs, self.block_size)

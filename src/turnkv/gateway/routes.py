@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from turnkv.errors import ClientError, UpstreamError, UpstreamUnavailable
+from turnkv.errors import ClientError, ShuttingDown, UpstreamError, UpstreamUnavailable
 from turnkv.gateway.identity import BODY_FIELDS, conversation_of
 from turnkv.gateway.requests import ChatBody, CompletionBody, check_model, read_json, validate
 from turnkv.gateway.services import Services
@@ -51,18 +51,22 @@ def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: boo
     return ctx
 
 
-async def chat_completions(request: Request) -> Response:
+async def _turn(request: Request, *, chat: bool) -> Response:
     svc = services(request)
+    if svc.drain.refusing:
+        raise ShuttingDown("the gateway is shutting down; send the turn again")
     body = await read_json(request, svc.settings.max_body_bytes)
-    ctx = _prepare(svc, request, body, chat=True)
+    ctx = _prepare(svc, request, body, chat=chat)
+    svc.drain.track(ctx, lambda: ctx.abort("shutdown"))
     return await run_turn(ctx)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _turn(request, chat=True)
 
 
 async def completions(request: Request) -> Response:
-    svc = services(request)
-    body = await read_json(request, svc.settings.max_body_bytes)
-    ctx = _prepare(svc, request, body, chat=False)
-    return await run_turn(ctx)
+    return await _turn(request, chat=False)
 
 
 async def models(request: Request) -> Response:
@@ -98,7 +102,7 @@ async def ready(request: Request) -> Response:
                 for i in svc.registry.role(role)]
 
     p, d = view("prefill"), view("decode")
-    ok = any(i["healthy"] for i in p) and any(i["healthy"] for i in d)
+    ok = any(i["healthy"] for i in p) and any(i["healthy"] for i in d) and not svc.drain.draining
     body = {
         "ready": ok, "prefill": p, "decode": d,
         "store": {"kind": "redis" if svc.settings.redis_url else "memory", "up": svc.store.up},

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.config import Settings
+from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
+from turnkv.gateway.pins import PinKeeper
 from turnkv.gateway.registry import Registry
 from turnkv.gateway.release import Releaser
 from turnkv.gateway.upstream import Upstream
@@ -32,6 +34,8 @@ class Services:
     estimator: CostEstimator
     metrics: GatewayMetrics
     log: Any  # a structlog BoundLogger
-    releaser: Releaser | None = None
+    releaser: Releaser
+    pins: PinKeeper
+    drain: Drain
     audit: TemplateAudit = field(default_factory=TemplateAudit)
     models: list[str] = field(default_factory=list)

@@ -82,6 +82,14 @@ def _null_list(payload: bytes, key: bytes) -> bytes:
     return _cut_list(payload, key)[0]
 
 
+def _empty(choice: dict[str, Any]) -> bool:
+    """A choice that says nothing once its token ids are gone: no text, no role, no finish, no logprobs."""
+    if choice.get("finish_reason") is not None or choice.get("logprobs") or choice.get("text"):
+        return False
+    delta = choice.get("delta")
+    return not (isinstance(delta, dict) and any(v not in (None, "", []) for v in delta.values()))
+
+
 def frame(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
@@ -107,6 +115,9 @@ class DecodeCapture:
     answer: AnswerAccumulator = field(default_factory=AnswerAccumulator)
     usage: dict[str, Any] | None = None
     chunks: int = 0
+    # prompt tokens this turn did not compute (P's cache and pull, as P counted them): what the client's
+    # usage.prompt_tokens_details.cached_tokens says instead of D's view (D got them all from P)
+    cached_tokens: int | None = None
 
     @property
     def prompt_token_ids(self) -> list[int] | None:
@@ -123,11 +134,26 @@ class DecodeCapture:
     def prompt_token_ids(self, ids: list[int] | None) -> None:
         self._prompt_ids, self._prompt_ids_json = ids, None
 
-    def chunk(self, payload: bytes) -> tuple[bytes, bool]:
-        """One SSE payload: the bytes to forward, and whether it carries generated tokens or text."""
+    def _usage(self, obj: dict[str, Any]) -> bool:
+        """Note the usage; True when its cached_tokens were corrected (the chunk must be re-encoded)."""
+        usage = obj.get("usage")
+        if not isinstance(usage, dict):
+            return False
+        self.usage = usage
+        details = usage.get("prompt_tokens_details")
+        if self.cached_tokens is None or not isinstance(details, dict) or "cached_tokens" not in details:
+            return False
+        details["cached_tokens"] = min(self.cached_tokens, int(usage.get("prompt_tokens") or 0))
+        return True
+
+    def chunk(self, payload: bytes) -> tuple[bytes | None, bool]:
+        """One SSE payload: the bytes to forward (None: nothing a client of plain vLLM would have got, so
+        nothing to forward), and whether it shows the client output (text, a tool call, the finish, or
+        token ids the client asked for)."""
         if payload == DONE:
             return payload, False
-        if not self.collect and _relay_as_is(payload):
+        if not self.collect and _relay_as_is(payload) and not (
+                self.cached_tokens is not None and b'"cached_tokens"' in payload):
             self.chunks += 1
             return payload, _shows_output(payload)
         cut, prompt_json = _cut_list(payload, _PROMPT_IDS)
@@ -160,16 +186,18 @@ class DecodeCapture:
                 self.kv_transfer_params = obj["kv_transfer_params"]
             obj["kv_transfer_params"] = None
             redump = True
-        if isinstance(obj.get("usage"), dict):
-            self.usage = obj["usage"]
+        redump = self._usage(obj) or redump
         visible = False
+        only_ours = False  # the chunk carried token ids the client did not ask for, and nothing else
         for choice in obj.get("choices") or []:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             ids = choice.get("token_ids")
             if isinstance(ids, list):
                 self.token_ids += ids
-                visible = visible or bool(ids)
+                visible = visible or (bool(ids) and self.keep_token_ids)
+                only_ours = not self.keep_token_ids and _empty(choice) and prompt_json is None \
+                    and "prompt_token_ids" not in obj and not obj.get("usage")
                 if not self.keep_token_ids:
                     choice["token_ids"] = None
                     nulled = _null_list(payload, b'"token_ids":[')
@@ -186,6 +214,8 @@ class DecodeCapture:
             if choice.get("finish_reason") is not None:
                 self.finish_reason = str(choice["finish_reason"])
                 visible = True
+        if only_ours and not visible:
+            return None, False
         if not redump:
             return payload, visible
         if prompt_json is not None and self.keep_token_ids:
@@ -202,8 +232,7 @@ class DecodeCapture:
             self.kv_transfer_params = obj["kv_transfer_params"]
         if "kv_transfer_params" in obj:
             obj["kv_transfer_params"] = None
-        if isinstance(obj.get("usage"), dict):
-            self.usage = obj["usage"]
+        self._usage(obj)
         for choice in obj.get("choices") or []:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue

@@ -6,7 +6,6 @@ counted and retried without parsing messages.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import Iterator, Mapping
@@ -57,13 +56,20 @@ class Upstream:
             h["authorization"] = auth
         return h
 
+    def _timeout(self, leg: str, timeout_s: float | None) -> aiohttp.ClientTimeout:
+        if timeout_s is None:
+            return self._leg_timeouts[leg]
+        return aiohttp.ClientTimeout(total=timeout_s, connect=min(self.t.connect_s, timeout_s))
+
     async def post_json(
-        self, leg: str, base: str, path: str, body: Any, headers: Mapping[str, str],
+        self, leg: str, base: str, path: str, body: Any, headers: Mapping[str, str], *,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        """POST and read a JSON body. Any status >= 400 raises ``UpstreamStatus`` with the body kept."""
+        """POST and read a JSON body. Any status >= 400 raises ``UpstreamStatus`` with the body kept;
+        ``timeout_s`` bounds the whole call instead of the leg's own timeouts."""
         with map_aiohttp_errors(leg, base):
             async with self.session.post(base + path, data=_dumps(body), headers=headers,
-                                         timeout=self._leg_timeouts[leg]) as resp:
+                                         timeout=self._timeout(leg, timeout_s)) as resp:
                 raw = await resp.read()
                 status = resp.status
         try:
@@ -112,8 +118,3 @@ def is_retryable(exc: UpstreamError) -> bool:
         return exc.upstream_status >= 500
     return isinstance(exc, (UpstreamUnavailable, UpstreamTimeout, UpstreamProtocolError))
 
-
-async def cancel_quietly(task: asyncio.Task[Any]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task

@@ -40,6 +40,9 @@ class Reason(enum.StrEnum):
     CHEAPER_TO_RECOMPUTE = "cheaper_to_recompute"
     DECODE_LOCAL = "decode_local"
     PULL_FAILED = "pull_failed"
+    PIN_RELEASED = "pin_released"  # the stored handle was given back (budget, pressure, not worth its bytes)
+    NO_HANDLE_IN_STREAM = "no_handle_in_stream"  # D's stream carried no handle (vLLM < 0.33 without the plugin)
+    FIRST_TOKEN_DEADLINE = "first_token_deadline"  # an engine missed it; the turn ran another way
 
 
 class TemplateClass(enum.StrEnum):
@@ -156,6 +159,16 @@ def trim_handle(handle: dict[str, object], tokens: int, block_size: int) -> dict
     out["do_remote_decode"] = True
     out["do_remote_prefill"] = False
     return out
+
+
+def unpinned_reason(record: ConversationRecord) -> Reason:
+    """Why a record that holds no handle cannot be pulled: D gave none, the policy judged a pull would not
+    pay when the answer was captured (its handle was not kept), or the handle was given back for memory."""
+    if record.unpinned == "no_handle_in_stream":
+        return Reason.NO_HANDLE_IN_STREAM
+    if record.unpinned in ("not_needed", "decode_local"):
+        return Reason.CHEAPER_TO_RECOMPUTE
+    return Reason.PIN_RELEASED
 
 
 def release_handle(handle: dict[str, object]) -> dict[str, object]:

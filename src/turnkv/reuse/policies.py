@@ -47,6 +47,10 @@ class ReusePolicy(Protocol):
 
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision: ...
 
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
+        """Whether a handle is worth its pinned bytes: the policy would pull it on a next turn like
+        ``facts`` (a handle only a pull can use; decode-local and recompute do without it)."""
+
 
 class _Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -87,6 +91,14 @@ class AdaptivePolicy:
             return Decision(best, Reason.DECODE_LOCAL, est)
         return Decision(best, None, est)
 
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
+        # decode-local now: the next turn most likely too, from D's own prefix cache. Otherwise keep
+        # the pin only where a pull would beat recomputing, whatever D's load allows then.
+        if self.decide(facts, costs).action is Action.DECODE_LOCAL:
+            return False
+        no_local = TurnFacts(**{**facts.__dict__, "decode_local_possible": False})
+        return self.decide(no_local, costs).action is Action.PULL
+
 
 class FixedParams(_Params):
     pass
@@ -103,6 +115,9 @@ class AlwaysPullPolicy:
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
         return Decision(Action.PULL if facts.reusable_tokens > 0 else Action.RECOMPUTE)
 
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
+        return True
+
 
 class NeverPullPolicy:
     name = "never-pull"
@@ -114,6 +129,9 @@ class NeverPullPolicy:
 
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
         return Decision(Action.RECOMPUTE, Reason.CHEAPER_TO_RECOMPUTE if facts.reusable_tokens > 0 else None)
+
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
+        return False
 
 
 class DecodeLocalPolicy:
@@ -129,6 +147,9 @@ class DecodeLocalPolicy:
             return Decision(Action.DECODE_LOCAL, Reason.DECODE_LOCAL)
         return Decision(Action.RECOMPUTE)
 
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
+        return False
+
 
 class UncheckedPolicy:
     """Pulls D's whole handle whenever there is one, without looking at the tokens. Unsafe."""
@@ -142,6 +163,9 @@ class UncheckedPolicy:
 
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
         return Decision(Action.PULL if facts.reusable_tokens > 0 else Action.RECOMPUTE)
+
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
+        return True
 
 
 _REGISTRY: dict[str, tuple[type[_Params], Callable[[Any], ReusePolicy]]] = {

@@ -36,6 +36,10 @@ class Pin:
     block_ids: list[int]
     deadline: float
     decode_side: bool
+    # vLLM's worker tracks a D-side pin only when its request came with do_remote_prefill (a P -> D turn)
+    # or do_remote_decode; params with neither still pin the blocks, untracked: no notice and no TTL
+    # frees them until the engine restarts (pull_scheduler.py:126-129, pull_worker.py:96-99 in 0.26)
+    tracked: bool = True
 
 
 class Connector:
@@ -44,6 +48,7 @@ class Connector:
     def __init__(self, engine: Engine) -> None:
         self.e = engine
         self.pins: dict[str, Pin] = {}
+        self.unrecognized_notices = 0  # "Potentially invalid KV blocks for unrecognized request" lines
         self._link_lock = asyncio.Lock()
 
     def external_tokens(self, seq: Seq, local: int) -> tuple[int, bool]:
@@ -133,7 +138,8 @@ class Connector:
         deadline = self.e.clock() + ttl
         blocks = seq.block_ids[: -(-seq.num_computed // self.e.cfg.block_size)]
         self.e.release_blocks(seq.block_ids[len(blocks):])
-        self.pins[seq.request_id] = Pin(blocks, deadline, decode_side=not is_p_node)
+        tracked = is_p_node or bool(p.get("do_remote_prefill"))
+        self.pins[seq.request_id] = Pin(blocks, deadline, decode_side=not is_p_node, tracked=tracked)
         out: dict[str, Any] = {
             "do_remote_prefill": is_p_node,
             "do_remote_decode": not is_p_node,
@@ -157,12 +163,22 @@ class Connector:
         self.e.release_blocks(pin.block_ids)
         return True
 
+    def notified(self, request_id: str) -> None:
+        """A peer is done with ``request_id``'s blocks: free them, if this engine tracks that request."""
+        pin = self.pins.get(request_id)
+        if pin is None or not pin.tracked:
+            self.unrecognized_notices += 1
+            log.error("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode "
+                      "worker. They may have expired.", request_id)
+            return
+        self.unpin(request_id)
+
     async def expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
             now = self.e.clock()
             for rid, pin in list(self.pins.items()):
-                if pin.deadline <= now:
+                if pin.deadline <= now and pin.tracked:
                     log.info("Releasing expired KV blocks for request %s", rid)
                     self.e.metrics.kv_expired.inc()
                     self.unpin(rid)
@@ -179,7 +195,7 @@ class Connector:
                 return {"ok": False, "error": "invalid block id"}
             return {"ok": True, "blocks": [self.e.pool.read(b) for b in ids]}
         if op == "notify":
-            self.unpin(str(msg["request_id"]))
+            self.notified(str(msg["request_id"]))
             return {"ok": True}
         return {"ok": False, "error": f"unknown op {op!r}"}
 

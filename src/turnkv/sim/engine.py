@@ -98,6 +98,12 @@ class Engine:
         """Blocks held after their request finished: P's leases and, bidirectional, D's handles."""
         return self.connector.pins
 
+    def report_load(self) -> None:
+        """Running and waiting requests and KV usage, as vLLM's gauges say them now."""
+        self.metrics.running.set(len(self._running))
+        self.metrics.waiting.set(len(self._waiting) + self.blocked)
+        self.metrics.kv_usage.set(self.pool.usage())
+
     def pinned_tokens(self) -> int:
         return self.connector.pinned_tokens()
 
@@ -214,8 +220,7 @@ class Engine:
             if not self._waiting and not self._running:
                 self._wake.clear()
                 await self._wake.wait()
-            self.metrics.running.set(len(self._running))
-            self.metrics.waiting.set(len(self._waiting) + self.blocked)
+            self.report_load()
             decoding = list(self._running)
             budget = self.cfg.max_num_batched_tokens - len(decoding)
             chunks: list[tuple[Seq, int]] = []

@@ -124,6 +124,7 @@ class InfoRoutes:
         return JSONResponse({"version": self.s.settings.version})
 
     async def metrics(self, request: Request) -> Response:
+        self.s.engine.report_load()  # pins freed and requests blocked between steps count now
         return Response(self.s.metrics.render(), headers={"content-type": CONTENT_TYPE_LATEST})
 
     # -- simulator control -------------------------------------------------------------------
@@ -147,6 +148,8 @@ class InfoRoutes:
         return JSONResponse({
             "engine_id": e.engine_id, "role": s.settings.engine.role, "compat": s.settings.engine.compat,
             "side_channel_port": e.side_channel_port, "pins": len(e.pins), "pinned_tokens": e.pinned_tokens(),
+            "untracked_pins": sum(1 for p in e.pins.values() if not p.tracked),
+            "unrecognized_notices": e.connector.unrecognized_notices, "blocked": e.blocked,
             "kv_cache_usage": e.pool.usage(), "free_blocks": e.pool.num_free,
             "faults": s.faults.faults.model_dump(), "delayed": s.faults.delayed, "renders": self.renders,
         })

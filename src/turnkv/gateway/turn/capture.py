@@ -1,13 +1,17 @@
 """CAPTURE: after the answer, remember D's handle with the hash chain of the tokens it holds.
 
 D's own token ids are the authority: its prompt ids and generated ids, cut to the handle's
-``remote_num_tokens``. A handle that is inconsistent with them is not stored. Also: when a turn
-fails before P used the claimed handle, the record is put back, so one failure does not cost the
+``remote_num_tokens``. A handle that is inconsistent with them is not stored. A handle is kept
+pinned only when the policy would pull it next turn, and only within D's pin budget
+(``gateway.pins``); every other handle of the turn is released at once: the new one when it is not
+kept, the claimed one when P did not take it (a decode-local turn supersedes it). When a turn fails
+before P used the claimed handle, the record is put back, so one failure does not cost the
 conversation its reuse. Ends the turn with one log event and its metrics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -20,7 +24,9 @@ from turnkv.gateway.services import Services
 from turnkv.gateway.turn.context import TurnContext
 from turnkv.gateway.turn.direct import bytes_per_token, history_digest
 from turnkv.gateway.turn.direct import enabled as direct_enabled
+from turnkv.gateway.turn.plan import likely_prefill_cached
 from turnkv.reuse.chain import ChainBuilder
+from turnkv.reuse.cost import Action, TurnFacts
 from turnkv.state.base import ClaimStatus
 from turnkv.state.record import ConversationRecord
 
@@ -47,7 +53,8 @@ def _handle_ok(h: dict[str, Any] | None, seq_len: int, block_size: int) -> str |
 
 
 def build_record(ctx: TurnContext) -> ConversationRecord | str:
-    """The record for the next turn, or the reason there is none."""
+    """The record for the next turn (holding D's handle, or none when D's answer carried none), or
+    the reason there is none."""
     cap = ctx.capture
     s = ctx.svc.settings
     if ctx.conversation is None:
@@ -57,16 +64,24 @@ def build_record(ctx: TurnContext) -> ConversationRecord | str:
     d = ctx.svc.registry.get(ctx.decode_url)
     if ctx.stream and d is not None and ctx.turn_is_stateful:
         d.stream_handles = cap.kv_transfer_params is not None  # what this engine's streams carry, as seen
-    if cap.kv_transfer_params is None:
-        return "no_handle_in_stream" if ctx.stream else "no_handle"
     if cap.prompt_token_ids is None:
         return "no_token_ids"
-    seq_len = len(cap.prompt_token_ids) + len(cap.token_ids)
-    why = _handle_ok(cap.kv_transfer_params, seq_len, s.block_size)
-    if why is not None:
-        return why
     h = cap.kv_transfer_params
-    n = int(h["remote_num_tokens"])
+    unpinned = None
+    if h is None:
+        # the next turn can still go decode-local (D's prefix cache holds the turn), and says why not more
+        if ctx.action is Action.DECODE_LOCAL:
+            unpinned = "decode_local"  # D was asked for no handle (turn/decode.py)
+        elif ctx.stream:
+            unpinned = "no_handle_in_stream"
+        else:
+            return "no_handle"
+        n = len(cap.prompt_token_ids) + len(cap.token_ids)
+    else:
+        why = _handle_ok(h, len(cap.prompt_token_ids) + len(cap.token_ids), s.block_size)
+        if why is not None:
+            return why
+        n = int(h["remote_num_tokens"])
     prompt = cap.prompt_token_ids
     if ctx.prompt_ids is not None and prompt != ctx.prompt_ids:
         ctx.svc.metrics.render_mismatch.inc()
@@ -81,48 +96,75 @@ def build_record(ctx: TurnContext) -> ConversationRecord | str:
     now = time.time()
     return ConversationRecord(
         tenant=ctx.conversation.tenant, decode_url=str(ctx.decode_url), prefill_url=ctx.prefill_url,
-        handle=h, engine_id=str(h["remote_engine_id"]), engine_epoch=d.epoch if d else None, num_tokens=n,
-        chain=chain.digests(), block_size=s.block_size, prompt_tokens=len(prompt), answer_digest=answer,
+        handle=h, engine_id=str(h["remote_engine_id"]) if h else "", engine_epoch=d.epoch if d else None,
+        num_tokens=n, chain=chain.digests(), block_size=s.block_size, prompt_tokens=len(prompt), answer_digest=answer,
         reasoning_digest=reasoning, turn=ctx.turn_index, created_at=now, expires_at=now + s.handle_ttl_s,
         history_digest=history_digest(ctx.body, messages) if direct else None,
-        bytes_per_token=bytes_per_token(messages, len(prompt)) if direct else None,
+        bytes_per_token=bytes_per_token(messages, len(prompt)) if direct else None, unpinned=unpinned,
     )
 
 
+def _keeps_pin(ctx: TurnContext, rec: ConversationRecord) -> bool:
+    """Whether the new handle is worth its pinned bytes until the next turn (the policy's own view of a
+    next turn like this one)."""
+    svc = ctx.svc
+    if svc.settings.decode_memory.pin == "always":
+        return True
+    bs = svc.settings.block_size
+    claimed = ctx.claim.record if ctx.claim is not None else None
+    grown = rec.prompt_tokens - (claimed.num_tokens if claimed is not None else 0)
+    new = max(bs, grown if claimed is not None else rec.prompt_tokens // 8)  # the next turn's new part, guessed
+    prefill = svc.registry.get(rec.prefill_url)
+    d = svc.registry.get(rec.decode_url)
+    facts = TurnFacts(
+        prompt_tokens=rec.num_tokens + new, reusable_tokens=rec.num_tokens,
+        prefill_cached_tokens=likely_prefill_cached(rec, prefill, bs), decode_cached_tokens=(rec.num_tokens // bs) * bs,
+        decode_local_possible=d is not None, decode_busy=d.busy if d is not None else 0,
+    )
+    return svc.policy.keeps_pin(facts, svc.estimator.params())
+
+
 async def finish(ctx: TurnContext, *, ok: bool) -> None:
-    """Store the next record (or put the claimed one back), then account for the turn."""
+    """Store the next record (or put the claimed one back), give back every handle nobody will use,
+    then account for the turn."""
     svc = ctx.svc
     conv = ctx.conversation
     rec = build_record(ctx) if ok else "failed"
-    stored = False
-    d = svc.registry.get(ctx.decode_url)
-    if isinstance(rec, ConversationRecord) and d is not None and d.kv_usage > svc.settings.release_above_kv_usage:
-        _release(svc, rec.handle, "decode_memory")
-        rec = "released_decode_memory"
-    if conv is not None:
-        try:
-            if isinstance(rec, ConversationRecord):
-                await svc.store.put(conv.key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
-                stored = True
-            elif not ctx.handle_spent and ctx.claim is not None and ctx.claim.status is ClaimStatus.FOUND \
-                    and ctx.claim.record is not None and ctx.claim.record.expires_at > time.time():
-                old = ctx.claim.record
-                await svc.store.put(conv.key, old, old.expires_at - time.time() + EXPIRED_GRACE_S)
-                rec = f"{rec}_kept_previous"
-            elif ctx.claimed:
-                await svc.store.release(conv.key)
-        except StoreError:
-            if isinstance(rec, ConversationRecord):
-                _release(svc, rec.handle, "store_unavailable")  # nobody can use it: do not pin D for nothing
-            rec = "store_unavailable"
-    handle = ctx.capture.kv_transfer_params
-    handled = stored or rec == "store_unavailable" or str(rec).startswith("released")
-    if not handled and handle and handle.get("do_remote_decode") and svc.settings.release_unused:
-        # D pinned its blocks for a next turn that will not use them (a stateless turn, or a handle
-        # that could not be kept): give the memory back now rather than after decoder_kv_blocks_ttl
-        _release(svc, handle, "unused")
-    ctx.capture_result = "stored" if stored else str(rec)
-    svc.metrics.captures.labels(ctx.capture_result if stored or conv is not None else "no_session").inc()
+    new_handle = ctx.capture.kv_transfer_params
+    result: str
+    if isinstance(rec, ConversationRecord) and rec.handle is not None and not _keeps_pin(ctx, rec):
+        _release(svc, rec.handle, "not_needed")  # D's blocks stay in its prefix cache, evictable
+        rec = dataclasses.replace(rec, handle=None, unpinned="not_needed")
+    old = ctx.claim.record if ctx.claim is not None and ctx.claim.status is ClaimStatus.FOUND else None
+    try:
+        if isinstance(rec, ConversationRecord) and conv is not None:
+            if rec.handle is not None:
+                await svc.pins.make_room(rec.decode_url, rec.num_tokens)
+            await svc.store.put(conv.key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
+            result = "stored" if rec.handle is not None else f"stored_{rec.unpinned}"
+        elif conv is not None and not ctx.handle_spent and old is not None and old.expires_at > time.time():
+            # the turn failed before P used the handle: the conversation keeps its reuse
+            await svc.store.put(conv.key, old, old.expires_at - time.time() + EXPIRED_GRACE_S)
+            result, old = f"{rec}_kept_previous", None
+        else:
+            if conv is not None and ctx.claimed:
+                await svc.store.release(conv.key, owner=ctx.request_id)
+            result = str(rec)
+    except StoreError:
+        result = "store_unavailable"
+        if isinstance(rec, ConversationRecord) and rec.handle is not None:
+            _release(svc, rec.handle, "store_unavailable")  # nobody can use it: do not pin D for nothing
+    kept = result == "stored"
+    if not kept and new_handle and new_handle.get("do_remote_decode") and result != "store_unavailable" \
+            and not result.startswith("stored_"):
+        # D pinned its blocks for a next turn that will not use them (a stateless turn, a failed one, or a
+        # handle that could not be kept): give the memory back now rather than after decoder_kv_blocks_ttl
+        _release(svc, new_handle, "unused" if ok else "failed_turn")
+    if old is not None and old.handle is not None and not ctx.handle_spent:
+        # the claimed handle was not handed to P (decode-local, or the turn ended): it pins D for nothing
+        _release(svc, old.handle, "superseded")
+    ctx.capture_result = result
+    svc.metrics.captures.labels(result if conv is not None else "no_session").inc()
     _account(ctx)
 
 
@@ -134,10 +176,12 @@ async def end(ctx: TurnContext, *, ok: bool) -> None:
             await finish(ctx, ok=ok)
     except Exception:
         log.exception("capture.failed request_id=%s", ctx.request_id)
+    finally:
+        ctx.svc.drain.untrack(ctx)
 
 
 def _release(svc: Services, handle: dict[str, Any], why: str) -> None:
-    if svc.releaser is not None:
+    if svc.releaser is not None and svc.settings.release_unused:
         svc.releaser.submit(handle, why)
 
 

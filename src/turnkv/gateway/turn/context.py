@@ -7,14 +7,17 @@ Each step reads and fills this context and names the next state; the driver runs
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import inspect
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
-from turnkv.errors import UpstreamError, UpstreamUnavailable
+from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamError, UpstreamUnavailable
 from turnkv.gateway.identity import Conversation
 from turnkv.gateway.services import Services
 from turnkv.gateway.sse import DecodeCapture
@@ -23,6 +26,8 @@ from turnkv.reuse.assess import Assessment, Reason
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.reuse.cost import Action
 from turnkv.state.base import Claim
+
+T = TypeVar("T")
 
 
 class TurnState(enum.Enum):
@@ -79,6 +84,17 @@ class TurnContext:
     capture_result: str = "none"
     retries: list[str] = field(default_factory=list)
     tried_decode: set[str] = field(default_factory=set)
+    avoid_decode: set[str] = field(default_factory=set)  # missed a first-token deadline: another D if any
+    first_token_deadline: float = 0.0  # loop time by which D's first visible token must come
+    aborted: str | None = None  # why the gateway ended the turn early ("shutdown")
+    abort_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def abort(self, why: str) -> None:
+        """End the turn early: its decode stream is closed (D aborts the request) and its steps stop."""
+        self.aborted = why
+        self.abort_event.set()
+        if self.decode_response is not None:
+            self.decode_response.close()
 
     def headers(self) -> dict[str, str]:
         return self.svc.upstream.headers(self.request_id, self.authorization)
@@ -97,8 +113,9 @@ class TurnContext:
 
     @property
     def turn_is_stateful(self) -> bool:
-        """D was asked for its handle: P's params or the decode-local marker went with the request."""
-        return self.conversation is not None and (self.prefill_params is not None or self.action is Action.DECODE_LOCAL)
+        """D was asked for its handle: P's params went with the request."""
+        return (self.conversation is not None and self.prefill_params is not None
+                and self.action is not Action.DECODE_LOCAL)
 
     @property
     def outcome(self) -> str:
@@ -107,3 +124,31 @@ class TurnContext:
         if self.action is Action.PULL and self.assessment is not None:
             return self.assessment.outcome
         return "none" if self.conversation is not None else "stateless"
+
+
+def _close_response(task: asyncio.Future[Any]) -> None:
+    """A call given up on may still have opened a response: close it (the engine aborts the request)."""
+    if not task.cancelled() and task.exception() is None and isinstance(task.result(), aiohttp.ClientResponse):
+        task.result().close()
+
+
+async def until_aborted(ctx: TurnContext, call: Awaitable[T], timeout_s: float | None = None) -> T:
+    """``call``, unless the turn is aborted (``ShuttingDown``) or ``timeout_s`` passes first
+    (``FirstTokenDeadline``); the call is cancelled then (an open response closed)."""
+    if ctx.aborted is not None:
+        if inspect.iscoroutine(call):
+            call.close()
+        raise ShuttingDown("the gateway is shutting down; send the turn again")
+    task = asyncio.ensure_future(call)
+    stop = asyncio.ensure_future(ctx.abort_event.wait())
+    try:
+        done, _ = await asyncio.wait({task, stop}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if task in done:
+        return task.result()
+    task.add_done_callback(_close_response)
+    task.cancel()
+    if ctx.aborted is not None:
+        raise ShuttingDown("the gateway is shutting down; send the turn again")
+    raise FirstTokenDeadline("the engine missed its first-token deadline", leg="decode")

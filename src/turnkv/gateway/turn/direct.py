@@ -22,7 +22,7 @@ from typing import Any
 from turnkv.gateway.answer import echoed_answer
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.context import TurnContext
-from turnkv.gateway.turn.plan import estimates_ms, likely_prefill_cached
+from turnkv.gateway.turn.plan import decode_cached, estimates_ms, likely_prefill_cached
 from turnkv.reuse.assess import EchoedAnswer, EngineView, Reason, TemplateClass, record_unusable
 from turnkv.reuse.cost import Action, TurnFacts
 from turnkv.state.base import Claim
@@ -154,7 +154,7 @@ def try_direct(ctx: TurnContext, claim: Claim, cand: Candidate) -> bool:
         return False
     # the D routing would pick for this turn must be the one holding the conversation
     d = svc.registry.pick("decode", prefer=rec.decode_url)
-    view = EngineView(d.healthy, d.epoch) if d is not None and d.url == rec.decode_url else None
+    view = EngineView(d.routable, d.epoch) if d is not None and d.url == rec.decode_url else None
     if record_unusable(claim, tenant=ctx.conversation.tenant, now=time.time(), decode=view) is not None:
         return False
     assert d is not None
@@ -168,9 +168,9 @@ def try_direct(ctx: TurnContext, claim: Claim, cand: Candidate) -> bool:
     new = cand.new_tokens(rec.bytes_per_token)
     bs = svc.settings.block_size
     prefill = svc.registry.pick("prefill", prefer=rec.prefill_url)
-    held = (rec.num_tokens // bs) * bs
+    held = decode_cached(rec, rec.num_tokens, bs)
     facts = TurnFacts(
-        prompt_tokens=rec.num_tokens + new, reusable_tokens=rec.num_tokens,
+        prompt_tokens=rec.num_tokens + new, reusable_tokens=rec.num_tokens if rec.handle is not None else 0,
         prefill_cached_tokens=likely_prefill_cached(rec, prefill, bs), decode_cached_tokens=held,
         decode_local_possible=True, decode_busy=d.busy,
     )

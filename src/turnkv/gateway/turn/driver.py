@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from starlette.responses import JSONResponse, Response
 
-from turnkv.errors import GatewayError, UpstreamError
+from turnkv.errors import GatewayError, ShuttingDown, UpstreamError
 from turnkv.gateway.turn import capture, decode, plan, prefill, render, stream
 from turnkv.gateway.turn.context import TurnContext, TurnState
 from turnkv.gateway.upstream import is_retryable
@@ -27,6 +27,8 @@ STEPS: dict[TurnState, Callable[[TurnContext], Awaitable[TurnState]]] = {
 
 async def advance(ctx: TurnContext) -> None:
     while ctx.state is not TurnState.DONE:
+        if ctx.aborted is not None:
+            raise ShuttingDown("the gateway is shutting down; send the turn again")
         ctx.state = await STEPS[ctx.state](ctx)
 
 

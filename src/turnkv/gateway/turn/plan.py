@@ -13,7 +13,15 @@ import time
 from turnkv.gateway.answer import echoed_answer
 from turnkv.gateway.registry import Instance
 from turnkv.gateway.turn.context import TurnContext, TurnState
-from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, release_handle, trim_handle
+from turnkv.reuse.assess import (
+    Assessment,
+    EngineView,
+    Reason,
+    assess,
+    release_handle,
+    trim_handle,
+    unpinned_reason,
+)
 from turnkv.reuse.cost import Action, TurnFacts, pulled_tokens
 from turnkv.reuse.policies import Decision
 from turnkv.state.base import ClaimStatus
@@ -29,6 +37,14 @@ def likely_prefill_cached(rec: ConversationRecord | None, prefill: Instance | No
     return int((rec.prompt_tokens // bs) * bs * prefill.cache_factor) // bs * bs
 
 
+def decode_cached(rec: ConversationRecord | None, matched: int, block_size: int) -> int:
+    """What D's own prefix cache likely holds of the conversation: all it computed, unless its pin was
+    released under memory pressure (then its freed blocks are the first to be reused)."""
+    if rec is None or rec.unpinned == "pressure":
+        return 0
+    return (matched // block_size) * block_size
+
+
 def estimates_ms(decision: Decision) -> dict[str, float]:
     """The policy's TTFT estimates per action, in ms, as the turn log shows them."""
     return {k.value: round(v * 1e3, 3) for k, v in decision.estimates.items()}
@@ -36,7 +52,7 @@ def estimates_ms(decision: Decision) -> dict[str, float]:
 
 def _engine_view(ctx: TurnContext, url: str) -> EngineView | None:
     inst = ctx.svc.registry.get(url)
-    return None if inst is None else EngineView(inst.healthy, inst.epoch)
+    return None if inst is None else EngineView(inst.routable, inst.epoch)
 
 
 def _assess(ctx: TurnContext) -> Assessment | None:
@@ -76,17 +92,18 @@ async def _plan(ctx: TurnContext) -> TurnState:
     ctx.prefill_url = prefill.url if prefill else None
     ctx.decode_url = decode.url if decode else None
     if a is None or ctx.prompt_ids is None:
-        if rec is not None and ctx.reason is Reason.RENDER_FAILED:
+        if rec is not None and rec.handle is not None and ctx.reason is Reason.RENDER_FAILED:
             ctx.handle_for_prefill = release_handle(rec.handle)
         return TurnState.PREFILL
     bs = s.block_size
     same_p = rec is not None and prefill is not None and prefill.url == rec.prefill_url
     p_cached = likely_prefill_cached(rec, prefill, bs)
     d_holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
+    pullable = rec is not None and rec.handle is not None
     facts = TurnFacts(
-        prompt_tokens=len(ctx.prompt_ids), reusable_tokens=a.tokens, prefill_cached_tokens=p_cached,
-        decode_cached_tokens=(a.tokens // bs) * bs if d_holds else 0, decode_local_possible=d_holds,
-        decode_busy=decode.busy if decode is not None else 0,
+        prompt_tokens=len(ctx.prompt_ids), reusable_tokens=a.tokens if pullable else 0,
+        prefill_cached_tokens=p_cached, decode_cached_tokens=decode_cached(rec, a.tokens, bs) if d_holds else 0,
+        decode_local_possible=d_holds, decode_busy=decode.busy if decode is not None else 0,
     )
     costs = svc.estimator.params()
     decision = svc.policy.decide(facts, costs)
@@ -94,10 +111,12 @@ async def _plan(ctx: TurnContext) -> TurnState:
     ctx.estimates = estimates_ms(decision)
     if decision.reason is not None:
         ctx.reason = decision.reason
+    elif rec is not None and not pullable and a.full and decision.action is Action.RECOMPUTE:
+        ctx.reason = unpinned_reason(rec)  # D's KV matched, but its handle was given back
     ctx.expected_cached = p_cached
     if decision.action is not Action.DECODE_LOCAL and same_p and rec is not None:
         svc.registry.expect_hits(ctx.prefill_url, (rec.prompt_tokens // bs) * bs)
-    if decision.action is Action.PULL and rec is not None:
+    if decision.action is Action.PULL and rec is not None and rec.handle is not None:
         ctx.pull_tokens = pulled_tokens(costs, facts)
         ctx.expected_cached = p_cached + ctx.pull_tokens
         ctx.handle_for_prefill = trim_handle(rec.handle, a.tokens, bs)
@@ -106,6 +125,6 @@ async def _plan(ctx: TurnContext) -> TurnState:
         ctx.expected_cached = facts.decode_cached_tokens  # D's own cache holds the conversation
         ctx.decode_url = rec.decode_url
         return TurnState.DECODE
-    if rec is not None and a.releasable:
-        ctx.handle_for_prefill = release_handle(rec.handle)
+    if rec is not None and rec.handle is not None and a.releasable:
+        ctx.handle_for_prefill = release_handle(rec.handle)  # P frees it at D on the way
     return TurnState.PREFILL

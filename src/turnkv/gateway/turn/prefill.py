@@ -2,8 +2,9 @@
 
 With token ids from RENDER, P gets exactly those ids (``/v1/completions``); otherwise the client's
 messages, changed as vLLM's P/D proxy changes them. A failed pull (P answers 5xx: expired handle,
-restarted D, broken link) is retried once on the same P without the handle; an unreachable or
-failing P is replaced by the next healthy one.
+restarted D, broken link), or one that stalls past the first-token deadline, is retried once on the
+same P without the handle; an unreachable or failing P is replaced by the next healthy one (a single
+P whose connection failed is tried once more).
 Transition: PREFILL → DECODE.
 """
 
@@ -12,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamUnavailable
-from turnkv.gateway.turn.context import TurnContext, TurnState
+from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
+from turnkv.gateway.turn.context import TurnContext, TurnState, until_aborted
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
 
@@ -45,8 +46,10 @@ async def run(ctx: TurnContext) -> TurnState:
     handle = ctx.handle_for_prefill
     tried: set[str] = set()
     url = ctx.prefill_url
-    attempts = len(svc.registry.role("prefill")) + 1
+    only_one = len(svc.registry.role("prefill")) == 1
+    attempts = len(svc.registry.role("prefill")) + 2
     last: UpstreamError | None = None
+    retried_same = False
     for _ in range(attempts):
         inst = svc.registry.get(url) if url and url not in tried else svc.registry.pick(
             "prefill", exclude=frozenset(tried))
@@ -57,22 +60,34 @@ async def run(ctx: TurnContext) -> TurnState:
         ctx.handle_spent = ctx.handle_spent or handle is not None
         try:
             with svc.registry.busy(inst):
-                data = await svc.upstream.post_json("prefill", inst.url, path, body, ctx.headers())
+                call = svc.upstream.post_json("prefill", inst.url, path, body, ctx.headers(),
+                                              timeout_s=svc.settings.timeouts.prefill_first_token_s)
+                data = await until_aborted(ctx, call)
         except UpstreamError as exc:
             last = exc
+            if isinstance(exc, UpstreamTimeout):
+                svc.metrics.deadline_misses.labels("prefill").inc()
+                svc.registry.missed_deadline(inst.url)
             ctx.failed("prefill", inst.url, exc)
-            if handle is not None and isinstance(exc, UpstreamStatus):
-                # P failed on D's handle (expired, D restarted, link failure): again, without it
-                ctx.retrying("prefill", "pull_failed")
+            if handle is not None and isinstance(exc, (UpstreamStatus, UpstreamTimeout)):
+                # P failed or stalled on D's handle (expired, D restarted or full, link failure): again,
+                # on the same P, without it
+                timed_out = isinstance(exc, UpstreamTimeout)
+                ctx.retrying("prefill", "first_token_deadline" if timed_out else "pull_failed")
                 if ctx.action is Action.PULL:
-                    ctx.reason, ctx.action = Reason.PULL_FAILED, Action.RECOMPUTE
+                    ctx.reason = Reason.FIRST_TOKEN_DEADLINE if timed_out else Reason.PULL_FAILED
+                    ctx.action = Action.RECOMPUTE
                 handle, ctx.pull_tokens, ctx.expected_cached = None, 0, 0
                 url = inst.url
                 continue
             ctx.retrying("prefill", exc.kind)
+            if only_one and isinstance(exc, UpstreamUnavailable) and not retried_same:
+                retried_same, url = True, inst.url  # a single P's connection failed: once more, the same
+                continue
             tried.add(inst.url)
             url = None
             continue
+        svc.registry.met_deadline(inst.url)
         ctx.prefill_s = time.perf_counter() - t0
         ctx.prefill_url = inst.url
         ctx.prefill_params = data.get("kv_transfer_params") if isinstance(data.get("kv_transfer_params"),

@@ -1,0 +1,168 @@
+"""Keeps the decode KV that stored handles pin within a budget per decode engine, and gives it back
+under pressure.
+
+A handle D returns pins its blocks for ``decoder_kv_blocks_ttl`` (480 s) whether or not a next turn
+comes; at a few dozen conversations that fills D and new turns wait for blocks that nobody may ever
+use. The budget is a share of D's KV capacity (``vllm:cache_config_info``: num_gpu_blocks x
+block_size). Before a turn stores a handle that would cross it, the pins idle longest are released
+first: an agent's next turn follows within seconds of its last, so a conversation idle for long is
+the least likely to come back before its handle expires (which also happens in creation order);
+the saving a pull brings per byte grows only slowly with the history's length, so which handle is
+oldest matters more than which is largest. Under pressure (D's KV usage high, or requests waiting on
+D while pins hold memory) pins are released down to a low watermark at once, when the engine's
+metrics are read, not at the next turn. Every entry evicted from the store's index left its record
+without the handle, so no turn can pull a handle that is being released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from turnkv.config import Settings
+from turnkv.errors import StoreError
+from turnkv.gateway.metrics import GatewayMetrics
+from turnkv.gateway.registry import Instance, Registry
+from turnkv.gateway.release import Releaser
+from turnkv.state.base import PinEntry
+from turnkv.state.guard import StoreGuard
+
+
+class PinKeeper:
+    def __init__(self, settings: Settings, registry: Registry, store: StoreGuard, releaser: Releaser,
+                 metrics: GatewayMetrics, log: Any) -> None:
+        self._s = settings
+        self._dm = settings.decode_memory
+        self._registry = registry
+        self._store = store
+        self._releaser = releaser
+        self._metrics = metrics
+        self._log = log
+        # pinned tokens per engine: as the store last said, plus what this process stored since
+        self._estimate: dict[str, int] = {}
+        self._handles: dict[str, int] = {}
+        self._urgent: asyncio.Queue[str] = asyncio.Queue()
+
+    # -- budgets -----------------------------------------------------------------------------
+    def capacity(self, url: str) -> int | None:
+        inst = self._registry.get(url)
+        cap = inst.capacity_tokens if inst is not None else None
+        return cap if cap is not None else self._dm.capacity_tokens
+
+    def budget(self, url: str) -> int | None:
+        cap = self.capacity(url)
+        return None if cap is None else int(cap * self._dm.pin_budget_share)
+
+    def under_pressure(self, inst: Instance) -> bool:
+        """D's cache is nearly full, or requests wait on D while pins hold more than the low watermark."""
+        if inst.kv_usage >= self._dm.pressure_kv_usage:
+            return True
+        cap = self.capacity(inst.url)
+        pinned = self._estimate.get(inst.url, 0)
+        return inst.waiting > 0 and cap is not None and pinned > cap * self._dm.pressure_keep_share
+
+    # -- on the turn's path ------------------------------------------------------------------
+    async def make_room(self, url: str, tokens: int) -> None:
+        """Before a new pin of ``tokens`` is stored on ``url``: when it would cross the budget (as far as
+        this process knows), release the pins idle longest until it fits. Raises ``StoreError``."""
+        budget = self.budget(url)
+        est = self._estimate.get(url, 0) + tokens
+        if budget is None or est <= budget:
+            self._estimate[url] = est
+            return
+        entries = await self._store.evict(url, keep_tokens=max(budget - tokens, 0), why="budget")
+        self.release(entries, "budget")
+        self._estimate[url] = min(est, budget)
+
+    def release(self, entries: Iterable[PinEntry], why: str) -> None:
+        for e in entries:
+            self._releaser.submit(e.handle, why)
+            self._estimate[e.decode_url] = max(0, self._estimate.get(e.decode_url, 0) - e.tokens)
+
+    def urgent(self, url: str) -> None:
+        """Relieve ``url`` now (its first-token deadline passed, or its metrics show pressure)."""
+        self._urgent.put_nowait(url)
+
+    def on_scraped(self, inst: Instance) -> None:
+        if inst.role == "decode" and self.under_pressure(inst):
+            self.urgent(inst.url)
+
+    # -- background --------------------------------------------------------------------------
+    async def relieve(self, url: str) -> int:
+        """Release pins on ``url`` down to the low watermark; how many were released."""
+        cap = self.capacity(url)
+        keep = int(cap * self._dm.pressure_keep_share) if cap is not None else 0
+        try:
+            entries = await self._store.evict(url, keep_tokens=keep, why="pressure")
+        except StoreError:
+            return 0
+        self.release(entries, "pressure")
+        if entries:
+            self._log.warning("pins.pressure", decode=url, released=len(entries),
+                              tokens=sum(e.tokens for e in entries), keep_tokens=keep)
+        return len(entries)
+
+    async def check(self) -> None:
+        """One janitor pass: forget dead entries, refresh the totals, and hold every engine to its budget."""
+        urls = [i.url for i in self._registry.role("decode")]
+        now = time.time()
+        try:
+            for inst in self._registry.role("decode"):
+                await self._store.prune(inst.url, now=now, epoch=inst.epoch)
+            pinned = await self._store.pinned(urls)
+        except StoreError:
+            return
+        for url in urls:
+            p = pinned.get(url)
+            self._estimate[url] = p.tokens if p else 0
+            self._handles[url] = p.handles if p else 0
+            budget = self.budget(url)
+            if budget is not None and self._estimate[url] > budget:
+                try:
+                    entries = await self._store.evict(url, keep_tokens=budget, why="budget")
+                except StoreError:
+                    return
+                self.release(entries, "budget")
+            engine = self._registry.get(url)
+            if engine is not None and self.under_pressure(engine):
+                await self.relieve(url)
+        self.report()
+
+    def report(self) -> None:
+        m, bpt = self._metrics, self._s.kv_bytes_per_token
+        for inst in self._registry.role("decode"):
+            url = inst.url
+            tokens = self._estimate.get(url, 0)
+            m.pinned_tokens.labels(url).set(tokens)
+            m.pinned_bytes.labels(url).set(tokens * bpt)
+            m.pinned_handles.labels(url).set(self._handles.get(url, 0))
+            cap, budget = self.capacity(url), self.budget(url)
+            m.pinned_capacity_bytes.labels(url).set(cap * bpt if cap is not None else 0)
+            m.pinned_budget_bytes.labels(url).set(budget * bpt if budget is not None else 0)
+
+    async def run(self) -> None:
+        """Janitor passes every ``janitor_interval_s``; urgent relief as soon as it is asked for."""
+        next_check = 0.0
+        while True:
+            wait = max(0.0, next_check - time.monotonic())
+            try:
+                url = await asyncio.wait_for(self._urgent.get(), wait)
+            except TimeoutError:
+                await self.check()
+                next_check = time.monotonic() + self._dm.janitor_interval_s
+                continue
+            await self.relieve(url)
+
+    async def release_all(self) -> int:
+        """At shutdown, with a store nobody else reads: give every pin back (bounded by the caller)."""
+        n = 0
+        for inst in self._registry.role("decode"):
+            try:
+                entries = await self._store.evict(inst.url, keep_tokens=0, why="shutdown")
+            except StoreError:
+                continue
+            self.release(entries, "shutdown")
+            n += len(entries)
+        return n
