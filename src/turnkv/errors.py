@@ -90,6 +90,7 @@ class UpstreamTimeout(UpstreamError):
 
 class FirstTokenDeadline(UpstreamTimeout):
     code = "first_token_deadline"
+    kind = "first_token_deadline"
 
 
 class UpstreamProtocolError(UpstreamError):

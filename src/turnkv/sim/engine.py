@@ -2,7 +2,8 @@
 
 Decides what vLLM's scheduler would: the local prefix-cache hit (full blocks, capped below the
 prompt length so one token is computed), when a request is admitted (a prompt that does not fit
-in the free blocks waits for blocks to be freed, as in vLLM's waiting queue), how prefill chunks
+in the free blocks waits for blocks to be freed, as in vLLM's waiting queue; a running request that
+cannot get a block for its next token waits too, as a preempted one would), how prefill chunks
 and decode steps share a step (a running prefill stalls decode on the same engine), how long a
 step takes (``costs``), and which KV values each step writes (``oracle``). What a request pulls
 from another engine and what it pins when it finishes is the ``connector``'s decision.
@@ -11,6 +12,7 @@ from another engine and what it pins when it finishes is the ``connector``'s dec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from turnkv.sim.connector import Pin
 
 log = logging.getLogger("turnkv.sim")
+STALL_WAIT_S = 0.05
 
 
 
@@ -101,7 +104,7 @@ class Engine:
     def report_load(self) -> None:
         """Running and waiting requests and KV usage, as vLLM's gauges say them now."""
         self.metrics.running.set(len(self._running))
-        self.metrics.waiting.set(len(self._waiting) + self.blocked)
+        self.metrics.waiting.set(len(self._waiting) + self.blocked + sum(s.stalled for s in self._running))
         self.metrics.kv_usage.set(self.pool.usage())
 
     def pinned_tokens(self) -> int:
@@ -235,6 +238,7 @@ class Engine:
             if chunks:
                 prefill = sum(costs.prefill_s(n, s.num_computed) for s, n in chunks)
                 duration += max(costs.prefill_floor_s, prefill)
+            freed = self._freed
             await self.sleep(duration)
             for seq in decoding:
                 if not seq.done:
@@ -242,6 +246,11 @@ class Engine:
             for seq, n in chunks:
                 if not seq.done:
                     self._prefill_chunk(seq, n)
+            if decoding and not chunks and all(s.stalled for s in decoding):
+                # nothing could move: wait for blocks to be freed (a release, an expiry), bounded so
+                # that every wait is looked at again
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(freed.wait(), STALL_WAIT_S)
             self.metrics.kv_usage.set(self.pool.usage())
 
     def _prev_kv(self, seq: Seq, position: int) -> int:
@@ -284,9 +293,12 @@ class Engine:
         if pos // bs >= len(seq.block_ids):
             try:
                 seq.block_ids += self.pool.allocate(1)
-            except OutOfBlocks as exc:
-                self._fail(seq, EngineError(str(exc)))
+            except OutOfBlocks:
+                # vLLM preempts a request it cannot extend and runs it again once blocks are free: its
+                # stream pauses, its answer is the same; here it waits for the block in place
+                seq.stalled = True
                 return
+        seq.stalled = False
         if pos % bs == bs - 1 and len(seq.hashes) == pos // bs:
             parent = seq.hashes[-1] if seq.hashes else self._cache_root
             seq.hashes.append(hash((parent, tuple(self._tokens(seq, pos + 1 - bs, pos + 1)))))

@@ -41,4 +41,5 @@ class Seq:
     output: list[int] = field(default_factory=list)
     queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)
     done: bool = False
+    stalled: bool = False  # no free block for its next token: it waits, as a preempted request would
     first_token_at: float | None = None

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
+import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -29,6 +30,7 @@ from turnkv.gateway.turn import capture
 from turnkv.gateway.turn.context import TurnContext
 
 DRAIN_TIMEOUT_S = 1.0
+SALVAGE_S = 0.5
 
 
 class _Missed(Exception):
@@ -100,6 +102,24 @@ async def _await_head(ctx: TurnContext, splitter: SSESplitter) -> bytes | None:
         if scope.expired():
             raise _Missed from None
         raise
+
+
+async def _salvage(ctx: TurnContext) -> None:
+    """The client left before the end: read what D already sent (bounded), so that a handle on its final
+    chunk is not lost (D pinned those blocks; capture releases them). D's answer still running is then
+    closed and aborted."""
+    resp = ctx.decode_response
+    if resp is None or ctx.decode_done or ctx.capture.error is not None or ctx.aborted is not None:
+        return
+    splitter = SSESplitter()
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        async with asyncio.timeout(SALVAGE_S):
+            async for data in resp.content.iter_any():
+                for payload in splitter.feed(data):
+                    if payload == DONE:
+                        ctx.decode_done = True
+                        return
+                    ctx.capture.chunk(payload)
 
 
 async def _drain(ctx: TurnContext) -> None:
@@ -200,6 +220,9 @@ async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[Non
         await capture.end(ctx, ok=ok)
         yield frame(DONE)
     finally:
+        if not finished:
+            with anyio.CancelScope(shield=True):
+                await _salvage(ctx)
         close(ctx)
         if not finished:
             await capture.end(ctx, ok=False)
