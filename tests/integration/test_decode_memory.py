@@ -136,7 +136,8 @@ def test_a_client_that_leaves_mid_stream_leaves_no_pins(procs: list[launch.Runni
 
 def test_a_decode_engine_that_misses_the_first_token_deadline(procs: list[launch.Running], tmp_path: Path) -> None:
     c = start_cluster(procs, tmp_path, compat="0.33", n_decode=2,
-                      gateway_env={"TURNKV_TIMEOUTS__DECODE_FIRST_TOKEN_S": "1"})
+                      gateway_env={"TURNKV_TIMEOUTS__DECODE_FIRST_TOKEN_S": "1",
+                                   "TURNKV_TIMEOUTS__DECODE_PER_TOKEN_S": "0.1"})
     with Dialogue(c, session="a", stream=True) as d:
         first = d.step()
         holder = c.turn_events(1)[0]["decode"]

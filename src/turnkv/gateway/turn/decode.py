@@ -76,7 +76,13 @@ async def _open(ctx: TurnContext, inst: Instance, body: dict[str, Any]) -> None:
         call = svc.upstream.post_json("decode", inst.url, ctx.path, body, ctx.headers(),
                                       timeout_s=_timeout_s(ctx))
         timeout = None
-    result = await until_aborted(ctx, call, timeout)
+    try:
+        result = await until_aborted(ctx, call, timeout)
+    except UpstreamTimeout as exc:
+        if isinstance(exc, FirstTokenDeadline):
+            raise
+        raise FirstTokenDeadline("the decode engine did not answer within its deadline", leg="decode",
+                                 instance=inst.url) from exc
     if ctx.stream:
         assert isinstance(result, aiohttp.ClientResponse)
         ctx.decode_response = result
@@ -103,7 +109,7 @@ async def run(ctx: TurnContext) -> TurnState:
         except UpstreamError as exc:
             inst.in_flight -= 1
             last = exc
-            if isinstance(exc, FirstTokenDeadline) or (isinstance(exc, UpstreamTimeout) and not ctx.stream):
+            if isinstance(exc, FirstTokenDeadline):
                 svc.metrics.deadline_misses.labels("decode").inc()
                 svc.registry.missed_deadline(inst.url)
                 svc.pins.urgent(inst.url)
