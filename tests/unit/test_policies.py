@@ -121,3 +121,23 @@ def test_only_the_unchecked_baseline_skips_the_token_check() -> None:
 def test_bad_policy_config_fails_at_start(name: str, params: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         build_policy(name, params)
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "costs", "f", "keeps"),
+    [
+        # a pull never pays over the host's TCP link: a handle is not worth its pinned bytes
+        ("adaptive", {"decode_local": False}, HOST, facts(16_000, 15_800, local=True, d_cached=15_792), False),
+        # it pays over RDMA with P's cache cold, while D is too busy for decode-local
+        ("adaptive", {}, RDMA, facts(16_000, 15_800, local=True, d_cached=15_792, busy=100), True),
+        # D will most likely take the next turn itself, from its own prefix cache: no pin needed
+        ("adaptive", {}, RDMA, facts(16_000, 15_800, local=True, d_cached=15_792), False),
+        ("always-pull", {}, HOST, facts(16_000, 15_800), True),
+        ("always-reuse-unchecked", {}, HOST, facts(16_000, 15_800), True),
+        ("never-pull", {}, NVLINK, facts(16_000, 15_800), False),
+        ("decode-local", {}, NVLINK, facts(16_000, 15_800, local=True), False),
+    ],
+)
+def test_a_handle_is_kept_pinned_only_where_a_pull_would_use_it(
+        name: str, params: dict[str, object], costs: CostParams, f: TurnFacts, keeps: bool) -> None:
+    assert build_policy(name, params).keeps_pin(f, costs) is keeps

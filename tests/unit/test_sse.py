@@ -134,3 +134,29 @@ def test_generated_ids_in_spaced_json_are_hidden_unless_asked(keep: bool) -> Non
     assert seen["choices"][0]["token_ids"] == ([9] if keep else None)
     assert seen["prompt_token_ids"] == ([1, 2, 3] if keep else None)
     assert (cap.token_ids, cap.prompt_token_ids) == ([9], [1, 2, 3])
+
+
+IDS_ONLY = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+            b'"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[9]}]}')
+USAGE = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],'
+         b'"usage":{"prompt_tokens":40,"total_tokens":45,"completion_tokens":5,'
+         b'"prompt_tokens_details":{"cached_tokens":40}}}')
+
+
+@pytest.mark.parametrize(("keep", "forwarded", "visible"), [(False, False, False), (True, True, True)])
+def test_a_chunk_of_token_ids_alone_is_only_forwarded_to_who_asked(keep: bool, forwarded: bool,
+                                                                   visible: bool) -> None:
+    # D sends an empty delta to carry the ids of a token that shows no text; plain vLLM would not have
+    # sent it, and it is no first token (a failure after it can still be rerun unseen)
+    cap = DecodeCapture(keep_token_ids=keep)
+    out, shown = cap.chunk(IDS_ONLY)
+    assert (out is not None, shown) == (forwarded, visible)
+    assert cap.token_ids == [9]
+
+
+@pytest.mark.parametrize(("cached", "seen"), [(None, 40), (12, 12), (100, 40)])
+def test_usage_says_what_this_turn_did_not_compute(cached: int | None, seen: int) -> None:
+    cap = DecodeCapture(keep_token_ids=False, collect=False, cached_tokens=cached)
+    out, _ = cap.chunk(USAGE)
+    assert out is not None
+    assert json.loads(out)["usage"]["prompt_tokens_details"]["cached_tokens"] == seen

@@ -1,0 +1,115 @@
+"""The pin budget and pressure relief (gateway.pins) over the in-process store: which handles are given
+back, in which order, and what their records keep."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from turnkv.config import Settings
+from turnkv.gateway.metrics import GatewayMetrics
+from turnkv.gateway.pins import PinKeeper
+from turnkv.gateway.registry import Registry
+from turnkv.gateway.release import Releaser
+from turnkv.logging import make_logger
+from turnkv.reuse.chain import chain_of
+from turnkv.state.base import ClaimStatus
+from turnkv.state.guard import StoreGuard
+from turnkv.state.memory import MemoryStore
+from turnkv.state.record import ConversationRecord
+
+D = "http://d1"
+
+
+def record(i: int, tokens: int = 1000, *, stored_at: float = 0.0) -> ConversationRecord:
+    now = time.time()
+    return ConversationRecord(
+        tenant="t", decode_url=D, prefill_url=None, handle={"remote_request_id": f"req-{i}", "remote_num_tokens":
+                                                            tokens}, engine_id="e", engine_epoch=None,
+        num_tokens=tokens, chain=chain_of(list(range(tokens)), 16), block_size=16, prompt_tokens=tokens - 10,
+        answer_digest="a", reasoning_digest=None, turn=2, created_at=stored_at or now, expires_at=now + 400)
+
+
+@dataclasses.dataclass
+class Rig:
+    keeper: PinKeeper
+    store: MemoryStore
+    registry: Registry
+    metrics: GatewayMetrics
+
+    def released(self, why: str) -> float:
+        return self.metrics.registry.get_sample_value("turnkv_handle_releases_total", {"why": why}) or 0.0
+
+
+@pytest.fixture
+def rig() -> Rig:
+    settings = Settings(prefill=["http://p1"], decode=[D])
+    registry = Registry(settings.prefill, settings.decode)
+    registry.get(D).capacity_tokens = 10_000  # type: ignore[union-attr]  # from cache_config_info: budget 5,000
+    metrics = GatewayMetrics()
+    store = MemoryStore()
+    guard = StoreGuard(store, retry_s=1)
+    releaser = Releaser(None, registry, metrics, None)  # type: ignore[arg-type]  # only submit() runs here
+    keeper = PinKeeper(settings, registry, guard, releaser, metrics, make_logger("test", json=True))
+    return Rig(keeper, store, registry, metrics)
+
+
+async def put(rig: Rig, i: int, tokens: int = 1000, stored_at: float = 0.0) -> None:
+    await rig.keeper.make_room(D, tokens)
+    await rig.store.put(f"k{i}", record(i, tokens, stored_at=stored_at), 400)
+
+
+async def test_pins_within_budget_stay(rig: Rig) -> None:
+    for i in range(5):
+        await put(rig, i)
+    assert (await rig.store.pinned([D]))[D].tokens == 5000
+    assert rig.released("budget") == 0
+
+
+async def test_crossing_the_budget_releases_the_pins_idle_longest(rig: Rig) -> None:
+    for i in range(5):
+        await put(rig, i, stored_at=100.0 + i)
+    await put(rig, 5, tokens=1500, stored_at=200.0)
+    # 6,500 tokens would be pinned: the two oldest go, the newest stays
+    assert rig.released("budget") == 2
+    assert (await rig.store.pinned([D]))[D].tokens <= 5000
+    for i, kept in [(0, False), (1, False), (2, True), (5, True)]:
+        claim = await rig.store.claim(f"k{i}", owner="t")
+        assert claim.status is ClaimStatus.FOUND and claim.record is not None
+        assert (claim.record.handle is not None) is kept
+        if not kept:  # everything but the handle: the next turn can still go decode-local, and says why
+            assert claim.record.unpinned == "budget" and claim.record.chain == record(i).chain
+
+
+async def test_a_claimed_handle_is_never_released_by_the_budget(rig: Rig) -> None:
+    for i in range(5):
+        await put(rig, i, stored_at=100.0 + i)
+    claim = await rig.store.claim("k0", owner="turn")  # a turn owns it now: it pulls or releases it itself
+    await put(rig, 5, tokens=2000, stored_at=200.0)
+    assert claim.record is not None and claim.record.handle is not None
+    assert rig.released("budget") == 1  # k1: the claimed handle is out of the index, its owner settles it
+    assert (await rig.store.claim("k1", owner="t")).record.handle is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("usage", "waiting", "left"), [(0.95, 0, 1000), (0.5, 3, 1000), (0.5, 0, 4000)])
+async def test_pressure_releases_down_to_the_low_watermark(rig: Rig, usage: float, waiting: int, left: int) -> None:
+    for i in range(4):
+        await put(rig, i, stored_at=100.0 + i)
+    d = rig.registry.get(D)
+    assert d is not None
+    d.kv_usage, d.waiting = usage, waiting
+    await rig.keeper.check()
+    assert (await rig.store.pinned([D]))[D].tokens == left  # keep share 0.1 of 10,000 tokens
+
+
+async def test_the_janitor_forgets_pins_of_a_restarted_engine(rig: Rig) -> None:
+    rec = dataclasses.replace(record(1), engine_epoch=1.0)
+    await rig.store.put("k1", rec, 400)
+    d = rig.registry.get(D)
+    assert d is not None
+    d.epoch = 2.0  # the engine restarted: its pins are gone with it
+    await rig.keeper.check()
+    assert await rig.store.pinned([D]) == {}
+    assert rig.released("budget") == rig.released("pressure") == 0  # nothing to give back
