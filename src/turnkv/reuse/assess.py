@@ -43,6 +43,7 @@ class Reason(enum.StrEnum):
     PIN_RELEASED = "pin_released"  # the stored handle was given back (budget, pressure, not worth its bytes)
     NO_HANDLE_IN_STREAM = "no_handle_in_stream"  # D's stream carried no handle (vLLM < 0.33 without the plugin)
     FIRST_TOKEN_DEADLINE = "first_token_deadline"  # an engine missed it; the turn ran another way
+    DECODE_FAILED = "decode_failed"  # D failed before its first token; the turn ran again as plain P/D
 
 
 class TemplateClass(enum.StrEnum):

@@ -15,6 +15,7 @@ from turnkv.errors import GatewayError, ShuttingDown, UpstreamError
 from turnkv.gateway.turn import capture, decode, plan, prefill, render, stream
 from turnkv.gateway.turn.context import TurnContext, TurnState
 from turnkv.gateway.upstream import is_retryable
+from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
 
 STEPS: dict[TurnState, Callable[[TurnContext], Awaitable[TurnState]]] = {
@@ -37,6 +38,9 @@ async def rerun_without_handle(ctx: TurnContext) -> None:
     ctx.retrying("turn", "rerun")
     if ctx.action in (Action.PULL, Action.DECODE_LOCAL):
         ctx.action = Action.RECOMPUTE
+    if ctx.conversation is not None:  # what the turn planned did not happen: say why it ran as plain P/D
+        missed = "decode_first_token_deadline" in ctx.retries
+        ctx.reason = Reason.FIRST_TOKEN_DEADLINE if missed else Reason.DECODE_FAILED
     ctx.handle_for_prefill, ctx.pull_tokens, ctx.prefill_params = None, 0, None
     ctx.expected_cached, ctx.direct = 0, False
     ctx.tried_decode.clear()
