@@ -77,7 +77,7 @@ async def _report_pinned(svc: Services) -> None:
     while True:
         await asyncio.sleep(svc.settings.scrape_interval_s)
         try:
-            pinned = await svc.store.pinned(time.time())
+            pinned = await svc.store.pinned([i.url for i in svc.registry.role("decode")])
         except StoreError:
             continue
         for url in seen - set(pinned):

@@ -110,7 +110,7 @@ async def finish(ctx: TurnContext, *, ok: bool) -> None:
                 await svc.store.put(conv.key, old, old.expires_at - time.time() + EXPIRED_GRACE_S)
                 rec = f"{rec}_kept_previous"
             elif ctx.claimed:
-                await svc.store.release(conv.key)
+                await svc.store.release(conv.key, owner=ctx.request_id)
         except StoreError:
             if isinstance(rec, ConversationRecord):
                 _release(svc, rec.handle, "store_unavailable")  # nobody can use it: do not pin D for nothing

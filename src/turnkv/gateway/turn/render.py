@@ -45,7 +45,7 @@ async def _render(ctx: TurnContext) -> list[int]:
 async def _claim(ctx: TurnContext) -> Claim | None:
     assert ctx.conversation is not None
     try:
-        claim = await ctx.svc.store.claim(ctx.conversation.key)
+        claim = await ctx.svc.store.claim(ctx.conversation.key, owner=ctx.request_id)
     except StoreError:
         return None
     ctx.claimed = claim.status in (ClaimStatus.FOUND, ClaimStatus.CORRUPT)
