@@ -102,8 +102,11 @@ async def finish(ctx: TurnContext, *, ok: bool) -> None:
     if conv is not None:
         try:
             if isinstance(rec, ConversationRecord):
-                await svc.store.put(conv.key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
+                # a conversation found from its history moves on: stored under this request's digest
+                await svc.store.put(conv.store_key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
                 stored = True
+                if conv.store_key != conv.key and ctx.claimed:
+                    await svc.store.release(conv.key, owner=ctx.request_id)
             elif not ctx.handle_spent and ctx.claim is not None and ctx.claim.status is ClaimStatus.FOUND \
                     and ctx.claim.record is not None and ctx.claim.record.expires_at > time.time():
                 old = ctx.claim.record
@@ -171,4 +174,5 @@ def _account(ctx: TurnContext) -> None:
         prefill_ms=round(ctx.prefill_s * 1e3, 2), ttft_ms=ttft_ms,
         capture=ctx.capture_result, retries=ctx.retries or None, estimates_ms=ctx.estimates or None,
         direct=ctx.direct or None,
+        conversation_source=conv.source if conv else None,
     )
