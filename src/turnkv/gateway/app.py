@@ -30,6 +30,7 @@ from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpe
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.registry import Registry
 from turnkv.gateway.release import Releaser
+from turnkv.gateway.responses import routes as responses_routes
 from turnkv.gateway.services import Services, TemplateAudit
 from turnkv.gateway.upstream import Upstream
 from turnkv.logging import make_logger
@@ -207,6 +208,8 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None) -> St
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/responses", responses_routes.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses_routes.retrieve, methods=["GET"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/ready", routes.ready, methods=["GET"]),
