@@ -32,7 +32,7 @@ class TextConfig(BaseModel):
 class ResponsesBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    input: str | list[dict[str, Any]] = Field(default_factory=list)
+    input: str | list[Any] = Field(default_factory=list)
     instructions: str | None = None
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
