@@ -26,7 +26,7 @@ def main() -> None:
     decisions = Decisions()
     model = OpenAIServerModel(MODEL, api_base=BASE_URL, api_key=API_KEY, max_tokens=200,
                               client_kwargs={"http_client": decisions.client()})
-    agent = ToolCallingAgent(tools=[lookup], model=model, max_steps=4, stream_outputs=True, verbosity_level=-1)
+    agent = ToolCallingAgent(tools=[lookup], model=model, max_steps=6, stream_outputs=True, verbosity_level=-1)
     for i, task in enumerate(TASKS[:3]):
         print(f"user: {task}")
         answer = agent.run(task, reset=i == 0)

@@ -153,3 +153,17 @@ def test_a_failed_decode_ends_the_stream_as_failed() -> None:
     assert evs[-1]["response"]["error"]["message"] == "decode broke"
     EVENT.validate_python(evs[-1])
     assert s.chunk(chunk({"content": "late"})) == []
+
+
+def test_newlines_before_a_tool_call_open_no_message() -> None:
+    call = {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                            "function": {"name": "lookup", "arguments": "{}"}}]}
+    evs, r = stream_of([chunk({"reasoning": "r"}), chunk({"content": "\n\n"}), chunk(call), chunk({}, "tool_calls")])
+    assert [i["type"] for i in r["output"]] == ["reasoning", "function_call"]
+    whole = translate.output_items({"role": "assistant", "content": "\n\n", "reasoning": "r",
+                                    "tool_calls": [{"id": "call_a", "function": {"name": "lookup",
+                                                                                 "arguments": "{}"}}]},
+                                   "tool_calls")
+    assert [i["type"] for i in whole] == ["reasoning", "function_call"]
+    _, only_blank = stream_of([chunk({"content": "\n"}), chunk({}, "stop")])
+    assert [i["type"] for i in only_blank["output"]] == ["message"]

@@ -52,6 +52,7 @@ class EventStream:
         self.open: _Open | None = None
         self.usage: dict[str, Any] | None = None
         self.finish_reason: str | None = None
+        self.blank = ""  # whitespace-only content not yet shown
         self.done = False
 
     def _event(self, kind: str, **fields: Any) -> Event:
@@ -137,9 +138,7 @@ class EventStream:
                 out += self._delta("response.reasoning_text.delta", reasoning, content_index=0)
             content = delta.get("content")
             if isinstance(content, str) and content:
-                if self.open is None or self.open.kind != "message":
-                    out += self._open("message")
-                out += self._delta("response.output_text.delta", content, content_index=0, logprobs=[])
+                out += self._content(content)
             for tc in delta.get("tool_calls") or []:
                 if not isinstance(tc, Mapping):
                     continue
@@ -156,6 +155,17 @@ class EventStream:
                 self.finish_reason = str(choice["finish_reason"])
         return out
 
+    def _content(self, text: str) -> list[Event]:
+        """Answer text; whitespace alone (a template's newlines before a tool call) opens no message."""
+        out: list[Event] = []
+        if self.open is None or self.open.kind != "message":
+            if not (self.blank + text).strip():
+                self.blank += text
+                return []
+            text, self.blank = self.blank + text, ""
+            out += self._open("message")
+        return out + self._delta("response.output_text.delta", text, content_index=0, logprobs=[])
+
     def _delta(self, kind: str, text: str, **fields: Any) -> list[Event]:
         o = self.open
         assert o is not None
@@ -165,6 +175,9 @@ class EventStream:
     def finish(self) -> tuple[list[Event], dict[str, Any]]:
         """The end of the answer: the last events and the finished Response."""
         out = self._close()
+        if not any(i["type"] in ("message", "function_call") for i in self.output):
+            out += self._open("message") + self._delta("response.output_text.delta", self.blank, content_index=0,
+                                                       logprobs=[]) + self._close()
         status = "incomplete" if self.finish_reason == "length" else "completed"
         r = self.response(status)
         self.done = True

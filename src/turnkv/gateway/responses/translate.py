@@ -260,7 +260,7 @@ def output_items(message: Mapping[str, Any], finish_reason: str | None) -> list[
         out.append(reasoning_item(reasoning))
     content = message.get("content")
     calls = [c for c in message.get("tool_calls") or [] if isinstance(c, Mapping)]
-    if (isinstance(content, str) and content) or not calls:
+    if (isinstance(content, str) and content.strip()) or not calls:  # not a template's newlines before a call
         status = "incomplete" if finish_reason == "length" else "completed"
         out.append(message_item(content if isinstance(content, str) else "", status=status))
     for c in calls:
