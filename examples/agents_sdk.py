@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import asyncio
 
-from agents import (Agent, ModelSettings, Runner, SQLiteSession, function_tool, set_default_openai_client,
-                    set_tracing_disabled)
+from agents import (
+    Agent,
+    ModelSettings,
+    Runner,
+    SQLiteSession,
+    function_tool,
+    set_default_openai_client,
+    set_tracing_disabled,
+)
 from openai import AsyncOpenAI
 from turnkv_report import API_KEY, BASE_URL, MODEL, SYSTEM, TASKS, Decisions, lookup_fact
 

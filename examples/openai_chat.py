@@ -20,7 +20,8 @@ MAX_STEPS = 4  # model calls per task
 
 
 def stream_answer(client: openai.OpenAI, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    content, reasoning, calls = "", "", {}
+    content, reasoning = "", ""
+    calls: dict[int, dict[str, str]] = {}
     stream = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=200, stream=True)
     for chunk in stream:
         if not chunk.choices:

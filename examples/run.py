@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'matched':>7} {'pulled':>6}")
         for i, e in enumerate(events, 1):
             print(f"{i:>3} {str(e.get('conversation_source')):<17} {e['outcome']:<12} {e['action']:<12} "
-                  f"{e['reason']:<20} {e.get('prompt_tokens', 0):>6} {e.get('matched_tokens', 0):>7} {e.get('tokens_pulled', 0):>6}")
+                  f"{e['reason']:<20} {e.get('prompt_tokens', 0):>6} {e.get('matched_tokens', 0):>7} "
+                  f"{e.get('tokens_pulled', 0):>6}")
         if args.json:
             print(json.dumps({"example": args.example, "returncode": run.returncode, "calls": calls,
                               "turns": events}))
