@@ -195,26 +195,37 @@ def _calls(message: Mapping[str, Any]) -> list[Any]:
     return out
 
 
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
 def _normalized(message: Any) -> bytes:
-    """What of a message counts for finding its conversation, as bytes."""
+    """What of a message counts for finding its conversation, length-prefixed (a plain-text message,
+    the bulk of a history, is hashed as its text: no JSON encoding)."""
     if not isinstance(message, Mapping):
-        doc: Any = message
+        b = b"\x01" + _json(message)
     else:
+        role = message.get("role")
+        text = _text(message.get("content"))
+        b = (role if isinstance(role, str) else "").encode() + b"\x00"
+        b += text.encode() if isinstance(text, str) else b"\x01" + _json(text)
         calls = _calls(message)
-        doc = [message.get("role"), _text(message.get("content")), *([calls] if calls else [])]
-    return json.dumps(doc, ensure_ascii=False, sort_keys=True, separators=(",", ":"), default=str).encode() + b"\n"
+        if calls:
+            b += b"\x00" + _json(calls)
+    return len(b).to_bytes(8, "little") + b
 
 
 def history_keys(tenant: str, messages: Sequence[Any]) -> tuple[str, str]:
     """(the key to claim, the key to store under) for a conversation found from its messages: the
     digest of the messages before the last assistant message (the request that answer was for), and
-    the digest of all of them (this request). One pass over the messages."""
+    the digest of all of them (this request), in one pass. With no assistant message the claim is the
+    digest of no messages, which no request is stored under."""
     h = hashlib.blake2b(digest_size=16, person=b"turnkv-history")
     h.update(tenant.encode() + b"\x00")
     last = len(messages) - 1
     while last >= 0 and not (isinstance(messages[last], Mapping) and messages[last].get("role") == "assistant"):
         last -= 1
-    claim = h.hexdigest() if last < 0 else ""  # no answer yet: a key no request is stored under
+    claim = h.hexdigest() if last < 0 else ""
     for i, m in enumerate(messages):
         if i == last:
             claim = h.hexdigest()
