@@ -58,6 +58,26 @@ def test_chat_without_an_id_reuses_in_many_conversations_at_once(procs: list[lau
     assert {e["conversation_source"] for e in events} == {"digest"}
 
 
+@pytest.mark.parametrize(("field", "value", "source"), [
+    ("prompt_cache_key", "trip planning, user 7", "prompt_cache_key"),
+    ("metadata", {"conversation_id": "conv 7"}, "metadata"),
+])
+def test_ids_clients_already_send_are_honoured(procs: list[launch.Running], tmp_path: Path, field: str,
+                                               value: Any, source: str) -> None:
+    """The engines get these OpenAI fields too (vLLM ignores what it does not know)."""
+    cluster = start_cluster(procs, tmp_path, compat="0.33")
+    client = cluster.client()
+    messages: list[Any] = [{"role": "user", "content": "Plan a short trip."}]
+    for turn in range(3):
+        raw = client.chat.completions.with_raw_response.create(model="sim-model", messages=messages, max_tokens=60,
+                                                               extra_body={field: value})
+        assert raw.headers["x-turnkv-conversation"] == source
+        assert raw.headers["x-turnkv-outcome"] == ("none" if turn == 0 else "full")
+        m = raw.parse().choices[0].message.model_dump()
+        messages += [{"role": "assistant", "content": m["content"], "reasoning": m.get("reasoning")},
+                     {"role": "user", "content": f"And step {turn}?"}]
+
+
 def test_forks_of_one_history_each_go_on(procs: list[launch.Running], tmp_path: Path) -> None:
     """Two clients continuing the same history look up the same record: one reuses it, the other
     recomputes, and each then goes on with its own history."""
