@@ -99,6 +99,11 @@ class Settings(BaseSettings):
                                        description="headers that carry a conversation id, first wins")
     tenant_header: str | None = Field(None, description="header naming the tenant; default: hash of the API key")
     max_session_id_length: int = Field(256, ge=8, le=4096)
+    conversation_from_history: bool = Field(True, description="a request that names no conversation (no header, "
+                                            "body id, previous_response_id, prompt_cache_key or metadata id) is "
+                                            "matched to one by a digest of its messages (gateway/identity.py)")
+    response_ttl_s: float = Field(3600.0, gt=0, description="how long /v1/responses keeps a response for "
+                                  "previous_response_id and GET (store: false keeps none)")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     block_size: int = Field(16, ge=1, description="the engines' --block-size")
     decoder_kv_blocks_ttl: float = Field(480.0, gt=0, description="the engines' decoder_kv_blocks_ttl")

@@ -89,7 +89,8 @@ def test_retokenization_drift_is_caught(procs: list[launch.Running], tmp_path: P
 
 
 def test_requests_without_a_session_are_plain_pd(procs: list[launch.Running], tmp_path: Path) -> None:
-    c = start_cluster(procs, tmp_path)
+    """With conversations found from history turned off (tests/integration/test_zero_config.py has it on)."""
+    c = start_cluster(procs, tmp_path, gateway_env={"TURNKV_CONVERSATION_FROM_HISTORY": "false"})
     turns = converse(c, 3, session=None)
     assert all(t.correct for t in turns)
     assert {t.outcome for t in turns} == {"stateless"}

@@ -32,6 +32,7 @@ from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
 from turnkv.gateway.registry import Registry
 from turnkv.gateway.release import Releaser
+from turnkv.gateway.responses import routes as responses_routes
 from turnkv.gateway.services import Services, TemplateAudit
 from turnkv.gateway.upstream import Upstream
 from turnkv.logging import make_logger
@@ -213,6 +214,8 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/responses", responses_routes.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses_routes.retrieve, methods=["GET"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/ready", routes.ready, methods=["GET"]),

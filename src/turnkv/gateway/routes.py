@@ -35,7 +35,8 @@ def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: boo
     validate(body, ChatBody if chat else CompletionBody)
     check_model(body.get("model"), s.models or svc.models)
     conversation = conversation_of(request.headers, body, session_headers=s.session_headers,
-                                   tenant_header=s.tenant_header, max_length=s.max_session_id_length) if chat else None
+                                   tenant_header=s.tenant_header, max_length=s.max_session_id_length,
+                                   from_history=s.conversation_from_history) if chat else None
     if "kv_transfer_params" in body and not s.allow_client_kv_transfer_params:
         raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
     clean = {k: v for k, v in body.items() if k not in BODY_FIELDS}
@@ -51,6 +52,12 @@ def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: boo
     return ctx
 
 
+def conversation_header(ctx: TurnContext, response: Response) -> Response:
+    """Where the turn's conversation came from (identity.py), for clients that want to see it."""
+    response.headers["x-turnkv-conversation"] = ctx.conversation.source if ctx.conversation else "none"
+    return response
+
+
 async def _turn(request: Request, *, chat: bool) -> Response:
     svc = services(request)
     if svc.drain.refusing:
@@ -58,7 +65,8 @@ async def _turn(request: Request, *, chat: bool) -> Response:
     body = await read_json(request, svc.settings.max_body_bytes)
     ctx = _prepare(svc, request, body, chat=chat)
     svc.drain.track(ctx, lambda: ctx.abort("shutdown"))
-    return await run_turn(ctx)
+    response = await run_turn(ctx)
+    return conversation_header(ctx, response) if chat else response
 
 
 async def chat_completions(request: Request) -> Response:

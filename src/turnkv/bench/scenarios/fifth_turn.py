@@ -59,7 +59,9 @@ def _pd(history: int, link: str, cache: str, policy: str | None, conversations: 
                      prefill_flags=("--no-prefix-caching",) if cache == "cold" else (),
                      decode_flags=("--link", d_link) if d_link else (),
                      gateway_flags=("--policy", "adaptive" if pull_only or policy is None else policy),
-                     gateway_env=(("TURNKV_POLICY__PARAMS", '{"decode_local": false}'),) if pull_only else ())
+                     gateway_env=(("TURNKV_POLICY__PARAMS", '{"decode_local": false}'),) if pull_only else
+                     # plain P/D: no session ids, and no conversation found from the messages either
+                     (("TURNKV_CONVERSATION_FROM_HISTORY", "false"),) if policy is None else ())
     what = "plain P/D (turnkv, no session ids)" if policy is None else (
         "turnkv --policy adaptive, decode-local off" if pull_only else f"turnkv --policy {policy}")
     links = f"{link} link" + (f" (D reads over {d_link})" if d_link else "")

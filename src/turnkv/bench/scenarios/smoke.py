@@ -23,7 +23,9 @@ def benches(conversations: int | None = None) -> list[Bench]:
         Bench(Deployment("colocated", engine_flags=ENGINE),
               (ConfigPlan("smoke-colocated", "smoke", "colocated engine, direct", replace(wl, session_header=False),
                           {"policy": "colocated"}),)),
-        Bench(Deployment("pd", engine_flags=ENGINE, gateway_flags=("--policy", "adaptive")),
+        # smoke-plain sends no session ids, and the gateway finds no conversation from the messages
+        Bench(Deployment("pd", engine_flags=ENGINE, gateway_flags=("--policy", "adaptive"),
+                         gateway_env=(("TURNKV_CONVERSATION_FROM_HISTORY", "false"),)),
               (ConfigPlan("smoke-turnkv", "smoke", "1P1D through turnkv, X-Session-ID", replace(wl, seed=1),
                           {"policy": "adaptive"}),
                ConfigPlan("smoke-plain", "smoke", "1P1D through turnkv, no session ids",

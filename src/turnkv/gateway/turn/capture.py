@@ -140,8 +140,11 @@ async def finish(ctx: TurnContext, *, ok: bool) -> None:
         if isinstance(rec, ConversationRecord) and conv is not None:
             if rec.handle is not None:
                 await svc.pins.make_room(rec.decode_url, rec.num_tokens)
-            await svc.store.put(conv.key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
+            # a conversation found from its history moves on: stored under this request's digest
+            await svc.store.put(conv.store_key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
             result = "stored" if rec.handle is not None else f"stored_{rec.unpinned}"
+            if conv.store_key != conv.key and ctx.claimed:
+                await svc.store.release(conv.key, owner=ctx.request_id)
         elif conv is not None and not ctx.handle_spent and old is not None and old.expires_at > time.time():
             # the turn failed before P used the handle: the conversation keeps its reuse
             await svc.store.put(conv.key, old, old.expires_at - time.time() + EXPIRED_GRACE_S)
@@ -215,4 +218,5 @@ def _account(ctx: TurnContext) -> None:
         prefill_ms=round(ctx.prefill_s * 1e3, 2), ttft_ms=ttft_ms,
         capture=ctx.capture_result, retries=ctx.retries or None, estimates_ms=ctx.estimates or None,
         direct=ctx.direct or None,
+        conversation_source=conv.source if conv else None,
     )

@@ -1,0 +1,170 @@
+"""``POST /v1/responses`` and ``GET /v1/responses/{id}``: a Responses request runs as a chat turn.
+
+Create: the body is checked (``models``), the previous response's history is read back (tenant-
+scoped: another tenant's id is not found), the request becomes a chat request (``translate``), its
+conversation is found as for chat (``identity.conversation_of``: a ``previous_response_id`` claims
+the record its response stored), and the turn runs through ``turn.driver.run_turn``, the pipeline
+every chat turn takes. The chat answer is turned into a Response (JSON) or into the Responses
+stream events (``events``); the response is stored, unless ``store: false``, before the client sees
+it complete, so a next request sent at once finds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from turnkv.errors import ClientError, GatewayError, StoreError
+from turnkv.gateway.identity import conversation_of, tenant_of
+from turnkv.gateway.requests import ChatBody, check_model, read_json, validate
+from turnkv.gateway.responses import events, models, translate
+from turnkv.gateway.routes import _request_id, services
+from turnkv.gateway.services import Services
+from turnkv.gateway.sse import DONE, SSESplitter
+from turnkv.gateway.turn.context import TurnContext
+from turnkv.gateway.turn.driver import run_turn
+
+log = logging.getLogger("turnkv.responses")
+
+
+class ResponseNotFound(ClientError):
+    status = 404
+
+
+class StoreUnavailable(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "store_unavailable"
+
+
+def _doc_key(tenant: str, resp_id: str) -> str:
+    return "response:" + hashlib.blake2b(f"{tenant}\x00{resp_id}".encode(), digest_size=16).hexdigest()
+
+
+async def _previous(svc: Services, tenant: str, resp_id: str) -> dict[str, Any]:
+    try:
+        raw = await svc.store.get_doc(_doc_key(tenant, resp_id))
+    except StoreError as exc:
+        raise StoreUnavailable("the response store is unavailable: previous_response_id cannot be read now",
+                               param="previous_response_id") from exc
+    doc = json.loads(raw) if raw else None
+    if not isinstance(doc, dict) or doc.get("tenant") != tenant:
+        err = ClientError(f"Previous response with id '{resp_id}' not found.", param="previous_response_id")
+        err.code = "previous_response_not_found"
+        raise err
+    return doc
+
+
+async def _store(svc: Services, tenant: str, response: dict[str, Any], history: list[dict[str, Any]],
+                 key: str | None) -> None:
+    """Keep the response for previous_response_id and GET; a failure only costs those."""
+    doc = {"tenant": tenant, "response": response, "key": key,
+           "messages": history + translate.input_messages(response["output"], where="output")}
+    try:
+        await svc.store.put_doc(_doc_key(tenant, response["id"]), json.dumps(doc, ensure_ascii=False),
+                                svc.settings.response_ttl_s)
+    except StoreError:
+        log.warning("responses.not_stored id=%s", response["id"])
+
+
+def _turnkv_headers(resp: Response, ctx: TurnContext) -> dict[str, str]:
+    h = {k: v for k, v in resp.headers.items() if k.startswith("x-")}
+    h["x-turnkv-conversation"] = ctx.conversation.source if ctx.conversation else "none"
+    return h
+
+
+async def create(request: Request) -> Response:
+    svc = services(request)
+    s = svc.settings
+    raw = await read_json(request, s.max_body_bytes)
+    req = models.parse(raw)
+    check_model(req.model, s.models or svc.models)
+    if "kv_transfer_params" in raw and not s.allow_client_kv_transfer_params:
+        raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
+    tenant = tenant_of(request.headers, s.tenant_header)
+    previous = await _previous(svc, tenant, req.previous_response_id) if req.previous_response_id else None
+    history = list(previous["messages"]) if previous else []
+    history += translate.input_messages(req.input)
+    body = translate.chat_body(req, raw, history)
+    validate(body, ChatBody)
+    conversation = conversation_of(
+        request.headers, raw, session_headers=s.session_headers, tenant_header=s.tenant_header,
+        max_length=s.max_session_id_length, messages=body["messages"],
+        response_key=previous.get("key") if previous else None, from_history=s.conversation_from_history)
+    ctx = TurnContext(
+        svc=svc, request_id=_request_id(request), body=body, stream=bool(req.stream),
+        authorization=request.headers.get("authorization"), conversation=conversation,
+        turn_index=1 + sum(1 for m in body["messages"] if m.get("role") == "assistant"),
+    )
+    resp_id = translate.new_id("resp")
+    answer = await run_turn(ctx)
+    key = conversation.store_key if conversation else None
+    if not isinstance(answer, StreamingResponse):
+        return await _whole(svc, req, ctx, answer, resp_id, tenant, history, key)
+    stream = events.EventStream(resp_id, req)
+    answer.body_iterator = _translated(svc, req, answer.body_iterator, stream, tenant, history, key)
+    answer.headers["x-turnkv-conversation"] = conversation.source if conversation else "none"
+    return answer
+
+
+async def _whole(svc: Services, req: models.ResponsesBody, ctx: TurnContext, answer: Response, resp_id: str,
+                 tenant: str, history: list[dict[str, Any]], key: str | None) -> Response:
+    chat = json.loads(bytes(answer.body))
+    choice = (chat.get("choices") or [{}])[0]
+    finish = choice.get("finish_reason")
+    output = translate.output_items(choice.get("message") or {}, finish)
+    status = "incomplete" if finish == "length" else "completed"
+    r = translate.response_object(resp_id, req, output=output, status=status, created_at=chat.get("created") or 0,
+                                  usage=translate.usage(chat.get("usage")), model=chat.get("model"))
+    if req.store is not False:
+        await _store(svc, tenant, r, history, key)
+    return JSONResponse(r, headers=_turnkv_headers(answer, ctx))
+
+
+async def _translated(svc: Services, req: models.ResponsesBody, chat: Any, stream: events.EventStream,
+                      tenant: str, history: list[dict[str, Any]], key: str | None) -> Any:
+    """The relayed chat stream as Responses events; the response is stored before it completes."""
+    splitter = SSESplitter()
+    try:
+        yield b"".join(events.frame(e) for e in stream.start())
+        async for data in chat:
+            out: list[events.Event] = []
+            for payload in splitter.feed(data if isinstance(data, bytes) else str(data).encode()):
+                if payload == DONE:
+                    if not stream.done:
+                        last, r = stream.finish()
+                        if req.store is not False:
+                            await _store(svc, tenant, r, history, key)
+                        out += last
+                    continue
+                try:
+                    obj = json.loads(payload)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    out += stream.chunk(obj)
+            if out:
+                yield b"".join(events.frame(e) for e in out)
+    finally:
+        aclose = getattr(chat, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def retrieve(request: Request) -> Response:
+    svc = services(request)
+    resp_id = request.path_params["response_id"]
+    tenant = tenant_of(request.headers, svc.settings.tenant_header)
+    try:
+        raw = await svc.store.get_doc(_doc_key(tenant, resp_id))
+    except StoreError as exc:
+        raise StoreUnavailable("the response store is unavailable") from exc
+    doc = json.loads(raw) if raw else None
+    if not isinstance(doc, dict) or doc.get("tenant") != tenant:
+        raise ResponseNotFound(f"Response with id '{resp_id}' not found.", param="response_id")
+    return JSONResponse(doc["response"])
