@@ -90,12 +90,13 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Wait for an effect that happens after the response that caused it (bounded)."""
+def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "condition", state: Any = None) -> None:
+    """Wait for an effect that happens after the response that caused it (bounded); ``state()`` says what
+    was seen last when it does not come."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}" + (f"; last seen: {state()}" if state else ""))
         time.sleep(0.05)
 
 

@@ -74,7 +74,10 @@ def test_many_conversations_on_a_decode_engine_too_small_to_pin_them_all(
     assert metric(c.gateway.url, "turnkv_handle_releases_total", why="budget") > 0
     # At rest the pins are within budget; while turns run, D's new handles exist before the gateway can
     # release older ones, so the peak may pass it by at most the handles of the turns in flight.
-    wait_for(lambda: sim_state(c.decode[0].url)["pinned_tokens"] <= budget, what="pins within budget at rest")
+    wait_for(lambda: sim_state(c.decode[0].url)["pinned_tokens"] <= budget, timeout_s=30,
+             what=f"pins within budget at rest ({budget} tokens)", state=lambda: (
+                 sim_state(c.decode[0].url), metric(c.gateway.url, "turnkv_pinned_kv_tokens"),
+                 metric(c.gateway.url, "turnkv_handle_releases_total", why="failed")))
     assert max(pins.samples) <= budget + 16 * 25 * BLOCK
     assert sim_state(c.decode[0].url)["untracked_pins"] == 0
     assert metric(c.gateway.url, "turnkv_pinned_kv_budget_bytes") > 0
