@@ -4,6 +4,12 @@
   x ClientError                      400 invalid_request_error: the request is wrong
     - BodyTooLarge                   413
     - ModelNotFound                  404 model_not_found
+    - Unauthorized                   401 invalid_api_key
+    - Forbidden                      403 insufficient_permissions
+    - RequestTimeout                 408 request_timeout: the body did not arrive in time
+    - ClientGone                     the client left mid-request; nobody reads the answer
+  x Overloaded                       503 server_overloaded, with Retry-After
+    - TenantLimit                    429 rate_limit_exceeded, with Retry-After
   x UpstreamError                    an engine failed; carries ``leg`` and ``instance``
     - UpstreamUnavailable            503: no instance could be reached
     - UpstreamTimeout                504
@@ -35,6 +41,10 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
+    def headers(self) -> dict[str, str]:
+        """Response headers the error needs (Retry-After, WWW-Authenticate, Connection)."""
+        return {}
+
 
 class ClientError(GatewayError):
     status = 400
@@ -49,6 +59,54 @@ class BodyTooLarge(ClientError):
 class ModelNotFound(ClientError):
     status = 404
     code = "model_not_found"
+
+
+class Unauthorized(ClientError):
+    status = 401
+    code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        return {"www-authenticate": "Bearer"}
+
+
+class Forbidden(ClientError):
+    status = 403
+    type = "permission_error"
+    code = "insufficient_permissions"
+
+
+class RequestTimeout(ClientError):
+    status = 408
+    code = "request_timeout"
+
+    def headers(self) -> dict[str, str]:
+        return {"connection": "close"}  # the rest of the body may still come: do not read it
+
+
+class ClientGone(ClientError):
+    """The client disconnected before its request was read; the answer goes nowhere."""
+
+    status = 499
+    code = "client_closed_request"
+
+
+class Overloaded(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "server_overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(self.retry_after_s)}
+
+
+class TenantLimit(Overloaded):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
 
 
 class UpstreamError(GatewayError):

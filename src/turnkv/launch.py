@@ -19,9 +19,12 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import uvicorn
+
+if TYPE_CHECKING:
+    from turnkv.gateway.connections import EdgeLimits
 
 READY_TIMEOUT_S = 60.0
 LISTEN_BACKLOG = 2048
@@ -46,19 +49,25 @@ def announce(sock: socket.socket) -> None:
     print(json.dumps({"listening": f"http://{shown}:{port}"}), flush=True)
 
 
-def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning") -> None:
-    """Serve ``app`` on a listening socket until SIGTERM or SIGINT."""
+def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning", *, edge: EdgeLimits | None = None) -> None:
+    """Serve ``app`` on a listening socket until SIGTERM or SIGINT. With ``edge`` (the gateway), a client's
+    headers have a deadline and connections a cap (gateway/connections.py); websockets are off."""
+    extra: dict[str, Any] = {}
+    if edge is not None:
+        from turnkv.gateway.connections import edge_protocol
+
+        extra = {"http": edge_protocol(edge), "ws": "none"}
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
-                            lifespan="on")
+                            lifespan="on", **extra)
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def serve(app: Any, host: str, port: int, log_level: str = "warning") -> None:
+def serve(app: Any, host: str, port: int, log_level: str = "warning", *, edge: EdgeLimits | None = None) -> None:
     """Bind, announce the URL on stdout, then serve ``app`` with uvicorn until stopped."""
     sock = bind(host, port)
     sock.listen(LISTEN_BACKLOG)
     announce(sock)
-    run_uvicorn(app, sock, log_level)
+    run_uvicorn(app, sock, log_level, edge=edge)
 
 
 @dataclass

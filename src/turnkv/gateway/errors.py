@@ -1,4 +1,8 @@
-"""The one place errors become responses: OpenAI-shaped JSON, or a final SSE event mid-stream."""
+"""The one place errors become responses: OpenAI-shaped JSON, or a final SSE event mid-stream.
+
+Client-facing messages never name an engine; an engine failure's instance is logged here instead.
+A client that left mid-request gets one debug line and no answer.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from turnkv.errors import GatewayError
+from turnkv.errors import ClientGone, GatewayError, UpstreamError
 
 log = logging.getLogger("turnkv.errors")
 
 
 def error_response(exc: GatewayError, request_id: str | None = None) -> JSONResponse:
-    headers = {"x-request-id": request_id} if request_id else None
+    headers = exc.headers()
+    if request_id:
+        headers["x-request-id"] = request_id
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
@@ -26,6 +32,12 @@ def sse_error_event(exc: GatewayError) -> bytes:
 
 async def on_gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
+    if isinstance(exc, ClientGone):
+        log.debug("client.gone path=%s", request.url.path)
+        return Response(status_code=exc.status)  # nobody reads it
+    if isinstance(exc, UpstreamError):
+        log.warning("upstream.error leg=%s instance=%s status=%s message=%s", exc.leg, exc.instance, exc.status,
+                    exc.message)
     return error_response(exc, request.headers.get("x-request-id"))
 
 

@@ -2,7 +2,7 @@
 
 The conversation id comes from the configured headers (``X-Session-ID`` first), then the body's
 ``session_id`` (vLLM's convention) or ``conversation_id`` (vLLM's multi-turn proxy). The tenant is
-a configured header, else a hash of the API key. The store key hashes both, so one tenant can
+the request's authenticated one (``auth.Authenticator``). The store key hashes both, so one tenant can
 neither read nor consume another's handle, whatever ids they choose.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from turnkv.errors import ClientError
 
-_ID = re.compile(r"^[A-Za-z0-9._:@/+=\-]+$")
+_ID = re.compile(r"[A-Za-z0-9._:@/+=\-]+\Z")  # \Z, not $: "id\n" is not "id" (used with match)
 BODY_FIELDS = ("session_id", "conversation_id")
 
 
@@ -35,20 +35,9 @@ def _hash(*parts: str) -> str:
     return hashlib.blake2b("\x00".join(parts).encode(), digest_size=16).hexdigest()
 
 
-def tenant_of(headers: Mapping[str, str], tenant_header: str | None) -> str:
-    if tenant_header:
-        value = headers.get(tenant_header.lower())
-        if value:
-            return "t:" + _hash("tenant", value)[:16]
-    auth = headers.get("authorization", "")
-    if auth:
-        return "k:" + _hash("key", auth.removeprefix("Bearer ").strip())[:16]
-    return "anonymous"
-
-
 def conversation_of(
     headers: Mapping[str, str], body: Mapping[str, Any], *, session_headers: Sequence[str],
-    tenant_header: str | None, max_length: int,
+    tenant: str, max_length: int,
 ) -> Conversation | None:
     """The turn's conversation, or None for a stateless request. Bad ids are a 400."""
     session = None
@@ -69,5 +58,4 @@ def conversation_of(
     if len(session) > max_length or not _ID.match(session):
         raise ClientError(
             f"{source} must be at most {max_length} characters of letters, digits and ._:@/+=-", param=source)
-    tenant = tenant_of(headers, tenant_header)
     return Conversation(tenant, session, _hash(tenant, session))

@@ -62,6 +62,8 @@ class GatewayMetrics:
         self.link_fixed_s = shared("turnkv_link_fixed_seconds", "Estimated KV transfer fixed cost", "direction")
         self.link_samples = shared("turnkv_link_samples", "Transfer measurements behind the link estimate",
                                    "direction")
+        self.rejections = Counter("turnkv_rejected_requests", "Requests and connections refused at the edge, by "
+                                  "reason (auth, overload, deadlines)", ["reason"], registry=r)
         self.releases = Counter("turnkv_handle_releases", "Handles given back to decode unused, by why",
                                 ["why"], registry=r)
         self.store_up.set(1)

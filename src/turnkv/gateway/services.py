@@ -35,3 +35,4 @@ class Services:
     releaser: Releaser | None = None
     audit: TemplateAudit = field(default_factory=TemplateAudit)
     models: list[str] = field(default_factory=list)
+    model_len: dict[str, int] = field(default_factory=dict)  # the engines' max_model_len per model name
