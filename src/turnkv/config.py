@@ -64,6 +64,9 @@ class Limits(BaseModel):
                                     "are complete; past it the connection is closed")
     body_timeout_s: float = Field(30.0, gt=0, description="reading a whole request body (16 MiB at 4.5 Mbit/s); "
                                   "past it a 408 and the connection is closed")
+    send_timeout_s: float = Field(60.0, gt=0, description="longest a client may leave its answer unread while the "
+                                  "gateway's send buffer is full; then the connection is dropped (and D's stream "
+                                  "with it): a client that stops reading cannot hold a turn for ever")
     max_client_connections: int = Field(8192, ge=1, description="open client connections; more are answered "
                                         "503 and closed at once. Lowered at start to fit the open-file limit")
     max_connections_per_ip: int | None = Field(None, ge=1, description="open connections from one peer address; "

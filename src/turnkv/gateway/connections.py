@@ -6,8 +6,10 @@ file descriptor, as long as it likes. ``edge_protocol`` subclasses uvicorn's HTT
 h11) with a timer that runs from a connection's start, and from the first byte of a kept-alive connection's
 next request, until that request's headers are complete (uvicorn has started its request cycle). When it
 fires the connection is closed, after a 408 where part of a request had arrived. (An idle kept-alive
-connection is uvicorn's own keep-alive timeout's.) A connection over a cap is answered 503 and closed as
-soon as it is accepted, before it costs more than its descriptor for a moment. The body's deadline is the
+connection is uvicorn's own keep-alive timeout's.) A client that stops reading its answer is dropped once
+the send buffer has stayed full for ``send_timeout_s`` (the app then sees a disconnect, and a streamed turn
+ends as for any client that left). A connection over a cap is answered 503 and closed as soon as it is
+accepted, before it costs more than its descriptor for a moment. The body's deadline is the
 app's (``requests.read_json``), which can answer it in OpenAI's shape. uvicorn's ``limit_concurrency`` is not
 used: it answers in plain text, and only once a request's headers have arrived.
 """
@@ -35,6 +37,7 @@ class EdgeLimits:
     max_connections: int
     max_per_ip: int | None
     retry_after_s: int
+    send_timeout_s: float = 60.0
 
 
 def raise_fd_limit() -> int:
@@ -62,7 +65,7 @@ def edge_limits(settings: Settings) -> EdgeLimits:
         cap = max(cap, nofile // 4, 1)
         log.warning("connections.cap_lowered configured=%s cap=%s open_file_limit=%s", lim.max_client_connections,
                     cap, nofile)
-    return EdgeLimits(lim.header_timeout_s, cap, lim.max_connections_per_ip, lim.retry_after_s)
+    return EdgeLimits(lim.header_timeout_s, cap, lim.max_connections_per_ip, lim.retry_after_s, lim.send_timeout_s)
 
 
 def raw_error(status: int, reason: str, message: str, code: str, retry_after_s: int | None = None) -> bytes:
@@ -120,6 +123,7 @@ class _Edge(asyncio.Protocol):
     _edge_admitted: bool = False
     _edge_timer: asyncio.TimerHandle | None = None
     _edge_partial: bool = False  # bytes of a request whose headers are not complete have arrived
+    _edge_write_timer: asyncio.TimerHandle | None = None  # the send buffer is full: the client is not reading
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -153,8 +157,28 @@ class _Edge(asyncio.Protocol):
             return
         self._edge_admitted = False
         self._edge_disarm()
+        self._edge_reading()
         self.guard.release(self._edge_ip)
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._edge_admitted and self._edge_write_timer is None:
+            self._edge_write_timer = self.loop.call_later(self.guard.limits.send_timeout_s, self._edge_not_reading)
+
+    def resume_writing(self) -> None:
+        self._edge_reading()
+        super().resume_writing()
+
+    def _edge_reading(self) -> None:
+        if self._edge_write_timer is not None:
+            self._edge_write_timer.cancel()
+            self._edge_write_timer = None
+
+    def _edge_not_reading(self) -> None:
+        self._edge_write_timer = None
+        self._edge_count("slow_reader")
+        self.transport.abort()  # what is buffered goes nowhere anyway; uvicorn tells the app the client left
 
     def _edge_arm(self) -> None:
         self._edge_timer = self.loop.call_later(self.guard.limits.header_timeout_s, self._edge_expired)
