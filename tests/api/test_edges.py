@@ -218,6 +218,7 @@ def test_a_body_that_never_finishes_is_a_408_that_closes(caplog: pytest.LogCaptu
         assert stalled.status == 408 and stalled.headers["connection"] == "close"
         assert stalled.error()["code"] == "request_timeout"
         assert after.status == 503 and after.error()["code"] == "upstream_unavailable"  # its slot came back
+        assert 'turnkv_rejected_requests_total{reason="request_timeout"} 1.0' in c.get("/metrics").text
 
 
 def test_a_client_gone_mid_body_is_quiet(caplog: pytest.LogCaptureFixture) -> None:

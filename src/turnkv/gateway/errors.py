@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from turnkv.errors import ClientGone, GatewayError, UpstreamError
+from turnkv.errors import ClientGone, GatewayError, RequestTimeout, UpstreamError
 
 log = logging.getLogger("turnkv.errors")
 
@@ -32,6 +32,10 @@ def sse_error_event(exc: GatewayError) -> bytes:
 
 async def on_gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
+    if isinstance(exc, (ClientGone, RequestTimeout)):
+        svc = getattr(request.state, "services", None)
+        if svc is not None:
+            svc.metrics.rejections.labels(exc.code).inc()
     if isinstance(exc, ClientGone):
         log.debug("client.gone path=%s", request.url.path)
         return Response(status_code=exc.status)  # nobody reads it
