@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -16,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from turnkv.errors import ClientGone, GatewayError, RequestTimeout, UpstreamError
 
 log = logging.getLogger("turnkv.errors")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # as routes accept one: nothing else is echoed
 
 
 def error_response(exc: GatewayError, request_id: str | None = None) -> JSONResponse:
@@ -42,7 +44,8 @@ async def on_gateway_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, UpstreamError):
         log.warning("upstream.error leg=%s instance=%s status=%s message=%s", exc.leg, exc.instance, exc.status,
                     exc.message)
-    return error_response(exc, request.headers.get("x-request-id"))
+    given = request.headers.get("x-request-id", "")
+    return error_response(exc, given if _REQUEST_ID.fullmatch(given) else None)
 
 
 async def on_http_exception(request: Request, exc: Exception) -> Response:
