@@ -35,10 +35,11 @@ def _serve(args: argparse.Namespace) -> int:
         from turnkv.gateway.workers import serve_workers
 
         return serve_workers(settings)
+    from turnkv.gateway.connections import edge_limits
     from turnkv.launch import serve
 
     configure_stdlib(settings.log_level)
-    serve(create_app(settings), settings.host, settings.port)
+    serve(create_app(settings), settings.host, settings.port, edge=edge_limits(settings))
     return 0
 
 

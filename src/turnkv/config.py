@@ -7,11 +7,12 @@ Precedence, lowest first: defaults, ``--config`` YAML, environment (``TURNKV_PRE
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
@@ -79,11 +80,48 @@ class CostPriors(BaseModel):
     recompute_threshold: int = Field(64, ge=0, description="the engines' kv_recompute_threshold")
 
 
+class Limits(BaseModel):
+    """What one client may hold at the edge. A legitimate client sends its headers in one round trip and its
+    body at link speed; these bound what a stalled or trickling one costs (README, "Security and limits")."""
+
+    model_config = ConfigDict(frozen=True)
+    header_timeout_s: float = Field(10.0, gt=0, description="from a connection's start (or a kept-alive "
+                                    "connection's first byte of its next request) until the request's headers "
+                                    "are complete; past it the connection is closed")
+    body_timeout_s: float = Field(30.0, gt=0, description="reading a whole request body (16 MiB at 4.5 Mbit/s); "
+                                  "past it a 408 and the connection is closed")
+    send_timeout_s: float = Field(60.0, gt=0, description="longest a client may leave its answer unread while the "
+                                  "gateway's send buffer is full; then the connection is dropped (and D's stream "
+                                  "with it): a client that stops reading cannot hold a turn for ever")
+    max_client_connections: int = Field(8192, ge=1, description="open client connections; more are answered "
+                                        "503 and closed at once. Lowered at start to fit the open-file limit")
+    max_connections_per_ip: int | None = Field(None, ge=1, description="open connections from one peer address; "
+                                               "none: no limit (behind a load balancer every peer is the balancer)")
+    max_inflight: int = Field(1024, ge=1, description="requests to the engines (turns, tokenize) in flight at once; "
+                              "more get 503 with Retry-After")
+    max_inflight_per_tenant: int = Field(256, ge=1, description="the same per tenant, when clients are "
+                                         "authenticated (API keys or a trusted proxy); more get 429 with Retry-After")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After on a 429 or 503 overload answer")
+    max_json_depth: int = Field(64, ge=4, le=512, description="nesting depth of a request body")
+    raise_fd_limit: bool = Field(True, description="raise the open-file soft limit to the hard limit at start")
+
+
+class Cors(BaseModel):
+    """Browser access (Starlette's CORSMiddleware); off while ``allow_origins`` is empty."""
+
+    model_config = ConfigDict(frozen=True)
+    allow_origins: list[str] = Field(default_factory=list, description="origins allowed, or [\"*\"]")
+    allow_headers: list[str] = Field(default_factory=lambda: ["authorization", "content-type", "x-session-id",
+                                                              "x-request-id"])
+    allow_credentials: bool = False
+    max_age_s: int = Field(600, ge=0)
+
+
 class Settings(BaseSettings):
     """Everything ``turnkv serve`` needs. See README.md for each field's meaning."""
 
     model_config = SettingsConfigDict(env_prefix="TURNKV_", env_nested_delimiter="__", frozen=True,
-                                      extra="forbid")
+                                      extra="forbid", hide_input_in_errors=True)  # inputs hold secrets
 
     prefill: list[str] = Field(default_factory=list, description="prefill engine base URLs")
     decode: list[str] = Field(default_factory=list, description="decode engine base URLs")
@@ -97,7 +135,25 @@ class Settings(BaseSettings):
     models: list[str] = Field(default_factory=list, description="served model names; empty: ask the engines")
     session_headers: list[str] = Field(default_factory=lambda: ["x-session-id"],
                                        description="headers that carry a conversation id, first wins")
-    tenant_header: str | None = Field(None, description="header naming the tenant; default: hash of the API key")
+    tenant_header: str | None = Field(None, description="header naming the tenant, honoured only from a trusted "
+                                      "proxy (trusted_proxy_secret); default: the API key's tenant")
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="gateway API keys, as key-file lines (TURNKV_API_KEYS: separated by "
+        "commas or newlines); with any key or key file, every request needs one")
+    api_keys_file: str | None = Field(None, description="file of gateway API keys: one 'sha256:<hex> <tenant>' or "
+                                      "'<plain key> [tenant]' a line, '#' comments; read at start")
+    admin_tenants: list[str] = Field(default_factory=lambda: ["admin"], description="tenants whose keys may read "
+                                     "/metrics and /ready's engine details when keys are configured")
+    trusted_proxy_secret: SecretStr | None = Field(None, description="a proxy that sends this secret in "
+                                                   "trusted_proxy_header is trusted to name the tenant")
+    trusted_proxy_header: str = Field("x-turnkv-proxy-secret", description="header carrying the proxy's secret")
+    allow_anonymous: bool = Field(False, description="serve unauthenticated clients even though upstream_api_key "
+                                  "gives the gateway the engines' credentials")
+    decision_headers: Literal["basic", "full"] = Field(
+        "basic", description="basic: x-turnkv-outcome/action/reason; full: also token counts and prefill time, "
+        "which tell a client about the engines' caches (README, Security and limits)")
+    limits: Limits = Field(default_factory=Limits)
+    cors: Cors = Field(default_factory=Cors)
     max_session_id_length: int = Field(256, ge=8, le=4096)
     conversation_from_history: bool = Field(True, description="a request that names no conversation (no header, "
                                             "body id, previous_response_id, prompt_cache_key or metadata id) is "
@@ -143,6 +199,18 @@ class Settings(BaseSettings):
     def _lower(cls, names: list[str]) -> list[str]:
         return [n.lower() for n in names]
 
+    @field_validator("tenant_header", "trusted_proxy_header", mode="after")
+    @classmethod
+    def _lower_one(cls, name: str | None) -> str | None:
+        return name.lower() if name else name
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):  # TURNKV_API_KEYS
+            return [k.strip() for k in value.replace("\n", ",").split(",") if k.strip()]
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if not self.prefill or not self.decode:
@@ -155,7 +223,22 @@ class Settings(BaseSettings):
         for url in [*self.prefill, *self.decode, *([self.render] if self.render else [])]:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"engine URL {url!r} must start with http:// or https://")
+        if self.tenant_header and self.trusted_proxy_secret is None:
+            raise ConfigError("tenant_header is a client's word unless a trusted proxy proves itself: set "
+                              "trusted_proxy_secret (and have the proxy send it in trusted_proxy_header)")
+        if self.upstream_api_key and not self.auth_configured and not self.allow_anonymous:
+            raise ConfigError("upstream_api_key lets the gateway use the engines' credentials, but no gateway "
+                              "API keys (api_keys, api_keys_file) or trusted proxy are configured: anyone could "
+                              "use them. Configure keys, or set allow_anonymous to accept that")
+        from turnkv.gateway.auth import load_keys  # the key file is read, and refused if malformed, at start
+
+        load_keys(self)
         return self
+
+    @property
+    def auth_configured(self) -> bool:
+        """Clients must authenticate: with an API key, or through the trusted proxy."""
+        return bool(self.api_keys or self.api_keys_file or self.trusted_proxy_secret)
 
     @property
     def handle_ttl_s(self) -> float:

@@ -119,7 +119,8 @@ def run(turns: int = 5, policy: str = "always-pull", link: str = "rdma400", logs
             p = launch.sim(f"prefill-{template}", "prefill", *flags, "--no-prefix-caching", log_dir=log_dir)
             d = launch.sim(f"decode-{template}", "decode", *flags, log_dir=log_dir)
             t = launch.sim(f"colocated-{template}", "colocated", *flags, log_dir=log_dir)
-            g = launch.gateway(f"gateway-{template}", [p.url], [d.url], "--policy", policy, log_dir=log_dir)
+            g = launch.gateway(f"gateway-{template}", [p.url], [d.url], "--policy", policy, log_dir=log_dir,
+                               env={"TURNKV_DECISION_HEADERS": "full"})  # the table shows token counts
             with launch.running(p, d, t, g):
                 rows = _conversation(g.url, t.url, turns, session=f"demo-{template}")
             print(f'template "{template}": {what}')

@@ -4,7 +4,13 @@
   x ClientError                      400 invalid_request_error: the request is wrong
     - BodyTooLarge                   413
     - ModelNotFound                  404 model_not_found
-  x Unavailable                      503 server_error, with ``Retry-After``: the gateway is shutting down
+    - Unauthorized                   401 invalid_api_key
+    - Forbidden                      403 insufficient_permissions
+    - RequestTimeout                 408 request_timeout: the body did not arrive in time
+    - ClientGone                     the client left mid-request; nobody reads the answer
+  x Overloaded                       503 server_overloaded, with Retry-After
+    - TenantLimit                    429 rate_limit_exceeded, with Retry-After
+    - ShuttingDown                   503 shutting_down: the gateway is shutting down
   x UpstreamError                    an engine failed; carries ``leg`` and ``instance``
     - UpstreamUnavailable            503: no instance could be reached
     - UpstreamTimeout                504
@@ -27,7 +33,6 @@ class GatewayError(Exception):
     status: int = 500
     type: str = "internal_error"
     code: str | None = None
-    retry_after: float | None = None  # seconds, sent as Retry-After
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -37,6 +42,10 @@ class GatewayError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """Response headers the error needs (Retry-After, WWW-Authenticate, Connection)."""
+        return {}
 
 
 class ClientError(GatewayError):
@@ -54,15 +63,59 @@ class ModelNotFound(ClientError):
     code = "model_not_found"
 
 
-class Unavailable(GatewayError):
+class Unauthorized(ClientError):
+    status = 401
+    code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        return {"www-authenticate": "Bearer"}
+
+
+class Forbidden(ClientError):
+    status = 403
+    type = "permission_error"
+    code = "insufficient_permissions"
+
+
+class RequestTimeout(ClientError):
+    status = 408
+    code = "request_timeout"
+
+    def headers(self) -> dict[str, str]:
+        return {"connection": "close"}  # the rest of the body may still come: do not read it
+
+
+class ClientGone(ClientError):
+    """The client disconnected before its request was read; the answer goes nowhere."""
+
+    status = 499
+    code = "client_closed_request"
+
+
+class Overloaded(GatewayError):
     status = 503
     type = "server_error"
-    code = "unavailable"
-    retry_after = 1.0
+    code = "server_overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(self.retry_after_s)}
 
 
-class ShuttingDown(Unavailable):
+class TenantLimit(Overloaded):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class ShuttingDown(Overloaded):
     code = "shutting_down"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after_s=1)
 
 
 class UpstreamError(GatewayError):

@@ -21,11 +21,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import uvicorn
 
 from turnkv.gateway.lifecycle import Drain
+
+if TYPE_CHECKING:
+    from turnkv.gateway.connections import EdgeLimits
 
 READY_TIMEOUT_S = 60.0
 GRACE_S = 5.0  # after the drain: for the aborted turns to send their error events and settle
@@ -75,24 +78,30 @@ class _DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._loop.call_later, self._delay_s, super().handle_exit, sig, frame)
 
 
-def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning") -> None:
-    """Serve ``app`` on a listening socket until SIGTERM or SIGINT. An app with a ``Drain`` in its state
-    (the gateway) gets its drain time before the server gives up on its connections."""
+def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning", *, edge: EdgeLimits | None = None) -> None:
+    """Serve ``app`` on a listening socket until SIGTERM or SIGINT. With ``edge`` (the gateway), a client's
+    headers have a deadline and connections a cap (gateway/connections.py); websockets are off. An app with
+    a ``Drain`` in its state (the gateway) gets its drain time before the server gives up on its connections."""
+    extra: dict[str, Any] = {}
+    if edge is not None:
+        from turnkv.gateway.connections import edge_protocol
+
+        extra = {"http": edge_protocol(edge), "ws": "none"}
     drain: Drain | None = getattr(getattr(app, "state", None), "drain", None)
     delay_s = float(getattr(app.state, "shutdown_delay_s", 0.0)) if drain is not None else 0.0
     graceful = delay_s + drain.drain_s + GRACE_S if drain is not None else GRACE_S
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=int(graceful + 1),
-                            lifespan="on")
+                            lifespan="on", **extra)
     server = _DrainingServer(config, drain, delay_s) if drain is not None else uvicorn.Server(config)
     server.run(sockets=[sock])
 
 
-def serve(app: Any, host: str, port: int, log_level: str = "warning") -> None:
+def serve(app: Any, host: str, port: int, log_level: str = "warning", *, edge: EdgeLimits | None = None) -> None:
     """Bind, announce the URL on stdout, then serve ``app`` with uvicorn until stopped."""
     sock = bind(host, port)
     sock.listen(LISTEN_BACKLOG)
     announce(sock)
-    run_uvicorn(app, sock, log_level)
+    run_uvicorn(app, sock, log_level, edge=edge)
 
 
 @dataclass

@@ -62,7 +62,8 @@ def start_cluster(
     truth = launch.sim("truth", "colocated", *common, log_dir=log_dir)
     procs.append(truth)
     extra = ["--policy", policy, *(["--redis-url", redis_url] if redis_url else []), *gateway_args]
-    env = {"TURNKV_HEALTH_INTERVAL_S": "0.2", "TURNKV_SCRAPE_INTERVAL_S": "0.2", **(gateway_env or {})}
+    env = {"TURNKV_HEALTH_INTERVAL_S": "0.2", "TURNKV_SCRAPE_INTERVAL_S": "0.2", "TURNKV_DECISION_HEADERS": "full",
+           **(gateway_env or {})}
     gw = launch.gateway("gateway", [p.url for p in ps], [d.url for d in ds], *extra, log_dir=log_dir, env=env)
     procs.append(gw)
     return Cluster(ps, ds, truth, gw, log_dir)

@@ -6,9 +6,9 @@ import pytest
 
 from turnkv.errors import ClientError
 from turnkv.gateway.answer import answer_digest, echoed_answer
-from turnkv.gateway.identity import conversation_of, tenant_of
+from turnkv.gateway.identity import conversation_of
 
-OPTS = {"session_headers": ["x-session-id", "x-agent-session"], "tenant_header": None, "max_length": 64}
+OPTS = {"session_headers": ["x-session-id", "x-agent-session"], "tenant": "anonymous", "max_length": 64}
 
 
 def conv(headers: dict[str, str], body: dict[str, object], **opts: object) -> str | None:
@@ -30,7 +30,7 @@ def test_where_the_id_comes_from(headers: dict[str, str], body: dict[str, object
     assert conv(headers, body) == session
 
 
-@pytest.mark.parametrize("bad", ["a b", "x" * 65, "semi;colon", "ünï"])
+@pytest.mark.parametrize("bad", ["a b", "x" * 65, "semi;colon", "ünï", "a\n", "a\r\n", "\na"])
 def test_bad_ids_are_client_errors(bad: str) -> None:
     with pytest.raises(ClientError):
         conv({"x-session-id": bad}, {})
@@ -47,17 +47,10 @@ def test_an_empty_header_names_no_conversation() -> None:
 
 
 def test_same_id_different_tenants_gets_different_keys() -> None:
-    a = conversation_of({"x-session-id": "s", "authorization": "Bearer k1"}, {}, **OPTS)  # type: ignore[arg-type]
-    b = conversation_of({"x-session-id": "s", "authorization": "Bearer k2"}, {}, **OPTS)  # type: ignore[arg-type]
+    a = conversation_of({"x-session-id": "s"}, {}, **{**OPTS, "tenant": "k:1"})  # type: ignore[arg-type]
+    b = conversation_of({"x-session-id": "s"}, {}, **{**OPTS, "tenant": "k:2"})  # type: ignore[arg-type]
     assert a is not None and b is not None
-    assert a.tenant != b.tenant and a.key != b.key
-    assert "k1" not in a.tenant and "k1" not in a.key
-
-
-def test_tenant_header_wins_over_the_key() -> None:
-    h = {"x-tenant": "acme", "authorization": "Bearer k1"}
-    assert tenant_of(h, "X-Tenant") == tenant_of({"x-tenant": "acme"}, "x-tenant")
-    assert tenant_of({}, None) == "anonymous"
+    assert a.tenant == "k:1" and a.key != b.key and a.session == b.session
 
 
 def test_echoed_answer_is_the_last_assistant_before_the_new_messages() -> None:

@@ -9,7 +9,7 @@ import pytest
 from turnkv.errors import ClientError
 from turnkv.gateway.identity import Conversation, conversation_of, history_keys
 
-OPTS: dict[str, Any] = {"session_headers": ["x-session-id"], "tenant_header": None, "max_length": 64}
+OPTS: dict[str, Any] = {"session_headers": ["x-session-id"], "max_length": 64}
 SYSTEM = {"role": "system", "content": "You are an agent."}
 USER = {"role": "user", "content": "Plan a trip."}
 CALL = {"role": "assistant", "content": "", "reasoning": "I should look it up",
@@ -19,7 +19,8 @@ RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "Lyon: open daily
 
 
 def conv(headers: dict[str, str], body: dict[str, Any], **kw: Any) -> Conversation | None:
-    return conversation_of(headers, body, **{**OPTS, **kw})
+    tenant = kw.pop("tenant", headers.get("authorization", "anonymous"))  # as auth.py names it: per key
+    return conversation_of(headers, body, tenant=tenant, **{**OPTS, **kw})
 
 
 @pytest.mark.parametrize(

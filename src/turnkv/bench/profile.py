@@ -36,7 +36,7 @@ def profile_gateway(out: Path, *, requests: int, concurrency: int, session: bool
             gw = subprocess.Popen(
                 [sys.executable, "-m", "turnkv.bench.profile", str(prof), "serve", "--prefill", p.url, "--decode",
                  d.url, *GATEWAY, "--port", "0"], stdout=subprocess.PIPE, stderr=log, text=True,
-                env={**os.environ, **dict(GW_ENV)}, start_new_session=True)
+                env={**os.environ, "TURNKV_DECISION_HEADERS": "full", **dict(GW_ENV)}, start_new_session=True)
         try:
             assert gw.stdout is not None
             url = json.loads(gw.stdout.readline())["listening"]

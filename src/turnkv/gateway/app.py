@@ -20,12 +20,15 @@ import aiohttp
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from turnkv.config import Settings
 from turnkv.errors import GatewayError, UpstreamError, UpstreamStatus
 from turnkv.gateway import routes
 from turnkv.gateway.audit import classify, engine_renderer
+from turnkv.gateway.edge import EdgeMiddleware
 from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpected
 from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
@@ -95,7 +98,10 @@ async def _audit_once(svc: Services) -> bool:
         if not svc.models:
             status, raw = await svc.upstream.get(base, "/v1/models")
             if status == 200:
-                svc.models = [str(m["id"]) for m in json.loads(raw).get("data", [])]
+                listed = json.loads(raw).get("data", [])
+                svc.models = [str(m["id"]) for m in listed]
+                svc.model_len = {str(m["id"]): m["max_model_len"] for m in listed
+                                 if isinstance(m.get("max_model_len"), int)}  # vLLM lists it; OpenAI does not
         if not svc.settings.template_audit:
             return True
         model = next(iter(svc.settings.models or svc.models), None)
@@ -210,6 +216,13 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
                 await stop_tasks(tasks)
         await store.close()
 
+    cors = settings.cors
+    middleware = [Middleware(EdgeMiddleware, settings=settings)]
+    if cors.allow_origins:  # outermost: a browser's preflight is answered without credentials
+        middleware.insert(0, Middleware(
+            CORSMiddleware, allow_origins=cors.allow_origins, allow_methods=["GET", "POST"],
+            allow_headers=cors.allow_headers, allow_credentials=cors.allow_credentials, max_age=cors.max_age_s,
+            expose_headers=["x-request-id", "retry-after", "x-turnkv-outcome", "x-turnkv-action", "x-turnkv-reason"]))
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
@@ -217,10 +230,15 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
             Route("/v1/responses", responses_routes.create, methods=["POST"]),
             Route("/v1/responses/{response_id}", responses_routes.retrieve, methods=["GET"]),
             Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
+            Route("/tokenize", routes.tokenize, methods=["POST"]),
+            Route("/detokenize", routes.detokenize, methods=["POST"]),
+            Route("/version", routes.version, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/ready", routes.ready, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
         ],
+        middleware=middleware,
         lifespan=lifespan,
         exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_exception,
                             Exception: on_unexpected},

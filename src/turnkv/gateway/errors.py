@@ -1,24 +1,30 @@
-"""The one place errors become responses: OpenAI-shaped JSON, or a final SSE event mid-stream."""
+"""The one place errors become responses: OpenAI-shaped JSON, or a final SSE event mid-stream.
+
+Client-facing messages never name an engine; an engine failure's instance is logged here instead.
+A client that left mid-request gets one debug line and no answer.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from turnkv.errors import GatewayError
+from turnkv.errors import ClientGone, GatewayError, RequestTimeout, UpstreamError
 
 log = logging.getLogger("turnkv.errors")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # as routes accept one: nothing else is echoed
 
 
 def error_response(exc: GatewayError, request_id: str | None = None) -> JSONResponse:
-    headers = {"x-request-id": request_id} if request_id else {}
-    if exc.retry_after is not None:
-        headers["retry-after"] = str(max(1, round(exc.retry_after)))
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
+    headers = exc.headers()
+    if request_id:
+        headers["x-request-id"] = request_id
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 def sse_error_event(exc: GatewayError) -> bytes:
@@ -28,7 +34,18 @@ def sse_error_event(exc: GatewayError) -> bytes:
 
 async def on_gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
-    return error_response(exc, request.headers.get("x-request-id"))
+    if isinstance(exc, (ClientGone, RequestTimeout)):
+        svc = getattr(request.state, "services", None)
+        if svc is not None:
+            svc.metrics.rejections.labels(exc.code).inc()
+    if isinstance(exc, ClientGone):
+        log.debug("client.gone path=%s", request.url.path)
+        return Response(status_code=exc.status)  # nobody reads it
+    if isinstance(exc, UpstreamError):
+        log.warning("upstream.error leg=%s instance=%s status=%s message=%s", exc.leg, exc.instance, exc.status,
+                    exc.message)
+    given = request.headers.get("x-request-id", "")
+    return error_response(exc, given if _REQUEST_ID.fullmatch(given) else None)
 
 
 async def on_http_exception(request: Request, exc: Exception) -> Response:

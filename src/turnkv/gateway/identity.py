@@ -22,8 +22,8 @@ arguments) and a tool message's text; reasoning, tool-call ids, names and surrou
 not count. Two clients continuing the same history (a fork) look up the same key: the claim is
 single use, so one reuses and the other recomputes; each stores its record under its own request.
 
-The tenant is a configured header, else a hash of the API key. Every store key hashes the tenant,
-so one tenant can neither read nor consume another's handle, whatever ids or histories they send.
+The tenant is the request's authenticated one (``auth.Authenticator``). Every store key hashes the
+tenant, so one tenant can neither read nor consume another's handle, whatever ids or histories they send.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from turnkv.errors import ClientError
 
-_ID = re.compile(r"^[A-Za-z0-9._:@/+=\-]+$")
+_ID = re.compile(r"[A-Za-z0-9._:@/+=\-]+\Z")  # \Z, not $: "id\n" is not "id" (used with match)
 BODY_FIELDS = ("session_id", "conversation_id")
 METADATA_FIELDS = ("conversation_id", "session_id")
 Source = Literal["header", "body", "response", "prompt_cache_key", "metadata", "digest"]
@@ -65,17 +65,6 @@ class Conversation:
 
 def _hash(*parts: str) -> str:
     return hashlib.blake2b("\x00".join(parts).encode(), digest_size=16).hexdigest()
-
-
-def tenant_of(headers: Mapping[str, str], tenant_header: str | None) -> str:
-    if tenant_header:
-        value = headers.get(tenant_header.lower())
-        if value:
-            return "t:" + _hash("tenant", value)[:16]
-    auth = headers.get("authorization", "")
-    if auth:
-        return "k:" + _hash("key", auth.removeprefix("Bearer ").strip())[:16]
-    return "anonymous"
 
 
 def _named(headers: Mapping[str, str], body: Mapping[str, Any], session_headers: Sequence[str],
@@ -130,7 +119,7 @@ def _openai_id(body: Mapping[str, Any]) -> tuple[str, Source] | None:
 
 def conversation_of(
     headers: Mapping[str, str], body: Mapping[str, Any], *, session_headers: Sequence[str],
-    tenant_header: str | None, max_length: int, messages: Sequence[Any] | None = None,
+    tenant: str, max_length: int, messages: Sequence[Any] | None = None,
     response_key: str | None = None, from_history: bool = True,
 ) -> Conversation | None:
     """The turn's conversation (precedence in the module docstring), or None for a stateless request.
@@ -138,7 +127,6 @@ def conversation_of(
     ``messages``: the chat messages (default: the body's); ``response_key``: the store key of the
     previous response's record (Responses API); ``from_history``: find a conversation without an id
     from its messages. Bad ids are a 400."""
-    tenant = tenant_of(headers, tenant_header)
     if messages is None:
         given = body.get("messages")
         messages = given if isinstance(given, list) else None

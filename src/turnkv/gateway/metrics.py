@@ -68,6 +68,8 @@ class GatewayMetrics:
                                    "direction")
         # why: unused, superseded, not_needed, budget, pressure, failed_turn, shutdown, store_unavailable;
         # duplicate, dropped and failed count releases not sent or not answered
+        self.rejections = Counter("turnkv_rejected_requests", "Requests and connections refused at the edge, by "
+                                  "reason (auth, overload, deadlines)", ["reason"], registry=r)
         self.releases = Counter("turnkv_handle_releases", "Handles given back to decode unused, by why",
                                 ["why"], registry=r)
         self.store_up.set(1)

@@ -1,29 +1,46 @@
-"""Reads and checks a client's request before any engine sees it: size, JSON, field types, model.
+"""Reads and checks a client's request before any engine sees it, and before its conversation's record is
+claimed: size, time to arrive, JSON (depth, text encodable as UTF-8), field types, model, output length.
 
-Known OpenAI fields are type-checked; unknown ones pass through to the engines, as vLLM accepts
-its own extensions. Everything wrong here is a ``ClientError`` (a 4xx in OpenAI's shape).
+Known OpenAI fields are type-checked strictly (``"40"`` is not an integer); unknown ones pass through
+to the engines, as vLLM accepts its own extensions. Everything wrong here is a ``ClientError`` (a 4xx in
+OpenAI's shape); a body that stops arriving is a 408, a client gone mid-body a ``ClientGone``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
-from starlette.requests import Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from starlette.requests import ClientDisconnect, Request
 
-from turnkv.errors import BodyTooLarge, ClientError, ModelNotFound
+from turnkv.errors import BodyTooLarge, ClientError, ClientGone, ModelNotFound, RequestTimeout
+
+Number = Annotated[float, Field(strict=True)]  # an int or a float, never a string or a bool
 
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class FunctionCall(_Open):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Open):
+    id: StrictStr
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
 
@@ -37,20 +54,26 @@ class _Common(_Open):
     model: str | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    n: int | None = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    n: StrictInt | None = Field(1, ge=1, le=128)
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, ge=0, le=1)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    seed: StrictInt | None = None
+    logprobs: StrictBool | StrictInt | None = None  # chat: a flag; completions: how many
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     return_token_ids: StrictBool | None = None
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: StrictInt | None = Field(None, ge=0)
     ignore_eos: StrictBool | None = None
+    cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
     session_id: str | None = None
     conversation_id: str | None = None
 
 
 class ChatBody(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -62,21 +85,66 @@ class CompletionBody(_Common):
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
 
 
-async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
-    raw = b""
+# Lone surrogates can only come from a \uD800-\uDFFF escape or from their (invalid) UTF-8 bytes, which
+# json.loads lets through; a body without either needs no walk over its strings.
+_MAY_HOLD_SURROGATES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+async def _read(request: Request, max_bytes: int) -> bytes:
+    raw = bytearray()
     async for piece in request.stream():
         raw += piece
         if len(raw) > max_bytes:
             raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
+    return bytes(raw)
+
+
+def check_tree(body: Any, max_depth: int, strings: bool) -> None:
+    """Refuse a body nested deeper than ``max_depth`` or (``strings``) holding text that UTF-8 cannot encode:
+    either would fail later, in a validator, an encoder or an engine, as a 500."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            if depth > max_depth:
+                break
+            stack.extend((v, depth + 1) for v in value.values())
+            if strings:
+                stack.extend((k, depth) for k in value)
+        elif isinstance(value, list):
+            if depth > max_depth:
+                break
+            stack.extend((v, depth + 1) for v in value)
+        elif strings and isinstance(value, str) and _SURROGATE.search(value):
+            raise ClientError("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
+    else:
+        return
+    raise ClientError(f"request body is nested more than {max_depth} levels deep")
+
+
+async def read_json(request: Request, max_bytes: int, *, timeout_s: float | None = None,
+                    max_depth: int = 64) -> dict[str, Any]:
+    """The body as a JSON object, read within ``timeout_s`` (408 past it)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await _read(request, max_bytes)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise ClientGone("the client disconnected before its request body arrived") from None
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise ClientError(f"request body is nested more than {max_depth} levels deep") from None
     except ValueError as exc:
         raise ClientError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ClientError("request body must be a JSON object")
+    check_tree(body, max_depth, strings=_MAY_HOLD_SURROGATES.search(raw) is not None)
     return body
 
 
@@ -92,3 +160,15 @@ def validate(body: dict[str, Any], model: type[_Common]) -> _Common:
 def check_model(name: str | None, known: list[str]) -> None:
     if name is not None and known and name not in known:
         raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
+
+
+def check_output_length(body: Mapping[str, Any], model_len: int | None) -> None:
+    """Refuse an output length the model's context cannot hold with any prompt, before any engine work (vLLM
+    would refuse it too, but only after a render, a prefill and a pull)."""
+    if model_len is None:
+        return
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if isinstance(value, int) and value >= model_len:
+            raise ClientError(f"{field}={value} leaves no room for a prompt: the model's context length is "
+                              f"{model_len} tokens. Please request fewer output tokens.", param=field)

@@ -1,7 +1,14 @@
-"""The gateway's HTTP endpoints: OpenAI-compatible chat and completions, models, health and metrics."""
+"""The gateway's HTTP endpoints: OpenAI-compatible chat and completions, models, the render engine's token
+utilities and version, health, readiness and metrics.
+
+Every request arrives authenticated (``edge.EdgeMiddleware`` left its ``Principal`` in the request's state).
+A turn is checked whole here, before its conversation's record is claimed; its body goes to the engines
+with the tenant's prefix-cache salt, so cached prompts are shared only within a tenant.
+"""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -10,14 +17,22 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from turnkv.errors import ClientError, ShuttingDown, UpstreamError, UpstreamUnavailable
+from turnkv.errors import ClientError, ModelNotFound, ShuttingDown, UpstreamError, UpstreamUnavailable
+from turnkv.gateway.auth import Principal, cache_salt, require_admin
 from turnkv.gateway.identity import BODY_FIELDS, conversation_of
-from turnkv.gateway.requests import ChatBody, CompletionBody, check_model, read_json, validate
+from turnkv.gateway.requests import (
+    ChatBody,
+    CompletionBody,
+    check_model,
+    check_output_length,
+    read_json,
+    validate,
+)
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.context import TurnContext, TurnState
 from turnkv.gateway.turn.driver import run_turn
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 def services(request: Request) -> Services:
@@ -25,26 +40,45 @@ def services(request: Request) -> Services:
     return svc
 
 
+def principal(request: Request) -> Principal:
+    who: Principal = request.state.principal
+    return who
+
+
 def _request_id(request: Request) -> str:
     given = request.headers.get("x-request-id", "")
-    return given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+    return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+async def _body(svc: Services, request: Request) -> dict[str, Any]:
+    s = svc.settings
+    return await read_json(request, s.max_body_bytes, timeout_s=s.limits.body_timeout_s,
+                           max_depth=s.limits.max_json_depth)
+
+
+def _known_models(svc: Services) -> list[str]:
+    return svc.settings.models or svc.models
 
 
 def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: bool) -> TurnContext:
     s = svc.settings
+    who = principal(request)
     validate(body, ChatBody if chat else CompletionBody)
-    check_model(body.get("model"), s.models or svc.models)
+    check_model(body.get("model"), _known_models(svc))
+    model = body.get("model") or next(iter(_known_models(svc)), None)
+    check_output_length(body, svc.model_len.get(model) if isinstance(model, str) else None)
     conversation = conversation_of(request.headers, body, session_headers=s.session_headers,
-                                   tenant_header=s.tenant_header, max_length=s.max_session_id_length,
+                                   tenant=who.tenant, max_length=s.max_session_id_length,
                                    from_history=s.conversation_from_history) if chat else None
     if "kv_transfer_params" in body and not s.allow_client_kv_transfer_params:
         raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
     clean = {k: v for k, v in body.items() if k not in BODY_FIELDS}
+    clean["cache_salt"] = cache_salt(who.tenant, body.get("cache_salt"))
     messages = body.get("messages") or []
     turn = 1 + sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
     ctx = TurnContext(
         svc=svc, request_id=_request_id(request), body=clean, stream=bool(body.get("stream")),
-        authorization=request.headers.get("authorization"), conversation=conversation, turn_index=turn,
+        authorization=who.forward_authorization, conversation=conversation, turn_index=turn,
         path="/v1/chat/completions" if chat else "/v1/completions",
     )
     if not chat:
@@ -62,8 +96,7 @@ async def _turn(request: Request, *, chat: bool) -> Response:
     svc = services(request)
     if svc.drain.refusing:
         raise ShuttingDown("the gateway is shutting down; send the turn again")
-    body = await read_json(request, svc.settings.max_body_bytes)
-    ctx = _prepare(svc, request, body, chat=chat)
+    ctx = _prepare(svc, request, await _body(svc, request), chat=chat)
     svc.drain.track(ctx, lambda: ctx.abort("shutdown"))
     response = await run_turn(ctx)
     return conversation_header(ctx, response) if chat else response
@@ -77,23 +110,84 @@ async def completions(request: Request) -> Response:
     return await _turn(request, chat=False)
 
 
-async def models(request: Request) -> Response:
+def _render_base(svc: Services) -> str:
+    if svc.settings.render:
+        return svc.settings.render
+    inst = svc.registry.pick("prefill")
+    if inst is None:
+        raise UpstreamUnavailable("no prefill engine is available", leg="render")
+    return inst.url
+
+
+async def _passthrough_post(request: Request, path: str) -> Response:
+    """POST the client's JSON to the render engine (a prefill engine by default) and answer what it answers;
+    its 4xx bodies pass as they are, its failures become ours."""
     svc = services(request)
+    body = await _body(svc, request)
+    check_model(body.get("model"), _known_models(svc))
+    headers = svc.upstream.headers(_request_id(request), principal(request).forward_authorization)
+    data = await svc.upstream.post_json("render", _render_base(svc), path, body, headers)
+    return JSONResponse(data)
+
+
+async def tokenize(request: Request) -> Response:
+    return await _passthrough_post(request, "/tokenize")
+
+
+async def detokenize(request: Request) -> Response:
+    return await _passthrough_post(request, "/detokenize")
+
+
+async def version(request: Request) -> Response:
+    svc = services(request)
+    status, raw = await svc.upstream.get(_render_base(svc), "/version")
+    if status != 200:
+        raise UpstreamError(f"render engine answered HTTP {status} for /version", leg="render")
+    return Response(raw, media_type="application/json")
+
+
+async def _engine_models(svc: Services) -> bytes | None:
+    """A prefill engine's ``/v1/models`` body; None when it cannot say and the names are known anyway."""
     inst = svc.registry.pick("prefill")
     if inst is None:
         raise UpstreamUnavailable("no prefill engine is configured", leg="probe")
     try:
         status, raw = await svc.upstream.get(inst.url, "/v1/models")
     except UpstreamError:
-        if not (svc.settings.models or svc.models):
+        if not _known_models(svc):
             raise
-        status, raw = 0, b""
-    if status == 200:
-        return Response(raw, media_type="application/json")
+        return None
+    return raw if status == 200 else None
+
+
+def _listed(svc: Services) -> dict[str, Any]:
     now = int(time.time())
-    names = svc.settings.models or svc.models
-    return JSONResponse({"object": "list", "data": [
-        {"id": n, "object": "model", "created": now, "owned_by": "turnkv"} for n in names]})
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "turnkv"}
+                                       for n in _known_models(svc)]}
+
+
+async def models(request: Request) -> Response:
+    svc = services(request)
+    raw = await _engine_models(svc)
+    if raw is not None:
+        return Response(raw, media_type="application/json")
+    return JSONResponse(_listed(svc))
+
+
+async def model(request: Request) -> Response:
+    """``GET /v1/models/{id}``: that entry of the list, or OpenAI's 404."""
+    svc = services(request)
+    wanted = request.path_params["model_id"]
+    raw = await _engine_models(svc)
+    try:
+        listed = json.loads(raw) if raw is not None else _listed(svc)
+    except ValueError:
+        listed = _listed(svc)
+    entries = listed.get("data") if isinstance(listed, dict) else None
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and entry.get("id") == wanted:
+            return JSONResponse(entry)
+    raise ModelNotFound(f"The model `{wanted}` does not exist.", param="model")
 
 
 async def health(request: Request) -> Response:
@@ -111,6 +205,8 @@ async def ready(request: Request) -> Response:
 
     p, d = view("prefill"), view("decode")
     ok = any(i["healthy"] for i in p) and any(i["healthy"] for i in d) and not svc.drain.draining
+    if not principal(request).admin:  # engine URLs and load are an operator's business
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
     body = {
         "ready": ok, "prefill": p, "decode": d,
         "store": {"kind": "redis" if svc.settings.redis_url else "memory", "up": svc.store.up},
@@ -121,4 +217,5 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    require_admin(principal(request))
     return Response(services(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -39,3 +39,4 @@ class Services:
     drain: Drain
     audit: TemplateAudit = field(default_factory=TemplateAudit)
     models: list[str] = field(default_factory=list)
+    model_len: dict[str, int] = field(default_factory=dict)  # the engines' max_model_len per model name

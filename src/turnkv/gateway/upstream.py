@@ -1,7 +1,8 @@
 """HTTP to the engines: one aiohttp session, per-leg timeouts, and the one place aiohttp errors are translated.
 
 Every call names its leg (render, prefill, decode, probe) and the instance, so an error can be
-counted and retried without parsing messages.
+counted and retried without parsing messages. Messages, which clients may read, name the leg only:
+the instance (an internal URL) rides on the exception, for logs.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ def map_aiohttp_errors(leg: str, instance: str) -> Iterator[None]:
     try:
         yield
     except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(f"{leg} engine {instance} timed out", leg=leg, instance=instance) from exc
+        raise UpstreamTimeout(f"{leg} engine timed out", leg=leg, instance=instance) from exc
     except (aiohttp.ClientConnectionError, OSError) as exc:
-        raise UpstreamUnavailable(f"{leg} engine {instance} unreachable: {type(exc).__name__}",
+        raise UpstreamUnavailable(f"{leg} engine unreachable: {type(exc).__name__}",
                                   leg=leg, instance=instance) from exc
     except aiohttp.ClientError as exc:
-        raise UpstreamProtocolError(f"{leg} engine {instance}: {type(exc).__name__}: {exc}",
+        # aiohttp's own text names the URL: the type is enough for a client
+        raise UpstreamProtocolError(f"{leg} engine answered unreadably: {type(exc).__name__}",
                                     leg=leg, instance=instance) from exc
 
 
@@ -79,7 +81,7 @@ class Upstream:
         if status >= 400:
             raise UpstreamStatus(status, data, leg=leg, instance=base)
         if not isinstance(data, dict):
-            raise UpstreamProtocolError(f"{leg} engine {base} answered a non-object body", leg=leg, instance=base)
+            raise UpstreamProtocolError(f"{leg} engine answered a non-object body", leg=leg, instance=base)
         return data
 
     async def open_stream(

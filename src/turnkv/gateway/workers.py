@@ -61,6 +61,7 @@ def _exit_with_supervisor(lifeline: Connection) -> None:
 def _worker(settings: Settings, ready: Any, lifeline: Connection, metrics_dir: str) -> None:
     """One worker process: listen on the shared port, tell the supervisor, serve until SIGTERM."""
     from turnkv.gateway.app import create_app
+    from turnkv.gateway.connections import edge_limits
     from turnkv.launch import run_uvicorn
     from turnkv.logging import configure_stdlib
 
@@ -69,7 +70,7 @@ def _worker(settings: Settings, ready: Any, lifeline: Connection, metrics_dir: s
     sock = bind(settings.host, settings.port, reuse_port=True)
     sock.listen(LISTEN_BACKLOG)
     ready.put(os.getpid())
-    run_uvicorn(create_app(settings, multiprocess_dir=metrics_dir), sock)
+    run_uvicorn(create_app(settings, multiprocess_dir=metrics_dir), sock, edge=edge_limits(settings))
 
 
 class Supervisor:

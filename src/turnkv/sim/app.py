@@ -60,6 +60,7 @@ class _Prepared:
     request_id: str
     arrival: float
     kv: dict[str, Any] | None
+    cache_salt: str | None = None
 
 
 class SimServer:
@@ -135,7 +136,7 @@ class SimServer:
         kv = None
         if req.kv_transfer_params is not None:
             kv = {k: v for k, v in req.kv_transfer_params.items() if k != "prompt_token_ids"}
-        return _Prepared(prompt, sampling, rid, arrival, kv)
+        return _Prepared(prompt, sampling, rid, arrival, kv, req.cache_salt)
 
     def _sampling(self, req: GenerationRequest, prompt: Sequence[int], limit: int, **extra: Any) -> Sampling:
         # What the model says depends on its prompt alone, so whether it reasons is read from
@@ -175,7 +176,7 @@ class SimServer:
         out_ids: list[int] = []
         try:
             async with contextlib.aclosing(self.engine.generate(
-                    prompt, sampling, prep.kv, rid, arrival)) as outputs:
+                    prompt, sampling, prep.kv, rid, arrival, prep.cache_salt)) as outputs:
                 async for out in outputs:
                     out_ids += out.token_ids
                     for t in out.token_ids:
@@ -204,7 +205,7 @@ class SimServer:
         drop = self.faults.take_drop()
         try:
             async with contextlib.aclosing(self.engine.generate(
-                    prep.prompt, prep.sampling, prep.kv, prep.request_id, prep.arrival)) as outputs:
+                    prep.prompt, prep.sampling, prep.kv, prep.request_id, prep.arrival, prep.cache_salt)) as outputs:
                 async for out in outputs:
                     if not started:
                         started = True
@@ -264,7 +265,7 @@ class SimServer:
         out_ids: list[int] = []
         try:
             async with contextlib.aclosing(self.engine.generate(
-                    prompt, prep.sampling, prep.kv, prep.request_id, arrival)) as outputs:
+                    prompt, prep.sampling, prep.kv, prep.request_id, arrival, prep.cache_salt)) as outputs:
                 async for out in outputs:
                     out_ids += out.token_ids
                     if out.finish_reason is not None:
@@ -292,7 +293,7 @@ class SimServer:
         completion = cached = 0
         try:
             async with contextlib.aclosing(self.engine.generate(
-                    prep.prompt, prep.sampling, prep.kv, prep.request_id, prep.arrival)) as outputs:
+                    prep.prompt, prep.sampling, prep.kv, prep.request_id, prep.arrival, prep.cache_salt)) as outputs:
                 async for out in outputs:
                     first = completion == 0
                     completion += len(out.token_ids)

@@ -139,13 +139,15 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------
     async def generate(
         self, prompt: Sequence[int], sampling: Sampling, kv_params: dict[str, Any] | None, request_id: str,
-        arrival: float | None = None,
+        arrival: float | None = None, cache_salt: str | None = None,
     ) -> AsyncGenerator[Output, None]:
-        """Run one request; yields token outputs, the last one with ``finish_reason`` set."""
+        """Run one request; yields token outputs, the last one with ``finish_reason`` set. As in vLLM, a
+        ``cache_salt`` keys the prefix cache: blocks cached under another salt (or none) never match."""
         seq = Seq(
             request_id=f"{request_id}-{secrets.token_hex(4)}", prompt=list(prompt), sampling=sampling,
             params=dict(kv_params) if kv_params and self.cfg.has_connector else None,
             arrival=time.perf_counter() if arrival is None else arrival, gen=Generator(self.tok, sampling),
+            cache_root=self._cache_root if cache_salt is None else hash((self._cache_root, cache_salt)),
         )
         if kv_params and not self.cfg.has_connector:
             log.warning("Got kv_transfer_params, but no KVConnector found. "
@@ -193,7 +195,7 @@ class Engine:
     def _admit(self, seq: Seq) -> None:
         bs = self.cfg.block_size
         n = len(seq.prompt)
-        seq.hashes = block_hashes(seq.prompt, bs, self._cache_root)
+        seq.hashes = block_hashes(seq.prompt, bs, seq.cache_root)
         hit = self.pool.lookup(seq.hashes[: (n - 1) // bs])
         self.pool.acquire(hit)
         local = len(hit) * bs
@@ -300,7 +302,7 @@ class Engine:
                 return
         seq.stalled = False
         if pos % bs == bs - 1 and len(seq.hashes) == pos // bs:
-            parent = seq.hashes[-1] if seq.hashes else self._cache_root
+            parent = seq.hashes[-1] if seq.hashes else seq.cache_root
             seq.hashes.append(hash((parent, tuple(self._tokens(seq, pos + 1 - bs, pos + 1)))))
         value = kv_step(self._prev_kv(seq, pos), seq.output[-1], pos)
         self._write(seq, pos, [value])

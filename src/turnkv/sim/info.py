@@ -65,7 +65,7 @@ class InfoRoutes:
             "request_id": f"chatcmpl-{random_uuid()}", "token_ids": ids, "assistant_tokens_mask": None,
             "token_offsets": None, "features": None, "sampling_params": sampling_params(req, limit, kv, compat),
             "model": req.model or s.settings.model, "stream": bool(req.stream),
-            "stream_options": req.stream_options if req.stream else None, "cache_salt": None, "priority": 0,
+            "stream_options": req.stream_options if req.stream else None, "cache_salt": req.cache_salt, "priority": 0,
             # 0.26 leaves kv_transfer_params in sampling_params.extra_args; 0.33 hoists it here.
             "kv_transfer_params": kv if compat == "0.33" else None, "ec_transfer_params": None,
         })

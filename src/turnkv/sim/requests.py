@@ -45,6 +45,7 @@ class GenerationRequest(BaseModel):
     return_token_ids: bool | None = None
     kv_transfer_params: dict[str, Any] | None = None
     n: int = 1
+    cache_salt: str | None = None  # keys the prefix cache (vLLM: only requests with the same salt share it)
 
 
 class ChatRequest(GenerationRequest):

@@ -33,6 +33,7 @@ class Seq:
     gen: Generator
     block_ids: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
+    cache_root: int = 0  # the prefix-cache hash chain's root: the engine's, salted by the request's cache_salt
     num_computed: int = 0
     num_cached: int = 0
     external: int = 0

@@ -136,7 +136,7 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
                         url = relay.url
                     extra += ["--redis-url", url]
                 gateway = launch.gateway("gateway", [p.url], [dd.url], *extra, log_dir=log_dir,
-                                         env=dict(d.gateway_env))
+                                         env={"TURNKV_DECISION_HEADERS": "full", **dict(d.gateway_env)})
                 started.append(gateway)
                 target = Target(url=gateway.url)
         if d.pin:

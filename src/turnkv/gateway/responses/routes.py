@@ -19,11 +19,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from turnkv.errors import ClientError, GatewayError, StoreError
-from turnkv.gateway.identity import conversation_of, tenant_of
-from turnkv.gateway.requests import ChatBody, check_model, read_json, validate
+from turnkv.errors import ClientError, GatewayError, ShuttingDown, StoreError
+from turnkv.gateway.auth import cache_salt
+from turnkv.gateway.identity import conversation_of
+from turnkv.gateway.requests import ChatBody, check_model, check_output_length, validate
 from turnkv.gateway.responses import events, models, translate
-from turnkv.gateway.routes import _request_id, services
+from turnkv.gateway.routes import _body, _request_id, principal, services
 from turnkv.gateway.services import Services
 from turnkv.gateway.sse import DONE, SSESplitter
 from turnkv.gateway.turn.context import TurnContext
@@ -81,26 +82,33 @@ def _turnkv_headers(resp: Response, ctx: TurnContext) -> dict[str, str]:
 async def create(request: Request) -> Response:
     svc = services(request)
     s = svc.settings
-    raw = await read_json(request, s.max_body_bytes)
+    if svc.drain.refusing:
+        raise ShuttingDown("the gateway is shutting down; send the turn again")
+    raw = await _body(svc, request)
     req = models.parse(raw)
     check_model(req.model, s.models or svc.models)
     if "kv_transfer_params" in raw and not s.allow_client_kv_transfer_params:
         raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
-    tenant = tenant_of(request.headers, s.tenant_header)
+    who = principal(request)
+    tenant = who.tenant
     previous = await _previous(svc, tenant, req.previous_response_id) if req.previous_response_id else None
     history = list(previous["messages"]) if previous else []
     history += translate.input_messages(req.input)
     body = translate.chat_body(req, raw, history)
     validate(body, ChatBody)
+    model = body.get("model") or next(iter(s.models or svc.models), None)
+    check_output_length(body, svc.model_len.get(model) if isinstance(model, str) else None)
+    body["cache_salt"] = cache_salt(tenant, raw.get("cache_salt"))
     conversation = conversation_of(
-        request.headers, raw, session_headers=s.session_headers, tenant_header=s.tenant_header,
+        request.headers, raw, session_headers=s.session_headers, tenant=tenant,
         max_length=s.max_session_id_length, messages=body["messages"],
         response_key=previous.get("key") if previous else None, from_history=s.conversation_from_history)
     ctx = TurnContext(
         svc=svc, request_id=_request_id(request), body=body, stream=bool(req.stream),
-        authorization=request.headers.get("authorization"), conversation=conversation,
+        authorization=who.forward_authorization, conversation=conversation,
         turn_index=1 + sum(1 for m in body["messages"] if m.get("role") == "assistant"),
     )
+    svc.drain.track(ctx, lambda: ctx.abort("shutdown"))
     resp_id = translate.new_id("resp")
     answer = await run_turn(ctx)
     key = conversation.store_key if conversation else None
@@ -159,7 +167,7 @@ async def _translated(svc: Services, req: models.ResponsesBody, chat: Any, strea
 async def retrieve(request: Request) -> Response:
     svc = services(request)
     resp_id = request.path_params["response_id"]
-    tenant = tenant_of(request.headers, svc.settings.tenant_header)
+    tenant = principal(request).tenant
     try:
         raw = await svc.store.get_doc(_doc_key(tenant, resp_id))
     except StoreError as exc:

@@ -54,9 +54,14 @@ async def _fail(ctx: TurnContext) -> None:
 
 
 def _headers(ctx: TurnContext) -> dict[str, str]:
-    """The turn's decision, for clients and benchmarks that want to see it."""
+    """The turn's decision, for clients and benchmarks that want to see it. Token counts and prefill time
+    tell a client about the engines' caches (README, Security and limits): only with decision_headers full."""
     h = {"x-request-id": ctx.request_id, "x-turnkv-outcome": ctx.outcome, "x-turnkv-action": ctx.action.value,
          "x-turnkv-reason": ctx.reason.value}
+    if ctx.direct:
+        h["x-turnkv-direct"] = "true"  # decode-local without a render call (turn/direct.py)
+    if ctx.svc.settings.decision_headers != "full":
+        return h
     if ctx.assessment is not None:
         h["x-turnkv-matched-tokens"] = str(ctx.assessment.tokens)
     if ctx.prompt_ids is not None:
@@ -64,8 +69,6 @@ def _headers(ctx: TurnContext) -> dict[str, str]:
     elif isinstance(ctx.prefill_prompt_tokens, int):
         h["x-turnkv-prompt-tokens"] = str(ctx.prefill_prompt_tokens)  # not rendered: P's count
     h["x-turnkv-pulled-tokens"] = str(ctx.pull_tokens)
-    if ctx.direct:
-        h["x-turnkv-direct"] = "true"  # decode-local without a render call (turn/direct.py)
     if ctx.prefill_cached is not None:
         h["x-turnkv-prefill-cached-tokens"] = str(ctx.prefill_cached)
     if ctx.prefill_url is not None and ctx.action is not Action.DECODE_LOCAL:

@@ -1,0 +1,239 @@
+"""The gateway's front door, in process: API keys, admin-only views, CORS, in-flight caps, the body deadline
+and a client that leaves mid-body. Engines are unreachable on purpose: a request that gets past the front
+door ends in the engines' 503 (``upstream_unavailable``), one that does not ends in the door's own answer.
+
+Requests that must stay in flight are driven as ASGI calls on the app's own event loop (the TestClient's
+portal), with a body that arrives only when the test says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import pytest
+from starlette.testclient import TestClient
+
+from turnkv.config import Settings
+from turnkv.gateway.app import create_app
+
+DOWN = "http://127.0.0.1:9"  # the discard port: nothing listens
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+WAIT_S = 10.0
+
+
+@contextmanager
+def gateway(caplog: pytest.LogCaptureFixture, **over: Any) -> Iterator[TestClient]:
+    settings = Settings(**{"prefill": [DOWN], "decode": [DOWN], "models": ["m"], "template_audit": False, **over})
+    with caplog.at_level(logging.DEBUG), TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        yield c
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def error_of(r: Any, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return dict(err)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+KEYS = ["sk-a acme", "sk-b beta", "sk-ops admin"]
+
+
+def test_keys_are_required_and_checked(caplog: pytest.LogCaptureFixture) -> None:
+    with gateway(caplog, api_keys=KEYS) as c:
+        for headers in ({}, bearer("sk-unknown"), {"authorization": "sk-a"}, {"x-api-key": "sk-a"}):
+            r = c.post("/v1/chat/completions", json=CHAT, headers=headers)
+            assert error_of(r, 401)["code"] == "invalid_api_key"
+            assert r.headers["www-authenticate"] == "Bearer"
+        for path in ("/v1/models", "/version", "/metrics", "/v1/embeddings"):
+            error_of(c.get(path), 401)
+        error_of(c.post("/tokenize", json={"prompt": "x"}), 401)
+        # a known key, its scheme in any case, gets through to the (unreachable) engines
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            r = c.post("/v1/chat/completions", json=CHAT, headers={"authorization": f"{scheme} sk-a"})
+            assert error_of(r, 503)["code"] == "upstream_unavailable"
+        assert c.get("/health").json() == {"status": "ok"}
+
+
+def test_ready_and_metrics_are_for_operators(caplog: pytest.LogCaptureFixture) -> None:
+    with gateway(caplog, api_keys=KEYS) as c:
+        for headers in ({}, bearer("sk-a"), bearer("sk-wrong")):
+            r = c.get("/ready", headers=headers)
+            assert r.status_code == 503 and r.json() == {"ready": False}  # a load balancer's answer, nothing more
+        details = c.get("/ready", headers=bearer("sk-ops"))
+        assert details.status_code == 503 and DOWN in details.text  # engine URLs, load, store, template
+        assert error_of(c.get("/metrics", headers=bearer("sk-a")), 403)["code"] == "insufficient_permissions"
+        metrics = c.get("/metrics", headers=bearer("sk-ops"))
+        assert metrics.status_code == 200
+        assert 'turnkv_rejected_requests_total{reason="invalid_api_key"}' not in metrics.text  # none refused yet
+        error_of(c.get("/metrics"), 401)
+        refused = c.get("/metrics", headers=bearer("sk-ops")).text
+        assert 'turnkv_rejected_requests_total{reason="invalid_api_key"} 1.0' in refused
+
+
+def test_without_keys_everything_is_open_as_before(caplog: pytest.LogCaptureFixture) -> None:
+    with gateway(caplog) as c:
+        assert DOWN in c.get("/ready").text
+        assert c.get("/metrics").status_code == 200
+        error_of(c.post("/v1/chat/completions", json=CHAT), 503)
+
+
+def test_tenant_header_needs_the_proxy_secret(caplog: pytest.LogCaptureFixture) -> None:
+    with gateway(caplog, tenant_header="x-tenant", trusted_proxy_secret="s3cret") as c:
+        error_of(c.post("/v1/chat/completions", json=CHAT, headers={"x-tenant": "acme"}), 401)
+        r = c.post("/v1/chat/completions", json=CHAT, headers={"x-tenant": "acme", "x-turnkv-proxy-secret": "s3cret"})
+        error_of(r, 503)
+
+
+def test_cors_is_off_by_default_and_answers_preflights_when_on(caplog: pytest.LogCaptureFixture) -> None:
+    pre = {"origin": "https://app.example", "access-control-request-method": "POST",
+           "access-control-request-headers": "authorization, content-type"}
+    with gateway(caplog, api_keys=KEYS) as c:
+        assert "access-control-allow-origin" not in c.options("/v1/chat/completions", headers=pre).headers
+    with gateway(caplog, api_keys=KEYS, cors={"allow_origins": ["https://app.example"]}) as c:
+        r = c.options("/v1/chat/completions", headers=pre)  # no key: a browser's preflight carries none
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        other = c.options("/v1/chat/completions", headers={**pre, "origin": "https://evil.example"})
+        assert other.status_code == 400
+        refused = c.post("/v1/chat/completions", json=CHAT, headers={"origin": "https://app.example"})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://app.example"
+
+
+class Held:
+    """An ASGI request whose body arrives only when released (or never); its response is collected."""
+
+    def __init__(self, app: Any, state: dict[str, Any], body: bytes, headers: dict[str, str]) -> None:
+        self.app, self.body = app, body
+        self.scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+            "root_path": "", "client": ("127.0.0.1", 1234), "server": ("testserver", 80),
+            "headers": [(b"content-type", b"application/json"),
+                        *((k.encode(), v.encode()) for k, v in headers.items())],
+            "state": state.copy(),
+        }
+        self.reading = anyio.Event()  # the app asked for the body: it is past the front door
+        self.release = anyio.Event()
+        self.disconnect = False  # on release, the client is gone instead
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+
+    async def receive(self) -> dict[str, Any]:
+        self.reading.set()
+        await self.release.wait()
+        if self.disconnect:
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": self.body, "more_body": False}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            self.chunks.append(message.get("body", b""))
+
+    async def run(self) -> None:
+        await self.app(self.scope, self.receive, self.send)
+
+    def error(self) -> dict[str, Any]:
+        err: dict[str, Any] = json.loads(b"".join(self.chunks))["error"]
+        return err
+
+
+def in_loop(c: TestClient, fn: Callable[[], Awaitable[None]]) -> None:
+    assert c.portal is not None
+    c.portal.call(fn)
+
+
+def hold(c: TestClient, headers: dict[str, str], body: bytes = json.dumps(CHAT).encode()) -> Held:
+    return Held(c.app, c.app_state, body, headers)
+
+
+def test_overload_is_a_503_with_retry_after_and_the_slot_comes_back(caplog: pytest.LogCaptureFixture) -> None:
+    with gateway(caplog, limits={"max_inflight": 2, "retry_after_s": 3}) as c:
+        first, second, third, after = (hold(c, {}) for _ in range(4))
+
+        async def scenario() -> None:
+            async with anyio.create_task_group() as tg:
+                for h in (first, second):
+                    tg.start_soon(h.run)
+                with anyio.fail_after(WAIT_S):
+                    await first.reading.wait()
+                    await second.reading.wait()
+                await third.run()  # both places taken: refused at once
+                first.release.set()
+                second.release.set()
+            after.release.set()
+            await after.run()
+
+        in_loop(c, scenario)
+        assert third.status == 503 and third.headers["retry-after"] == "3"
+        assert third.error()["code"] == "server_overloaded"
+        for h in (first, second, after):  # past the front door: the engines' own 503
+            assert h.status == 503 and h.error()["code"] == "upstream_unavailable"
+
+
+def test_a_tenant_over_its_limit_gets_429_others_are_served(caplog: pytest.LogCaptureFixture) -> None:
+    with gateway(caplog, api_keys=KEYS, limits={"max_inflight_per_tenant": 1, "max_inflight": 10}) as c:
+        a1, a2, b1 = hold(c, bearer("sk-a")), hold(c, bearer("sk-a")), hold(c, bearer("sk-b"))
+
+        async def scenario() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(a1.run)
+                with anyio.fail_after(WAIT_S):
+                    await a1.reading.wait()
+                await a2.run()
+                tg.start_soon(b1.run)
+                with anyio.fail_after(WAIT_S):
+                    await b1.reading.wait()
+                a1.release.set()
+                b1.release.set()
+
+        in_loop(c, scenario)
+        assert a2.status == 429 and a2.error()["code"] == "rate_limit_exceeded" and a2.headers["retry-after"] == "1"
+        assert a1.status == 503 and b1.status == 503  # admitted: the engines' answer
+
+
+def test_a_body_that_never_finishes_is_a_408_that_closes(caplog: pytest.LogCaptureFixture) -> None:
+    with gateway(caplog, limits={"body_timeout_s": 0.2, "max_inflight": 1}) as c:
+        stalled, after = hold(c, {}), hold(c, {})
+
+        async def scenario() -> None:
+            with anyio.fail_after(WAIT_S):
+                await stalled.run()  # its body never comes (never released)
+            after.release.set()
+            await after.run()
+
+        in_loop(c, scenario)
+        assert stalled.status == 408 and stalled.headers["connection"] == "close"
+        assert stalled.error()["code"] == "request_timeout"
+        assert after.status == 503 and after.error()["code"] == "upstream_unavailable"  # its slot came back
+        assert 'turnkv_rejected_requests_total{reason="request_timeout"} 1.0' in c.get("/metrics").text
+
+
+def test_a_client_gone_mid_body_is_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    with gateway(caplog, limits={"max_inflight": 1}) as c:
+        gone, after = hold(c, {}), hold(c, {})
+        gone.disconnect = True
+        gone.release.set()
+        after.release.set()
+
+        async def scenario() -> None:
+            with anyio.fail_after(WAIT_S):
+                await gone.run()
+                await after.run()
+
+        in_loop(c, scenario)
+        assert after.status == 503  # the gone client's slot came back
+    said = [r for r in caplog.records if "client.gone" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.DEBUG  # one debug line, no traceback (checked above)

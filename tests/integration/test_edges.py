@@ -1,0 +1,197 @@
+"""The gateway's edges against hostile and heavy clients, with real processes: a gateway on simulated engines,
+raw sockets that stall, trickle or never finish a body, other tenants, and the openai SDK as the client that
+must still be served (and served correctly)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.cluster import Cluster, Dialogue, converse, metric, sim_state, start_cluster
+from turnkv import launch
+
+pytestmark = pytest.mark.integration
+STALLED = 1100  # more than a default open-file limit of 1024
+TRICKLING = 20
+CLOSE_WAIT_S = 30.0
+ENGINE_WORK = "vllm:prefix_cache_queries_total"  # every request an engine admits adds its prompt
+
+
+def open_file_limits(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no open-file limit in /proc")
+
+
+def closed_with(sock: socket.socket, deadline: float) -> bytes:
+    """What the gateway sent on a connection before closing it (bounded)."""
+    got = b""
+    while True:
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            piece = sock.recv(4096)
+        except ConnectionResetError:
+            return got
+        except TimeoutError:
+            raise AssertionError("the gateway left a stalled connection open") from None
+        if not piece:
+            return got
+        got += piece
+
+
+def no_tracebacks(c: Cluster) -> None:
+    log = (c.log_dir / "gateway.log").read_text()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log
+
+
+def test_stalled_and_trickling_clients_do_not_take_the_gateway_offline(
+        procs: list[launch.Running], tmp_path: Path) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 4 * STALLED:
+        pytest.skip("the open-file hard limit is too low for this many connections")
+    env = {"TURNKV_LIMITS__HEADER_TIMEOUT_S": "3", "TURNKV_LIMITS__BODY_TIMEOUT_S": "3"}
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # the engines and gateway start with 1024
+    try:
+        c = start_cluster(procs, tmp_path, gateway_env=env)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert open_file_limits(c.gateway.proc.pid) == (hard, hard) or hard == resource.RLIM_INFINITY
+    host, port = c.gateway.url.removeprefix("http://").split(":")
+    attacker = ("127.0.0.2", 0)  # one client, its own address
+
+    def connect() -> socket.socket:
+        return socket.create_connection((host, int(port)), timeout=10, source_address=attacker)
+
+    stalled = [connect() for _ in range(STALLED)]
+    trickling = [connect() for _ in range(TRICKLING)]
+    for s in trickling:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nX-Slow: a")
+    body_never_ends = connect()
+    body_never_ends.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json"
+                            b"\r\nContent-Length: 100000\r\n\r\n{\"model\": \"sim-model\", ")
+    with ThreadPoolExecutor(4) as pool:  # normal conversations, meanwhile, through the openai SDK
+        runs = list(pool.map(lambda i: converse(c, 2, session=f"conv-{i}"), range(4)))
+    assert all(t.correct for turns in runs for t in turns)
+    assert [t.outcome for turns in runs for t in turns] == ["none", "full"] * 4
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    for s in stalled:
+        assert closed_with(s, deadline) == b""
+    for s in trickling:
+        assert closed_with(s, deadline).startswith(b"HTTP/1.1 408 ")
+    answer = closed_with(body_never_ends, deadline)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    for s in [*stalled, *trickling, body_never_ends]:
+        s.close()
+    assert metric(c.gateway.url, "turnkv_rejected_requests_total", reason="header_timeout") >= STALLED + TRICKLING
+    no_tracebacks(c)
+
+
+def keyed_cluster(procs: list[launch.Running], tmp_path: Path, redis_url: str | None = None) -> Cluster:
+    keys = tmp_path / "keys"
+    keys.write_text("# test tenants\nsk-alice alice\nsk-bob bob\n")
+    env = {"TURNKV_API_KEYS_FILE": str(keys), "TURNKV_TENANT_HEADER": "x-tenant",
+           "TURNKV_TRUSTED_PROXY_SECRET": "proxy-secret"}
+    return start_cluster(procs, tmp_path, gateway_env=env, redis_url=redis_url,
+                         sim_flags=("--enable-prompt-tokens-details",))  # P says how much of a prompt it had cached
+
+
+def test_a_tenant_header_without_the_proxy_secret_reuses_nothing(procs: list[launch.Running], tmp_path: Path,
+                                                                 redis_url: str) -> None:
+    c = keyed_cluster(procs, tmp_path, redis_url)
+    url = c.gateway.url + "/v1"
+    with Dialogue(c, api_key="sk-alice", session="shared") as d, \
+            openai.OpenAI(base_url=url, api_key="sk-bob", max_retries=0, timeout=60,
+                          default_headers={"x-tenant": "alice"}) as bob, \
+            openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60,
+                          default_headers={"x-tenant": "alice", "x-turnkv-proxy-secret": "proxy-secret"}) as proxy, \
+            openai.OpenAI(base_url=url, api_key="sk-nobody", max_retries=0, timeout=60) as nobody:
+        first = d.step()
+        assert first.correct and first.reason == "no_record"
+        # Bob: Alice's session id, Alice's tenant header, Alice's very history; no proxy secret
+        stranger = d.step(client=bob)
+        assert stranger.correct and stranger.reason == "no_record"
+        assert stranger.headers["x-turnkv-matched-tokens"] == "0"
+        # nor does P's prefix cache answer him from Alice's prompt (each tenant its own cache_salt)
+        assert stranger.headers["x-turnkv-prefill-cached-tokens"] == "0"
+        d.messages = d.messages[:-2]
+        # the trusted proxy naming Alice gets Alice's record, which Bob neither read nor consumed
+        again = d.step(client=proxy)
+        assert again.correct and again.outcome == "full"
+        with pytest.raises(openai.AuthenticationError):
+            nobody.chat.completions.create(model="sim-model", messages=[{"role": "user", "content": "hi"}])
+    no_tracebacks(c)
+
+
+def test_the_rest_of_the_endpoint(procs: list[launch.Running], tmp_path: Path) -> None:
+    c = keyed_cluster(procs, tmp_path)
+    engine = c.prefill[0].url
+    alice = {"authorization": "Bearer sk-alice"}
+    with httpx.Client(base_url=c.gateway.url, timeout=30) as gw, httpx.Client(base_url=engine, timeout=30) as p:
+        for path, body in [("/tokenize", {"model": "sim-model", "prompt": "hello there"}),
+                           ("/detokenize", {"model": "sim-model", "tokens": [1, 2, 3]})]:
+            assert gw.post(path, json=body).status_code == 401
+            r = gw.post(path, json=body, headers=alice)
+            assert r.status_code == 200 and r.json() == p.post(path, json=body).json()
+        bad = gw.post("/detokenize", json={"tokens": "no"}, headers=alice)
+        assert bad.status_code == 400 and set(bad.json()["error"]) >= {"message", "type"}  # the engine's words
+        assert gw.get("/version", headers=alice).json() == p.get("/version").json()
+        one = gw.get("/v1/models/sim-model", headers=alice).json()
+        assert one["id"] == "sim-model" and one["max_model_len"] > 0
+        missing = gw.get("/v1/models/other", headers=alice)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        assert gw.get("/v1/models/sim-model").status_code == 401
+        assert gw.get("/ready").json() == {"ready": True}  # a load balancer's view, no engine URLs
+        assert gw.get("/metrics", headers=alice).status_code == 403
+    no_tracebacks(c)
+
+
+def bad_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Requests for the conversation's next turn that must be refused before any engine work."""
+    base = {"model": "sim-model", "messages": messages, "max_tokens": 60, "session_id": "conv-1"}
+    broken_call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": {"name": "f"}}]}
+    return [
+        {**base, "max_tokens": "40"},
+        {**base, "max_tokens": 10**6},  # above the model's context length
+        {**base, "max_completion_tokens": 40960},  # exactly the context length: no room for a prompt
+        {**base, "messages": [*messages[:-1], broken_call, messages[-1]]},
+        {**base, "session_id": "conv-1\n"},  # not conv-1: refused, not another conversation
+    ]
+
+
+def test_bad_input_is_refused_before_any_engine_work_and_keeps_the_record(
+        procs: list[launch.Running], tmp_path: Path) -> None:
+    c = start_cluster(procs, tmp_path)
+    with Dialogue(c) as d, httpx.Client(base_url=c.gateway.url, timeout=30) as http:
+        assert d.step().reason == "no_record"
+
+        def engine_work() -> tuple[Any, ...]:
+            engines = [*c.prefill, *c.decode]
+            return (*(metric(e.url, ENGINE_WORK) for e in engines), *(sim_state(e.url)["renders"] for e in engines))
+
+        before = engine_work()
+        headers = {"Authorization": "Bearer key-a"}
+        for body in bad_turns(d.messages):
+            r = http.post("/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+        surrogate = json.dumps({"model": "sim-model", "messages": d.messages, "session_id": "conv-1"})
+        surrogate = surrogate.replace("Thanks", "\\ud800Thanks")
+        r = http.post("/v1/chat/completions", content=surrogate.encode(),
+                      headers={**headers, "content-type": "application/json"})
+        assert r.status_code == 400
+        assert engine_work() == before
+        after = d.step()
+        assert after.correct and after.outcome == "full"  # the record survived every refused request
+    no_tracebacks(c)
