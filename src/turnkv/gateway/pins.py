@@ -17,6 +17,7 @@ without the handle, so no turn can pull a handle that is being released.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -28,6 +29,8 @@ from turnkv.gateway.registry import Instance, Registry
 from turnkv.gateway.release import Releaser
 from turnkv.state.base import PinEntry
 from turnkv.state.guard import StoreGuard
+
+log = logging.getLogger("turnkv.pins")
 
 
 class PinKeeper:
@@ -148,12 +151,15 @@ class PinKeeper:
         while True:
             wait = max(0.0, next_check - time.monotonic())
             try:
-                url = await asyncio.wait_for(self._urgent.get(), wait)
-            except TimeoutError:
-                await self.check()
-                next_check = time.monotonic() + self._dm.janitor_interval_s
-                continue
-            await self.relieve(url)
+                try:
+                    url = await asyncio.wait_for(self._urgent.get(), wait)
+                except TimeoutError:
+                    next_check = time.monotonic() + self._dm.janitor_interval_s
+                    await self.check()
+                    continue
+                await self.relieve(url)
+            except Exception:  # a bug in one pass must not end the janitor: log it, go on
+                log.exception("pins.janitor_failed")
 
     async def release_all(self) -> int:
         """At shutdown, with a store nobody else reads: give every pin back (bounded by the caller)."""
