@@ -20,9 +20,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
+from openai.types.chat import ChatCompletionChunk
 
 PROJECT = "turnkv-smoke"
 REUSE = {"full", "decode_local"}
@@ -119,11 +120,11 @@ class Conversation:
         self.turns = 0
 
     def turn(self) -> dict[str, str]:
-        raw = self.client.chat.completions.with_raw_response.create(
-            model="model", messages=self.messages, max_tokens=60, stream=True,
-            extra_headers={"X-Session-ID": "compose-smoke"})
+        request: dict[str, Any] = {"model": "model", "messages": self.messages, "max_tokens": 60, "stream": True,
+                                   "extra_headers": {"X-Session-ID": "compose-smoke"}}
+        raw = self.client.chat.completions.with_raw_response.create(**request)
         content, reasoning = "", ""
-        for chunk in raw.parse():
+        for chunk in cast(openai.Stream[ChatCompletionChunk], raw.parse()):
             if chunk.choices:
                 delta = chunk.choices[0].delta.model_dump()
                 content += delta.get("content") or ""
@@ -149,7 +150,7 @@ def expect(cond: bool, what: str) -> None:
 def smoke(compose: Compose, url: str) -> None:
     log("build (one image, turnkv:local, for the gateway and both engines)")
     out = compose.run("build", timeout_s=900)
-    print(out[-1500:], flush=True)
+    print("\n".join(line for line in out.splitlines() if "Built" in line or "writing image" in line), flush=True)
     log("up --wait (healthchecks: redis, prefill-sim, decode-sim, then turnkv-sim)")
     compose.run("up", "-d", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), timeout_s=UP_TIMEOUT_S + 30)
     print(compose.run("ps"), flush=True)

@@ -17,6 +17,7 @@ from tests.conftest import free_port
 from tests.integration.cluster import Cluster, Dialogue, Turn, metric, start_cluster, wait_for
 from turnkv import launch
 from turnkv.bench.procs import descendants
+from turnkv.gateway import workers
 
 pytestmark = pytest.mark.integration
 
@@ -182,3 +183,19 @@ def test_workers_start_at_once_where_a_gateway_just_stopped(procs: list[launch.R
             extra_headers={"X-Session-ID": "after-restart"})
     assert raw.parse().choices[0].finish_reason == "length"  # answered all 8 tokens
     assert raw.headers["x-turnkv-outcome"] == "none"
+
+
+def test_a_port_another_supervisor_is_starting_on_is_refused(tmp_path: Path, redis_url: str) -> None:
+    """Until its workers listen, a supervisor's port holder does not listen, and the port check alone would
+    let a second supervisor in to share the port: the first one's start-up lock refuses it."""
+    port = free_port()
+    lock = workers._starting_lock(port)  # what a supervisor holds while its workers start
+    assert lock is not None
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "turnkv", "serve", "--prefill", "http://127.0.0.1:9", "--decode",
+             "http://127.0.0.1:9", "--redis-url", redis_url, "--workers", "2", "--port", str(port)],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        lock.close()
+    assert second.returncode == 2 and "another turnkv gateway is starting" in second.stderr
