@@ -11,11 +11,11 @@ through prometheus_client's multiprocess directory (see ``metrics.py``).
 
 The supervisor first makes sure nothing listens on the port (with SO_REUSEPORT a second gateway could
 otherwise join this one's group and take half its connections), and that no other supervisor is starting
-on it (a lock until its workers listen), then holds the port (bound with
-SO_REUSEPORT and SO_REUSEADDR, never listening) so that port 0 resolves once and every worker binds the
-same one. It prints the listening URL once all workers listen, forwards SIGTERM/SIGINT, and restarts a
-worker that dies, up to ``MAX_RESTARTS`` within ``RESTART_WINDOW_S``; past that it stops them all
-and exits 1. Linux only: elsewhere SO_REUSEPORT does not spread connections, or does not exist.
+on it (a lock until its workers listen), then holds the port (bound with SO_REUSEPORT and SO_REUSEADDR,
+never listening) so that port 0 resolves once and every worker binds the same one. It prints the
+listening URL once all workers listen, forwards SIGTERM/SIGINT, and restarts a worker that dies, up to
+``MAX_RESTARTS`` within ``RESTART_WINDOW_S``; past that it stops them all and exits 1. Linux only:
+elsewhere SO_REUSEPORT does not spread connections, or does not exist.
 """
 
 from __future__ import annotations
@@ -161,11 +161,10 @@ def _hold_port(host: str, port: int) -> socket.socket:
     """The supervisor's socket on the port; OSError when something already listens there.
 
     SO_REUSEPORT lets the workers join it. SO_REUSEADDR lets it bind past the connections a previous
-    gateway left on the port (TIME_WAIT and other closing states): without it the kernel refuses the
-    port for about a minute after a gateway whose sockets lacked SO_REUSEPORT (a single-process one)
-    or, on older kernels, whose closing sockets belonged to a user other than root. It also lets a
-    plain SO_REUSEADDR server bind the port while the holder does not listen; if that one listens first,
-    the workers cannot bind and the supervisor stops ("a worker did not start") rather than share."""
+    gateway left on the port in TIME_WAIT: without it the kernel refuses the port for about a minute
+    after a gateway whose sockets lacked SO_REUSEPORT (a single-process one). It also lets a plain
+    SO_REUSEADDR server bind the port while the holder does not listen; if that one listens first, the
+    workers cannot bind and the supervisor stops ("a worker did not start") rather than share."""
     if port:
         bind(host, port).close()  # SO_REUSEADDR alone: refused while anything listens on the port
     return bind(host, port, reuse_port=True)
