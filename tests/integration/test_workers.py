@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -9,11 +10,14 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import openai
 import pytest
 
+from tests.conftest import free_port
 from tests.integration.cluster import Cluster, Dialogue, Turn, metric, start_cluster, wait_for
 from turnkv import launch
 from turnkv.bench.procs import descendants
+from turnkv.gateway import workers
 
 pytestmark = pytest.mark.integration
 
@@ -112,3 +116,87 @@ def test_workers_exit_with_their_supervisor(procs: list[launch.Running], tmp_pat
     finally:
         for p in filter(alive, pids):
             os.kill(p, signal.SIGKILL)  # leave no orphan serving a port
+
+
+TIME_WAIT = "06"  # the state column of /proc/net/tcp
+
+
+def states_on(port: int) -> set[str]:
+    """TCP states of the sockets whose local port is ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.add(fields[3])
+    return found
+
+
+def serve_on(port: int, name: str, engines: list[launch.Running], log_dir: Path, redis_url: str,
+             *extra: str) -> launch.Running:
+    """A gateway on a port chosen by the test (launch.spawn always asks for a free one)."""
+    log = log_dir / f"{name}.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "turnkv", "serve", "--prefill", engines[0].url, "--decode", engines[1].url,
+             "--redis-url", redis_url, "--port", str(port), *extra],
+            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    line = launch._first_line(proc.stdout, proc, launch.READY_TIMEOUT_S)
+    running = launch.Running(name, proc, f"http://127.0.0.1:{port}", log)
+    if '"listening"' not in line:
+        running.stop()
+        pytest.fail(f"{name} did not start: {log.read_text()[-2000:]}")
+    return running
+
+
+@pytest.mark.parametrize("before", [(), ("--workers", "2")], ids=["after-one-process", "after-workers"])
+def test_workers_start_at_once_where_a_gateway_just_stopped(procs: list[launch.Running], tmp_path: Path,
+                                                            redis_url: str, before: tuple[str, ...]) -> None:
+    """A stopped gateway's connections stay on its port in TIME_WAIT for a minute; the supervisor's port
+    holder must bind past them (SO_REUSEADDR), as a restart by compose or systemd does at once. Without
+    it the first case fails ("cannot take ...: Address already in use"); the second, workers after
+    workers, passed without it too on this project's Linux 6.x machine, where those sockets carry
+    SO_REUSEPORT, and is kept for the restart the issue reported."""
+    common = ("--time-scale", "0", "--vllm-compat", "0.33")
+    engines = [launch.sim(role, role, *common, log_dir=tmp_path) for role in ("prefill", "decode")]
+    procs += engines
+    port = free_port()
+    first = serve_on(port, "first", engines, tmp_path, redis_url, *before)
+    procs.append(first)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().read()
+    first.stop()  # the gateway closes the idle keep-alive connection first: its side goes to TIME_WAIT
+    conn.close()
+    wait_for(lambda: TIME_WAIT in states_on(port), what="a TIME_WAIT socket on the gateway's port")
+
+    second = serve_on(port, "second", engines, tmp_path, redis_url, "--workers", "2")
+    procs.append(second)
+    assert TIME_WAIT in states_on(port)  # it started while the port still had one
+    with openai.OpenAI(base_url=second.url + "/v1", api_key="key-a", max_retries=0, timeout=60) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="sim-model", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+            extra_headers={"X-Session-ID": "after-restart"})
+    assert raw.parse().choices[0].finish_reason == "length"  # answered all 8 tokens
+    assert raw.headers["x-turnkv-outcome"] == "none"
+
+
+def test_a_port_another_supervisor_is_starting_on_is_refused(tmp_path: Path, redis_url: str) -> None:
+    """Until its workers listen, a supervisor's port holder does not listen, and the port check alone would
+    let a second supervisor in to share the port: the first one's start-up lock refuses it."""
+    port = free_port()
+    lock = workers._starting_lock(port)  # what a supervisor holds while its workers start
+    assert lock is not None
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "turnkv", "serve", "--prefill", "http://127.0.0.1:9", "--decode",
+             "http://127.0.0.1:9", "--redis-url", redis_url, "--workers", "2", "--port", str(port)],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        lock.close()
+    assert second.returncode == 2 and "another turnkv gateway is starting" in second.stderr

@@ -48,7 +48,9 @@ from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
 from turnkv.state.redis import RedisStore
 
-AUDIT_ATTEMPTS = 30
+AUDIT_FIRST_WAIT_S = 1.0  # the start-up audit's retries: the first wait, doubling up to the longest
+AUDIT_MAX_WAIT_S = 30.0
+AUDIT_ATTEMPT_S = 150.0  # one attempt: a model list and up to four renders, each bounded by its own timeout
 STARTUP_AUDIT_S = 3.0
 STOP_LOOPS_S = 5.0
 STOP_TICK_S = 0.1
@@ -133,10 +135,20 @@ async def _audit_once(svc: Services) -> bool:
 
 
 async def _audit_until_done(svc: Services) -> None:
-    for _ in range(AUDIT_ATTEMPTS):
-        if await _audit_once(svc):
+    """Audit until it succeeds: engines can come up minutes after the gateway (vLLM loading a model, a
+    container restarted). Each attempt is bounded by AUDIT_ATTEMPT_S; the waits between attempts double
+    from AUDIT_FIRST_WAIT_S to AUDIT_MAX_WAIT_S. It ends when the app stops (the task is cancelled)."""
+    wait = AUDIT_FIRST_WAIT_S
+    while True:
+        done = False
+        with anyio.move_on_after(AUDIT_ATTEMPT_S) as scope:
+            done = await _audit_once(svc)
+        if done:
             return
-        await asyncio.sleep(2.0)
+        if scope.cancelled_caught:
+            svc.log.warning("template.audit_timeout", timeout_s=AUDIT_ATTEMPT_S, next_attempt_s=wait)
+        await asyncio.sleep(wait)
+        wait = min(wait * 2, AUDIT_MAX_WAIT_S)
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

@@ -10,16 +10,18 @@ them to whichever worker happened to wake first on a shared socket. Metrics from
 through prometheus_client's multiprocess directory (see ``metrics.py``).
 
 The supervisor first makes sure nothing listens on the port (with SO_REUSEPORT a second gateway could
-otherwise join this one's group and take half its connections), then holds the port (bound with
-SO_REUSEPORT alone, never listening) so that port 0 resolves once and every worker binds the same
-one. It prints the listening URL once all workers listen, forwards SIGTERM/SIGINT, and restarts a
-worker that dies, up to ``MAX_RESTARTS`` within ``RESTART_WINDOW_S``; past that it stops them all
-and exits 1. Linux only: elsewhere SO_REUSEPORT does not spread connections, or does not exist.
+otherwise join this one's group and take half its connections), and that no other supervisor is starting
+on it (a lock until its workers listen), then holds the port (bound with SO_REUSEPORT and SO_REUSEADDR,
+never listening) so that port 0 resolves once and every worker binds the same one. It prints the
+listening URL once all workers listen, forwards SIGTERM/SIGINT, and restarts a worker that dies, up to
+``MAX_RESTARTS`` within ``RESTART_WINDOW_S``; past that it stops them all and exits 1. Linux only:
+elsewhere SO_REUSEPORT does not spread connections, or does not exist.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import multiprocessing
 import multiprocessing.connection
@@ -140,12 +142,33 @@ class Supervisor:
         self._lifeline.close()
 
 
+def _starting_lock(port: int) -> socket.socket | None:
+    """Held from the port check until the workers listen. In that window the holder does not listen, so
+    a second supervisor's check would pass and its workers could join ours: it is refused here instead.
+    An abstract Unix socket: scoped to the network namespace, as the port is, and gone with the process
+    however it ends. None for port 0 (a port of our own)."""
+    if not port:
+        return None
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lock.bind(f"\0turnkv-workers-starting-{port}")
+    except OSError:
+        lock.close()
+        raise OSError(errno.EADDRINUSE, "another turnkv gateway is starting on this port") from None
+    return lock
+
+
 def _hold_port(host: str, port: int) -> socket.socket:
-    """The supervisor's socket on the port; OSError when something already listens there."""
+    """The supervisor's socket on the port; OSError when something already listens there.
+
+    SO_REUSEPORT lets the workers join it. SO_REUSEADDR lets it bind past the connections a previous
+    gateway left on the port in TIME_WAIT: without it the kernel refuses the port for about a minute
+    after a gateway whose sockets lacked SO_REUSEPORT (a single-process one). It also lets a plain
+    SO_REUSEADDR server bind the port while the holder does not listen; if that one listens first, the
+    workers cannot bind and the supervisor stops ("a worker did not start") rather than share."""
     if port:
         bind(host, port).close()  # SO_REUSEADDR alone: refused while anything listens on the port
-    # SO_REUSEPORT alone: workers can join it (and bind past TIME_WAIT), a SO_REUSEADDR server cannot
-    return bind(host, port, reuse_port=True, reuse_addr=False)
+    return bind(host, port, reuse_port=True)
 
 
 def _remove_stale_metrics() -> None:
@@ -162,9 +185,13 @@ def serve_workers(settings: Settings) -> int:
         print("turnkv serve: --workers needs Linux (SO_REUSEPORT); run replicas behind a load balancer instead",
               file=sys.stderr)
         return 2
+    lock: socket.socket | None = None
     try:
+        lock = _starting_lock(settings.port)
         holder = _hold_port(settings.host, settings.port)
     except OSError as exc:
+        if lock is not None:
+            lock.close()
         print(f"turnkv serve: cannot take {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 2
     settings = settings.model_copy(update={"port": holder.getsockname()[1]})
@@ -187,7 +214,10 @@ def serve_workers(settings: Settings) -> int:
     try:
         for _ in range(settings.workers):
             sup.start()
-        if not sup.wait_ready(settings.workers, lambda: stopping):
+        ready = sup.wait_ready(settings.workers, lambda: stopping)
+        if lock is not None:
+            lock.close()  # the workers listen (or failed): the port check refuses a second gateway now
+        if not ready:
             if stopping:
                 return 0
             print("turnkv serve: a worker did not start", file=sys.stderr, flush=True)
@@ -206,5 +236,7 @@ def serve_workers(settings: Settings) -> int:
         os.close(wake_r)
         os.close(wake_w)
         holder.close()
+        if lock is not None:
+            lock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return status
