@@ -126,6 +126,7 @@ class Settings(BaseSettings):
     prefill: list[str] = Field(default_factory=list, description="prefill engine base URLs")
     decode: list[str] = Field(default_factory=list, description="decode engine base URLs")
     render: str | None = Field(None, description="render service URL; default: a prefill engine")
+    engine: str = Field("vllm", description="the engines' family, as turnkv.engine.ENGINES names it")
     redis_url: str | None = Field(None, description="redis://host:port/db; none: in-process store")
     redis_namespace: str = "turnkv"
     host: str = "127.0.0.1"

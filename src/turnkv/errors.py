@@ -20,7 +20,7 @@
 * StoreError                         the conversation store failed; never rendered: the turn
                                      degrades to plain P/D and the error is counted
 
-Foreign exceptions are translated once, at the edge: aiohttp in ``gateway.upstream``, redis in
+Foreign exceptions are translated once, at the edge: aiohttp in ``engine.vllm.http``, redis in
 ``state.redis``.
 """
 
@@ -168,6 +168,13 @@ class UpstreamStatus(UpstreamError):
         if 400 <= self.upstream_status < 500 and isinstance(self.upstream_body, dict) and "error" in self.upstream_body:
             return self.upstream_body
         return super().body()
+
+
+def retryable(exc: UpstreamError) -> bool:
+    """Whether another instance (or the same one, without a KV handle) may succeed."""
+    if isinstance(exc, UpstreamStatus):
+        return exc.upstream_status >= 500
+    return isinstance(exc, (UpstreamUnavailable, UpstreamTimeout, UpstreamProtocolError))
 
 
 def _message_of(body: Any) -> str | None:

@@ -6,14 +6,13 @@ import dataclasses
 
 import pytest
 
+from turnkv.engine.vllm.handles import release_handle, trim_handle
 from turnkv.reuse.assess import (
     EchoedAnswer,
     EngineView,
     Reason,
     TemplateClass,
     assess,
-    release_handle,
-    trim_handle,
 )
 from turnkv.reuse.chain import chain_of
 from turnkv.state.base import Claim, ClaimStatus

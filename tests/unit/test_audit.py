@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from turnkv.engine.vllm.info import engine_info
 from turnkv.gateway.audit import Render, classify
-from turnkv.gateway.registry import Registry
 from turnkv.reuse.assess import TemplateClass
 from turnkv.sim.chat import ChatTemplate
 from turnkv.sim.tokenizer import Tokenizer
@@ -42,8 +42,4 @@ async def test_classify(template: ChatTemplate, cls: TemplateClass, tools: bool)
     ("0.26.0", "", None),
 ])
 def test_capture_path(version: str, header: str, handles: bool | None) -> None:
-    r = Registry(["http://p"], ["http://d"])
-    inst = r.instances["http://d"]
-    inst.version = version
-    r._capture_path(inst, header)
-    assert inst.stream_handles is handles
+    assert engine_info(version, header, base="http://d", decode=True).stream_handles is handles

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from turnkv.config import Settings
+from turnkv.engine.vllm import VllmEngine
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
 from turnkv.gateway.registry import Registry
@@ -51,7 +52,8 @@ def rig() -> Rig:
     metrics = GatewayMetrics()
     store = MemoryStore()
     guard = StoreGuard(store, retry_s=1)
-    releaser = Releaser(None, registry, metrics, None)  # type: ignore[arg-type]  # only submit() runs here
+    # only submit() runs here: it reads the handle's id, and sends nothing
+    releaser = Releaser(VllmEngine(None, 16), registry, metrics, None)  # type: ignore[arg-type]
     keeper = PinKeeper(settings, registry, guard, releaser, metrics, make_logger("test", json=True))
     return Rig(keeper, store, registry, metrics)
 

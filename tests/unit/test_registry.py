@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from turnkv.gateway.registry import AFFINITY_SLACK, Registry
+from turnkv.engine.vllm.info import load_sample
+from turnkv.gateway.registry import AFFINITY_SLACK, Instance, Registry
 
 P = ["http://p0", "http://p1", "http://p2"]
 
@@ -71,15 +72,21 @@ def text(start: float = 100.0, hits: float = 0.0, bs: int = 16, pc: str = "True"
     return METRICS.format(start=start, hits=hits, bs=bs, pc=pc, n=n, secs=secs, nbytes=nbytes)
 
 
+def apply(r: Registry, inst: Instance, metrics: str) -> None:
+    sample = load_sample(metrics)
+    assert sample is not None
+    r.apply_load(inst, sample)
+
+
 def test_metrics_restart_and_load() -> None:
     r = reg()
     restarts: list[str] = []
     r.on_restart = lambda inst: restarts.append(inst.url)
     inst = r.instances["http://p0"]
-    r.apply_metrics(inst, text(start=100.0))
-    r.apply_metrics(inst, text(start=100.0))
+    apply(r, inst, text(start=100.0))
+    apply(r, inst, text(start=100.0))
     assert restarts == [] and (inst.epoch, inst.running, inst.kv_usage) == (100.0, 3, 0.5)
-    r.apply_metrics(inst, text(start=200.0))
+    apply(r, inst, text(start=200.0))
     assert restarts == ["http://p0"] and inst.epoch == 200.0
 
 
@@ -87,7 +94,7 @@ def test_metrics_restart_and_load() -> None:
 def test_busy_is_the_engines_count_or_the_gateways_own_when_more(in_flight: int, busy: int) -> None:
     r = reg()
     inst = r.instances["http://p0"]
-    r.apply_metrics(inst, text(start=100.0))  # the engine said 3 running at its last scrape
+    apply(r, inst, text(start=100.0))  # the engine said 3 running at its last scrape
     inst.in_flight = in_flight
     assert inst.busy == busy
 
@@ -97,26 +104,26 @@ def test_link_samples_are_per_interval_means() -> None:
     samples: list[tuple[str, float, float, float]] = []
     r.on_link_sample = lambda role, b, s, c: samples.append((role, b, s, c))
     inst = r.instances["http://d0"]
-    r.apply_metrics(inst, text(n=2, secs=0.2, nbytes=2e6))
-    r.apply_metrics(inst, text(n=2, secs=0.2, nbytes=2e6))  # nothing new
-    r.apply_metrics(inst, text(n=6, secs=1.0, nbytes=10e6))
+    apply(r, inst, text(n=2, secs=0.2, nbytes=2e6))
+    apply(r, inst, text(n=2, secs=0.2, nbytes=2e6))  # nothing new
+    apply(r, inst, text(n=6, secs=1.0, nbytes=10e6))
     assert samples == [("decode", 2e6, 0.2, 4)]
 
 
 def test_prefix_cache_off_is_read_from_cache_config() -> None:
     r = reg()
     inst = r.instances["http://p0"]
-    r.apply_metrics(inst, text(pc="False"))
+    apply(r, inst, text(pc="False"))
     assert inst.cache_factor == 0.0
 
 
 def test_cache_factor_follows_observed_hits() -> None:
     r = reg()
     inst = r.instances["http://p0"]
-    r.apply_metrics(inst, text(hits=0))
+    apply(r, inst, text(hits=0))
     r.expect_hits("http://p0", 1000)
-    r.apply_metrics(inst, text(hits=0))  # expected 1000 cached tokens, saw none
+    apply(r, inst, text(hits=0))  # expected 1000 cached tokens, saw none
     assert inst.cache_factor == 0.5
     r.expect_hits("http://p0", 1000)
-    r.apply_metrics(inst, text(hits=1000))
+    apply(r, inst, text(hits=1000))
     assert inst.cache_factor == 0.75

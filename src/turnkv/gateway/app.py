@@ -1,22 +1,21 @@
 """``create_app(settings)``: the gateway as an ASGI app, with everything it owns built in its lifespan.
 
-The lifespan owns one aiohttp session, one store (Redis pool or in-process), the engine registry
-and its background loops (engine health and metrics, the pinned-memory report, the releaser, the
-template audit), all cancelled, and waited for, when the app stops.
+The lifespan owns the engine (``turnkv.engine``: for vLLM, one aiohttp session), one store (Redis pool
+or in-process), the engine registry and its background loops (engine health and metrics, the
+pinned-memory report, the releaser, the template audit), all cancelled, and waited for, when the app
+stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any, TypedDict
+from typing import TypedDict
 
-import aiohttp
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -25,6 +24,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from turnkv.config import Settings
+from turnkv.engine import open_engine
+from turnkv.engine.base import Engine
 from turnkv.errors import GatewayError, UpstreamError, UpstreamStatus
 from turnkv.gateway import routes
 from turnkv.gateway.audit import classify, engine_renderer
@@ -37,7 +38,6 @@ from turnkv.gateway.registry import Registry
 from turnkv.gateway.release import Releaser
 from turnkv.gateway.responses import routes as responses_routes
 from turnkv.gateway.services import Services, TemplateAudit
-from turnkv.gateway.upstream import Upstream
 from turnkv.logging import make_logger
 from turnkv.reuse.assess import TemplateClass
 from turnkv.reuse.cost import CostParams
@@ -98,27 +98,20 @@ async def _audit_once(svc: Services) -> bool:
         return False
     try:
         if not svc.models:
-            status, raw = await svc.upstream.get(base, "/v1/models")
-            if status == 200:
-                listed = json.loads(raw).get("data", [])
-                svc.models = [str(m["id"]) for m in listed]
-                svc.model_len = {str(m["id"]): m["max_model_len"] for m in listed
-                                 if isinstance(m.get("max_model_len"), int)}  # vLLM lists it; OpenAI does not
+            cards = await svc.engine.models(base)
+            if cards is not None:
+                svc.models = [c.name for c in cards]
+                svc.model_len = {c.name: c.max_model_len for c in cards if c.max_model_len is not None}
         if not svc.settings.template_audit:
             return True
         model = next(iter(svc.settings.models or svc.models), None)
-
-        async def post(body: dict[str, Any]) -> dict[str, Any]:
-            return await svc.upstream.post_json("render", base, "/v1/chat/completions/render", body,
-                                                svc.upstream.headers(None, None))
-
         try:
-            cls, detail = await classify(engine_renderer(post, model))
+            cls, detail = await classify(engine_renderer(svc.engine, base, model))
         except UpstreamStatus as exc:
             if exc.upstream_status >= 500:
                 raise
             # the template may not take tools: classify on a conversation without tool calls
-            cls, detail = await classify(engine_renderer(post, model, tools=False), tools=False)
+            cls, detail = await classify(engine_renderer(svc.engine, base, model, tools=False), tools=False)
             detail += " (probed without tools: the tool probe was refused)"
     except (UpstreamError, ValueError, KeyError) as exc:
         if svc.audit.detail == "not audited yet":
@@ -181,15 +174,16 @@ async def _shut_down(svc: Services) -> None:
         await svc.releaser.drain(SHUTDOWN_RELEASE_S)
 
 
-def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain: Drain | None = None) -> Starlette:
+def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain: Drain | None = None,
+               engine: Engine | None = None) -> Starlette:
     """The gateway; ``multiprocess_dir`` is set by ``serve --workers N`` (workers.py): where the workers'
     metrics meet, so that /metrics reports all of them. ``drain`` is how the server that runs the app
-    tells it a shutdown began (``launch.run_uvicorn``)."""
+    tells it a shutdown began (``launch.run_uvicorn``). ``engine``: the engines to use instead of the
+    ones ``settings.engine`` names (tests pass ``engine.fake.FakeEngine``)."""
     drain = drain or Drain(settings.drain_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[State]:
-        connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0, keepalive_timeout=30)
         metrics = GatewayMetrics(multiprocess_dir=multiprocess_dir)
         log = make_logger("turnkv.turn", json=settings.log_json)
         if multiprocess_dir is not None:
@@ -199,24 +193,24 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
             on_error=lambda op: metrics.redis_errors.labels(op).inc(),
             on_state=lambda up: metrics.store_up.set(1 if up else 0),
         )
-        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-            upstream = Upstream(session, settings.timeouts, settings.upstream_api_key)
+        async with contextlib.AsyncExitStack() as stack:
+            eng = engine if engine is not None else await stack.enter_async_context(open_engine(settings))
             registry = Registry(settings.prefill, settings.decode, settings.block_size, settings.routing)
             estimator = CostEstimator(cost_priors(settings))
             registry.on_link_sample = estimator.observe_link
             registry.on_restart = lambda inst: metrics.engine_restarts.labels(inst.role).inc()
-            releaser = Releaser(upstream, registry, metrics, next(iter(settings.models), None))
+            releaser = Releaser(eng, registry, metrics, next(iter(settings.models), None))
             pins = PinKeeper(settings, registry, store, releaser, metrics, log)
             registry.on_scraped = pins.on_scraped
             svc = Services(
-                settings=settings, upstream=upstream, registry=registry, store=store,
+                settings=settings, engine=eng, registry=registry, store=store,
                 policy=build_policy(settings.policy.name, settings.policy.params), estimator=estimator,
                 metrics=metrics, log=log, releaser=releaser, pins=pins, drain=drain,
             )
             audited = False
             with anyio.move_on_after(STARTUP_AUDIT_S):
                 audited = await _audit_once(svc)  # engines already up: know the template before serving
-            loops = [registry.run(upstream, settings.health_interval_s, settings.scrape_interval_s),
+            loops = [registry.run(eng, settings.health_interval_s, settings.scrape_interval_s),
                      _report_links(svc), releaser.run(), pins.run(), *([] if audited else [_audit_until_done(svc)])]
             tasks = [asyncio.create_task(c) for c in loops]
             for t in tasks:

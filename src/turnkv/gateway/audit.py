@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from turnkv.engine.base import CallMeta, Engine
 from turnkv.reuse.assess import TemplateClass
 
 Render = Callable[[list[dict[str, Any]], bool], Awaitable[Sequence[int]]]
@@ -56,9 +57,8 @@ async def classify(render: Render, *, tools: bool = True) -> tuple[TemplateClass
     return TemplateClass.REWRITES_HISTORY, f"turn N+1 leaves turn N's tokens at position {common}"
 
 
-def engine_renderer(post: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]], model: str | None,
-                    *, tools: bool = True) -> Render:
-    """A ``Render`` over an engine's ``/v1/chat/completions/render``."""
+def engine_renderer(engine: Engine, base: str, model: str | None, *, tools: bool = True) -> Render:
+    """A ``Render`` over an engine's own render."""
 
     async def render(messages: list[dict[str, Any]], generation: bool) -> Sequence[int]:
         body: dict[str, Any] = {"messages": messages, "add_generation_prompt": generation}
@@ -66,10 +66,6 @@ def engine_renderer(post: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
             body["tools"] = PROBE_TOOLS
         if model:
             body["model"] = model
-        data = await post(body)
-        ids = data.get("token_ids")
-        if not isinstance(ids, list):
-            raise ValueError("render answered no token_ids")
-        return ids
+        return await engine.render(base, body, CallMeta())
 
     return render

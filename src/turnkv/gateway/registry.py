@@ -13,28 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from turnkv.errors import UpstreamError
-from turnkv.gateway.upstream import Upstream
+from turnkv.engine.base import Engine, LoadSample, Transfers
 
 log = logging.getLogger("turnkv.registry")
 ROUTING = ("affinity", "least-loaded", "round-robin")
-PLUGIN_HEADER = "x-turnkv-plugin"  # set by plugins/vllm-turnkv: "<version>; streams=chat,completions"
 AFFINITY_SLACK = 8  # in-flight requests a preferred instance may have above the least busy one
 MIN_EXPECTED_HITS = 256  # tokens of expected cache hits before the observed ones are compared with them
 MISSES_TO_SUSPEND = 3  # first-token deadlines missed in a row before an engine is taken out of routing
 SUSPEND_S = 30.0  # how long; then one more miss takes it out again
-_SCRAPED = ("process_start_time_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
-            "vllm:kv_cache_usage_perc",
-            "vllm:prefix_cache_hits_total", "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count",
-            "vllm:nixl_bytes_transferred_sum")
+
 
 
 @dataclass
@@ -58,7 +50,8 @@ class Instance:
     prefix_caching: bool = True  # from vllm:cache_config_info
     block_size_warned: bool = False
     _hits: float | None = field(default=None, repr=False)
-    _xfer: tuple[float, float, float] | None = field(default=None, repr=False)  # count, bytes, seconds
+    takes_prompt_ids: bool = False  # by its version
+    _xfer: Transfers | None = field(default=None, repr=False)
 
     @property
     def routable(self) -> bool:
@@ -70,13 +63,6 @@ class Instance:
         """Requests running there: the engine's own count, or this gateway's requests in flight when
         more (the engine's count is as old as the last scrape, and a burst since is only seen here)."""
         return max(self.running, self.in_flight)
-
-
-def _version_tuple(v: str | None) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in (v or "").split(".")[:2])
-    except ValueError:
-        return ()
 
 
 class Registry:
@@ -150,88 +136,52 @@ class Registry:
         if inst is not None:
             inst.deadline_misses = 0
 
-    def supports_prompt_token_ids(self, inst: Instance) -> bool:
-        """vLLM >= 0.32 takes the prompt as ``kv_transfer_params.prompt_token_ids`` on chat requests."""
-        return _version_tuple(inst.version) >= (0, 32)
-
     # -- background refresh ------------------------------------------------------------------
-    async def probe(self, upstream: Upstream, inst: Instance) -> None:
-        try:
-            status, _ = await upstream.get(inst.url, "/health")
-            ok = status == 200
-        except UpstreamError:
-            ok = False
+    async def probe(self, engine: Engine, inst: Instance) -> None:
+        ok = await engine.health(inst.url)
         if ok != inst.healthy:
             log.warning("instance.%s url=%s", "healthy" if ok else "unhealthy", inst.url)
         inst.healthy = ok
         if ok and inst.version is None:
-            with contextlib.suppress(UpstreamError, ValueError):
-                _, raw, headers = await upstream.probe(inst.url, "/version")
-                inst.version = str(json.loads(raw).get("version"))
-                self._capture_path(inst, headers.get(PLUGIN_HEADER, ""))
+            info = await engine.info(inst.url, inst.role)
+            if info is not None:
+                inst.version = info.version
+                inst.takes_prompt_ids = info.takes_prompt_ids
+                if info.stream_handles:
+                    inst.stream_handles = True
 
-    def _capture_path(self, inst: Instance, plugin: str) -> None:
-        """Whether this engine's SSE streams end with D's handle: vLLM >= 0.33, or turnkv's plugin."""
-        if _version_tuple(inst.version) >= (0, 33) or "chat" in plugin.partition("streams=")[2].split(","):
-            inst.stream_handles = True
-        elif inst.role == "decode":
-            log.warning("instance.no_stream_handles url=%s version=%s: streamed turns get no KV handle and run as "
-                        "plain P/D, and D still pins their blocks for decoder_kv_blocks_ttl; install the turnkv "
-                        "vLLM plugin (plugins/vllm-turnkv) or use vLLM >= 0.33", inst.url, inst.version)
+    async def scrape(self, engine: Engine, inst: Instance) -> None:
+        sample = await engine.load(inst.url)
+        if sample is not None:
+            self.apply_load(inst, sample)
 
-    async def scrape(self, upstream: Upstream, inst: Instance) -> None:
-        try:
-            status, raw = await upstream.get(inst.url, "/metrics")
-        except UpstreamError:
-            return
-        if status != 200:
-            return
-        self.apply_metrics(inst, raw.decode("utf-8", "replace"))
-
-    def apply_metrics(self, inst: Instance, text: str) -> None:
-        values: dict[str, float] = {}
-        try:
-            for fam in text_string_to_metric_families(text):
-                for s in fam.samples:
-                    if s.name in _SCRAPED:
-                        values[s.name] = values.get(s.name, 0.0) + float(s.value)
-                    elif s.name == "vllm:cache_config_info":
-                        self._cache_config(inst, s.labels)
-        except ValueError:
-            return
-        start = values.get("process_start_time_seconds")
+    def apply_load(self, inst: Instance, sample: LoadSample) -> None:
+        if sample.prefix_caching_off:
+            inst.cache_factor = 0.0  # nothing the gateway expects P to have cached is there
+            inst.prefix_caching = False
+        if sample.capacity_tokens is not None:
+            inst.capacity_tokens = sample.capacity_tokens
+        bs = sample.block_size
+        if bs is not None and bs != self.block_size and not inst.block_size_warned:
+            inst.block_size_warned = True
+            log.warning("instance.block_size_mismatch url=%s engine=%s gateway=%s", inst.url, bs, self.block_size)
+        start = sample.epoch
         if start is not None:
             if inst.epoch is not None and start != inst.epoch:
                 log.warning("instance.restarted url=%s", inst.url)
                 inst.epoch = start
                 self.on_restart(inst)
             inst.epoch = start
-        inst.running = int(values.get("vllm:num_requests_running", 0))
-        inst.waiting = int(values.get("vllm:num_requests_waiting", 0))
-        inst.kv_usage = values.get("vllm:kv_cache_usage_perc", 0.0)
-        self._cache_factor(inst, values.get("vllm:prefix_cache_hits_total"))
+        inst.running, inst.waiting, inst.kv_usage = sample.running, sample.waiting, sample.kv_usage
+        self._cache_factor(inst, sample.prefix_cache_hits)
         self.on_scraped(inst)
-        count = values.get("vllm:nixl_xfer_time_seconds_count")
-        if count is None:
+        cur = sample.transfers
+        if cur is None:
             return
-        cur = (count, values.get("vllm:nixl_bytes_transferred_sum", 0.0),
-               values.get("vllm:nixl_xfer_time_seconds_sum", 0.0))
         prev, inst._xfer = inst._xfer, cur
-        if prev is not None and cur[0] > prev[0]:
-            dc = cur[0] - prev[0]
-            self.on_link_sample(inst.role, (cur[1] - prev[1]) / dc, (cur[2] - prev[2]) / dc, dc)
-
-    def _cache_config(self, inst: Instance, labels: dict[str, str]) -> None:
-        if labels.get("enable_prefix_caching") == "False":
-            inst.cache_factor = 0.0  # nothing the gateway expects P to have cached is there
-            inst.prefix_caching = False
-        bs = labels.get("block_size")
-        blocks = labels.get("num_gpu_blocks")
-        if bs and bs.isdigit() and blocks and blocks.isdigit():
-            inst.capacity_tokens = int(blocks) * int(bs)
-        if bs and bs.isdigit() and int(bs) != self.block_size and not inst.block_size_warned:
-            inst.block_size_warned = True
-            log.warning("instance.block_size_mismatch url=%s engine=%s gateway=%s", inst.url, bs, self.block_size)
+        if prev is not None and cur.count > prev.count:
+            dc = cur.count - prev.count
+            self.on_link_sample(inst.role, (cur.bytes - prev.bytes) / dc, (cur.seconds - prev.seconds) / dc, dc)
 
     @staticmethod
     def _cache_factor(inst: Instance, hits: float | None) -> None:
@@ -252,12 +202,12 @@ class Registry:
         if inst is not None:
             inst.expected_hits += tokens
 
-    async def run(self, upstream: Upstream, health_s: float, scrape_s: float) -> None:
+    async def run(self, engine: Engine, health_s: float, scrape_s: float) -> None:
         """Probe health every ``health_s`` and read metrics every ``scrape_s``, until cancelled."""
         ticks = max(1, round(scrape_s / health_s))
         for n in itertools.count():
             insts = list(self.instances.values())
-            await asyncio.gather(*(self.probe(upstream, i) for i in insts))
+            await asyncio.gather(*(self.probe(engine, i) for i in insts))
             if n % ticks == 0:
-                await asyncio.gather(*(self.scrape(upstream, i) for i in insts))
+                await asyncio.gather(*(self.scrape(engine, i) for i in insts))
             await asyncio.sleep(health_s)

@@ -17,6 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from turnkv.engine.base import CallMeta
 from turnkv.errors import ClientError, ModelNotFound, ShuttingDown, UpstreamError, UpstreamUnavailable
 from turnkv.gateway.auth import Principal, cache_salt, require_admin
 from turnkv.gateway.identity import BODY_FIELDS, conversation_of
@@ -125,8 +126,8 @@ async def _passthrough_post(request: Request, path: str) -> Response:
     svc = services(request)
     body = await _body(svc, request)
     check_model(body.get("model"), _known_models(svc))
-    headers = svc.upstream.headers(_request_id(request), principal(request).forward_authorization)
-    data = await svc.upstream.post_json("render", _render_base(svc), path, body, headers)
+    meta = CallMeta(_request_id(request), principal(request).forward_authorization)
+    data = await svc.engine.api_post(_render_base(svc), path, body, meta)
     return JSONResponse(data)
 
 
@@ -140,7 +141,7 @@ async def detokenize(request: Request) -> Response:
 
 async def version(request: Request) -> Response:
     svc = services(request)
-    status, raw = await svc.upstream.get(_render_base(svc), "/version")
+    status, raw = await svc.engine.api_get(_render_base(svc), "/version")
     if status != 200:
         raise UpstreamError(f"render engine answered HTTP {status} for /version", leg="render")
     return Response(raw, media_type="application/json")
@@ -152,7 +153,7 @@ async def _engine_models(svc: Services) -> bytes | None:
     if inst is None:
         raise UpstreamUnavailable("no prefill engine is configured", leg="probe")
     try:
-        status, raw = await svc.upstream.get(inst.url, "/v1/models")
+        status, raw = await svc.engine.api_get(inst.url, "/v1/models")
     except UpstreamError:
         if not _known_models(svc):
             raise

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.config import Settings
+from turnkv.engine.base import Engine
 from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
 from turnkv.gateway.registry import Registry
 from turnkv.gateway.release import Releaser
-from turnkv.gateway.upstream import Upstream
 from turnkv.reuse.assess import TemplateClass
 from turnkv.reuse.estimator import CostEstimator
 from turnkv.reuse.policies import ReusePolicy
@@ -27,7 +27,7 @@ class TemplateAudit:
 @dataclass
 class Services:
     settings: Settings
-    upstream: Upstream
+    engine: Engine
     registry: Registry
     store: StoreGuard
     policy: ReusePolicy

@@ -149,19 +149,6 @@ def explain(
     return Reason.RETOKENIZED
 
 
-def trim_handle(handle: dict[str, object], tokens: int, block_size: int) -> dict[str, object]:
-    """D's handle cut to its first ``tokens`` tokens, as P should pull it on the next turn."""
-    blocks = -(-tokens // block_size)
-    groups = handle.get("remote_block_ids") or []
-    assert isinstance(groups, list)
-    out = dict(handle)
-    out["remote_block_ids"] = [list(g)[:blocks] for g in groups]
-    out["remote_num_tokens"] = tokens
-    out["do_remote_decode"] = True
-    out["do_remote_prefill"] = False
-    return out
-
-
 def unpinned_reason(record: ConversationRecord) -> Reason:
     """Why a record that holds no handle cannot be pulled: D gave none, the policy judged a pull would not
     pay when the answer was captured (its handle was not kept), or the handle was given back for memory."""
@@ -170,12 +157,3 @@ def unpinned_reason(record: ConversationRecord) -> Reason:
     if record.unpinned in ("not_needed", "decode_local"):
         return Reason.CHEAPER_TO_RECOMPUTE
     return Reason.PIN_RELEASED
-
-
-def release_handle(handle: dict[str, object]) -> dict[str, object]:
-    """D's handle with nothing to pull: P only notifies D, which frees the pinned blocks at once."""
-    out = dict(handle)
-    out["remote_num_tokens"] = 0
-    out["do_remote_decode"] = True
-    out["do_remote_prefill"] = False
-    return out

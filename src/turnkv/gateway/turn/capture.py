@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 
+from turnkv.engine.base import HandleProblem
 from turnkv.errors import StoreError
 from turnkv.gateway.metrics import turn_bucket
 from turnkv.gateway.services import Services
@@ -36,22 +37,6 @@ FINISH_TIMEOUT_S = 5.0
 log = logging.getLogger("turnkv.capture")
 
 
-def _handle_ok(h: dict[str, Any] | None, seq_len: int, block_size: int) -> str | None:
-    """None when the handle can be stored; otherwise why not."""
-    if not h:
-        return "no_handle"
-    groups = h.get("remote_block_ids")
-    n = h.get("remote_num_tokens")
-    if not h.get("do_remote_decode") or not isinstance(groups, list) or not groups or not isinstance(n, int):
-        return "not_a_decode_handle"
-    if n <= 0 or n > seq_len or any(len(g) * block_size < n for g in groups if isinstance(g, list)):
-        return "inconsistent_handle"
-    if not all(h.get(k) is not None for k in ("remote_engine_id", "remote_request_id", "remote_host",
-                                              "remote_port")):
-        return "incomplete_handle"
-    return None
-
-
 def build_record(ctx: TurnContext) -> ConversationRecord | str:
     """The record for the next turn (holding D's handle, or none when D's answer carried none), or
     the reason there is none."""
@@ -63,11 +48,12 @@ def build_record(ctx: TurnContext) -> ConversationRecord | str:
         return "failed"
     d = ctx.svc.registry.get(ctx.decode_url)
     if ctx.stream and d is not None and ctx.turn_is_stateful:
-        d.stream_handles = cap.kv_transfer_params is not None  # what this engine's streams carry, as seen
+        d.stream_handles = cap.handle is not None  # what this engine's streams carry, as seen
     if cap.prompt_token_ids is None:
         return "no_token_ids"
-    h = cap.kv_transfer_params
+    h = cap.handle
     unpinned = None
+    engine_id = ""
     if h is None:
         # the next turn can still go decode-local (D's prefix cache holds the turn), and says why not more
         if ctx.action is Action.DECODE_LOCAL:
@@ -78,10 +64,11 @@ def build_record(ctx: TurnContext) -> ConversationRecord | str:
             return "no_handle"
         n = len(cap.prompt_token_ids) + len(cap.token_ids)
     else:
-        why = _handle_ok(h, len(cap.prompt_token_ids) + len(cap.token_ids), s.block_size)
-        if why is not None:
-            return why
-        n = int(h["remote_num_tokens"])
+        facts = ctx.svc.engine.read_handle(h, seq_len=len(cap.prompt_token_ids) + len(cap.token_ids),
+                                           block_size=s.block_size)
+        if isinstance(facts, HandleProblem):
+            return facts.value
+        n, engine_id = facts.tokens, facts.engine_id
     prompt = cap.prompt_token_ids
     if ctx.prompt_ids is not None and prompt != ctx.prompt_ids:
         ctx.svc.metrics.render_mismatch.inc()
@@ -96,7 +83,7 @@ def build_record(ctx: TurnContext) -> ConversationRecord | str:
     now = time.time()
     return ConversationRecord(
         tenant=ctx.conversation.tenant, decode_url=str(ctx.decode_url), prefill_url=ctx.prefill_url,
-        handle=h, engine_id=str(h["remote_engine_id"]) if h else "", engine_epoch=d.epoch if d else None,
+        handle=h, engine_id=engine_id, engine_epoch=d.epoch if d else None,
         num_tokens=n, chain=chain.digests(), block_size=s.block_size, prompt_tokens=len(prompt), answer_digest=answer,
         reasoning_digest=reasoning, turn=ctx.turn_index, created_at=now, expires_at=now + s.handle_ttl_s,
         history_digest=history_digest(ctx.body, messages) if direct else None,
@@ -130,7 +117,7 @@ async def finish(ctx: TurnContext, *, ok: bool) -> None:
     svc = ctx.svc
     conv = ctx.conversation
     rec = build_record(ctx) if ok else "failed"
-    new_handle = ctx.capture.kv_transfer_params
+    new_handle = ctx.capture.handle
     result: str
     if isinstance(rec, ConversationRecord) and rec.handle is not None and not _keeps_pin(ctx, rec):
         _release(svc, rec.handle, "not_needed")  # D's blocks stay in its prefix cache, evictable
@@ -158,7 +145,7 @@ async def finish(ctx: TurnContext, *, ok: bool) -> None:
         if isinstance(rec, ConversationRecord) and rec.handle is not None:
             _release(svc, rec.handle, "store_unavailable")  # nobody can use it: do not pin D for nothing
     kept = result == "stored"
-    if not kept and new_handle and new_handle.get("do_remote_decode") and result != "store_unavailable" \
+    if not kept and new_handle and svc.engine.pins_memory(new_handle) and result != "store_unavailable" \
             and not result.startswith("stored_"):
         # D pinned its blocks for a next turn that will not use them (a stateless turn, a failed one, or a
         # handle that could not be kept): give the memory back now rather than after decoder_kv_blocks_ttl

@@ -15,13 +15,10 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import aiohttp
-
-from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamError, UpstreamUnavailable
+from turnkv.engine.base import CallMeta, Collected, DecodeAnswer, DecodeStream, HandleUse, NothingCollected
+from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamError, UpstreamUnavailable, retryable
 from turnkv.gateway.identity import Conversation
 from turnkv.gateway.services import Services
-from turnkv.gateway.sse import DecodeCapture
-from turnkv.gateway.upstream import is_retryable
 from turnkv.reuse.assess import Assessment, Reason
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.reuse.cost import Action
@@ -63,7 +60,7 @@ class TurnContext:
     reason: Reason = Reason.NO_SESSION
     action: Action = Action.RECOMPUTE
     estimates: dict[str, float] = field(default_factory=dict)
-    handle_for_prefill: dict[str, Any] | None = None
+    handle_for_prefill: HandleUse | None = None
     planned_s: float = 0.0  # from the start of the turn to the end of PLAN: the gateway's own latency
     pull_tokens: int = 0
     expected_cached: int = 0  # prompt tokens P should not have to compute (its cache, plus the pull)
@@ -75,12 +72,11 @@ class TurnContext:
     prefill_prompt_tokens: int | None = None  # P's usage.prompt_tokens
     prefill_s: float = 0.0
     # decode
-    decode_response: aiohttp.ClientResponse | None = None
-    decode_body: dict[str, Any] | None = None
-    capture: DecodeCapture = field(default_factory=lambda: DecodeCapture(keep_token_ids=False))
+    decode_stream: DecodeStream | None = None
+    decode_answer: DecodeAnswer | None = None
+    capture: Collected = field(default_factory=NothingCollected)
     first_token_at: float | None = None
     relay_started: bool = False
-    decode_done: bool = False  # D's stream reached [DONE]
     capture_result: str = "none"
     retries: list[str] = field(default_factory=list)
     tried_decode: set[str] = field(default_factory=set)
@@ -93,16 +89,17 @@ class TurnContext:
         """End the turn early: its decode stream is closed (D aborts the request) and its steps stop."""
         self.aborted = why
         self.abort_event.set()
-        if self.decode_response is not None:
-            self.decode_response.close()
+        if self.decode_stream is not None:
+            self.decode_stream.abort()
 
-    def headers(self) -> dict[str, str]:
-        return self.svc.upstream.headers(self.request_id, self.authorization)
+    @property
+    def meta(self) -> CallMeta:
+        return CallMeta(self.request_id, self.authorization)
 
     def failed(self, leg: str, url: str, exc: UpstreamError) -> None:
         """Count an engine call's failure; raise it again when no other attempt can help."""
         self.svc.metrics.upstream_errors.labels(leg, exc.kind).inc()
-        if not is_retryable(exc):
+        if not retryable(exc):
             raise exc
         if isinstance(exc, UpstreamUnavailable):
             self.svc.registry.mark_failed(url)
@@ -127,9 +124,9 @@ class TurnContext:
 
 
 def _close_response(task: asyncio.Future[Any]) -> None:
-    """A call given up on may still have opened a response: close it (the engine aborts the request)."""
-    if not task.cancelled() and task.exception() is None and isinstance(task.result(), aiohttp.ClientResponse):
-        task.result().close()
+    """A call given up on may still have opened a stream: close it (the engine aborts the request)."""
+    if not task.cancelled() and task.exception() is None and isinstance(task.result(), DecodeStream):
+        task.result().abort()
 
 
 async def until_aborted(ctx: TurnContext, call: Awaitable[T], timeout_s: float | None = None) -> T:

@@ -15,33 +15,24 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-import aiohttp
-
+from turnkv.engine.base import DecodeAnswer, DecodeCall, DecodeStream, HandleUse, NothingCollected
 from turnkv.errors import FirstTokenDeadline, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from turnkv.gateway.registry import Instance
-from turnkv.gateway.sse import DecodeCapture
 from turnkv.gateway.turn.context import TurnContext, TurnState, until_aborted
-from turnkv.reuse.assess import release_handle
 from turnkv.reuse.cost import Action
 from turnkv.state.base import ClaimStatus
 
 DEFAULT_MAX_TOKENS = 1024  # for the deadline of a non-streamed answer that names no limit
 
 
-def decode_body(ctx: TurnContext, prompt_ids_ok: bool) -> dict[str, Any]:
-    body = dict(ctx.body)
-    body["stream"] = ctx.stream
-    if ctx.conversation is not None:
-        body["return_token_ids"] = True
-    # A decode-local turn goes without params: vLLM (0.26-0.33) pins the blocks of a request whose params
-    # set neither do_remote_prefill nor do_remote_decode but never tracks the pin, so no release or TTL
-    # frees it until D restarts. Without params D pins nothing; its prefix cache still holds the turn.
-    params = dict(ctx.prefill_params) if ctx.prefill_params and ctx.action is not Action.DECODE_LOCAL else None
-    if params is not None and ctx.prompt_ids is not None and prompt_ids_ok:
-        params["prompt_token_ids"] = ctx.prompt_ids
-    if params is not None:
-        body["kv_transfer_params"] = params
-    return body
+def decode_call(ctx: TurnContext, inst: Instance) -> DecodeCall:
+    local = ctx.action is Action.DECODE_LOCAL
+    return DecodeCall(
+        path=ctx.path, body=ctx.body, stream=ctx.stream, track=ctx.conversation is not None,
+        for_decode=None if local else ctx.prefill_params,
+        prompt_ids=ctx.prompt_ids if inst.takes_prompt_ids else None,
+        keep_token_ids=bool(ctx.body.get("return_token_ids")), cached_tokens=_cached_tokens(ctx),
+    )
 
 
 def _pick(ctx: TurnContext) -> Instance | None:
@@ -62,33 +53,32 @@ def _timeout_s(ctx: TurnContext) -> float:
     return t.decode_first_token_s + t.decode_per_token_s * int(limit)
 
 
-async def _open(ctx: TurnContext, inst: Instance, body: dict[str, Any]) -> None:
+async def _open(ctx: TurnContext, inst: Instance, call: DecodeCall) -> None:
     """Send D the turn: a stream is opened (its first token is awaited by the relay, within the same
     deadline), or a non-streamed answer read whole; either gives way when the turn is aborted."""
     svc = ctx.svc
     loop = asyncio.get_running_loop()
     ctx.first_token_deadline = loop.time() + svc.settings.timeouts.decode_first_token_s
-    call: Awaitable[Any]
+    pending: Awaitable[Any]
     if ctx.stream:
-        call = svc.upstream.open_stream("decode", inst.url, ctx.path, body, ctx.headers())
+        pending = svc.engine.open_decode(inst.url, call, ctx.meta)
         timeout = ctx.first_token_deadline - loop.time()
     else:
-        call = svc.upstream.post_json("decode", inst.url, ctx.path, body, ctx.headers(),
-                                      timeout_s=_timeout_s(ctx))
+        pending = svc.engine.decode_json(inst.url, call, ctx.meta, _timeout_s(ctx))
         timeout = None
     try:
-        result = await until_aborted(ctx, call, timeout)
+        result = await until_aborted(ctx, pending, timeout)
     except UpstreamTimeout as exc:
         if isinstance(exc, FirstTokenDeadline):
             raise
         raise FirstTokenDeadline("the decode engine did not answer within its deadline", leg="decode",
                                  instance=inst.url) from exc
     if ctx.stream:
-        assert isinstance(result, aiohttp.ClientResponse)
-        ctx.decode_response = result
+        assert isinstance(result, DecodeStream)
+        ctx.decode_stream, ctx.capture = result, result.collected
     else:
-        assert isinstance(result, dict)
-        ctx.decode_body = result
+        assert isinstance(result, DecodeAnswer)
+        ctx.decode_answer, ctx.capture = result, result.collected
 
 
 async def run(ctx: TurnContext) -> TurnState:
@@ -99,13 +89,10 @@ async def run(ctx: TurnContext) -> TurnState:
         inst = _pick(ctx)
         if inst is None or (ctx.action is Action.DECODE_LOCAL and inst.url != ctx.decode_url):
             break
-        body = decode_body(ctx, svc.registry.supports_prompt_token_ids(inst))
-        ctx.decode_done = False
-        ctx.capture = DecodeCapture(keep_token_ids=bool(ctx.body.get("return_token_ids")),
-                                    collect=ctx.conversation is not None, cached_tokens=_cached_tokens(ctx))
+        ctx.capture = NothingCollected()
         inst.in_flight += 1
         try:
-            await _open(ctx, inst, body)
+            await _open(ctx, inst, decode_call(ctx, inst))
         except UpstreamError as exc:
             inst.in_flight -= 1
             last = exc
@@ -145,5 +132,5 @@ def fall_back_from_decode_local(ctx: TurnContext) -> TurnState:
     claim = ctx.claim
     if claim is not None and claim.status is ClaimStatus.FOUND and claim.record is not None \
             and claim.record.handle is not None:
-        ctx.handle_for_prefill = release_handle(claim.record.handle)
+        ctx.handle_for_prefill = HandleUse.release(claim.record.handle)
     return TurnState.PREFILL

@@ -11,10 +11,9 @@ from collections.abc import Awaitable, Callable
 
 from starlette.responses import JSONResponse, Response
 
-from turnkv.errors import GatewayError, ShuttingDown, UpstreamError
+from turnkv.errors import GatewayError, ShuttingDown, UpstreamError, retryable
 from turnkv.gateway.turn import capture, decode, plan, prefill, render, stream
 from turnkv.gateway.turn.context import TurnContext, TurnState
-from turnkv.gateway.upstream import is_retryable
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
 
@@ -81,7 +80,7 @@ async def run_turn(ctx: TurnContext) -> Response:
         try:
             await advance(ctx)
         except UpstreamError as exc:
-            if not (exc.leg == "decode" and is_retryable(exc) and "turn_rerun" not in ctx.retries):
+            if not (exc.leg == "decode" and retryable(exc) and "turn_rerun" not in ctx.retries):
                 raise
             await rerun_without_handle(ctx)
     except BaseException:
@@ -89,11 +88,9 @@ async def run_turn(ctx: TurnContext) -> Response:
         raise
     if ctx.stream:
         return stream.RelayResponse(ctx, rerun_without_handle, _headers(ctx))
-    try:
-        assert ctx.decode_body is not None
-        body = ctx.capture.body(ctx.decode_body)
-    except (GatewayError, AssertionError):
+    if ctx.decode_answer is None:  # no decode answer: nothing to send
         await _fail(ctx)
-        raise
+        raise GatewayError("the turn ended without an answer")
+    body = ctx.decode_answer.body
     await capture.end(ctx, ok=True)
     return JSONResponse(body, headers=_headers(ctx))

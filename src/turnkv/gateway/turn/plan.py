@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from turnkv.engine.base import HandleUse
 from turnkv.gateway.answer import echoed_answer
 from turnkv.gateway.registry import Instance
 from turnkv.gateway.turn.context import TurnContext, TurnState
@@ -18,8 +19,6 @@ from turnkv.reuse.assess import (
     EngineView,
     Reason,
     assess,
-    release_handle,
-    trim_handle,
     unpinned_reason,
 )
 from turnkv.reuse.cost import Action, TurnFacts, pulled_tokens
@@ -93,7 +92,7 @@ async def _plan(ctx: TurnContext) -> TurnState:
     ctx.decode_url = decode.url if decode else None
     if a is None or ctx.prompt_ids is None:
         if rec is not None and rec.handle is not None and ctx.reason is Reason.RENDER_FAILED:
-            ctx.handle_for_prefill = release_handle(rec.handle)
+            ctx.handle_for_prefill = HandleUse.release(rec.handle)
         return TurnState.PREFILL
     bs = s.block_size
     same_p = rec is not None and prefill is not None and prefill.url == rec.prefill_url
@@ -119,12 +118,12 @@ async def _plan(ctx: TurnContext) -> TurnState:
     if decision.action is Action.PULL and rec is not None and rec.handle is not None:
         ctx.pull_tokens = pulled_tokens(costs, facts)
         ctx.expected_cached = p_cached + ctx.pull_tokens
-        ctx.handle_for_prefill = trim_handle(rec.handle, a.tokens, bs)
+        ctx.handle_for_prefill = HandleUse(rec.handle, a.tokens)
         return TurnState.PREFILL
     if decision.action is Action.DECODE_LOCAL and rec is not None:
         ctx.expected_cached = facts.decode_cached_tokens  # D's own cache holds the conversation
         ctx.decode_url = rec.decode_url
         return TurnState.DECODE
     if rec is not None and rec.handle is not None and a.releasable:
-        ctx.handle_for_prefill = release_handle(rec.handle)  # P frees it at D on the way
+        ctx.handle_for_prefill = HandleUse.release(rec.handle)  # P frees it at D on the way
     return TurnState.PREFILL

@@ -11,34 +11,12 @@ Transition: PREFILL → DECODE.
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from turnkv.engine.base import PrefillCall
 from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
 from turnkv.gateway.turn.context import TurnContext, TurnState, until_aborted
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
-
-P_ONLY = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-          "remote_block_ids": None, "remote_host": None, "remote_port": None}
-_NOT_FOR_PREFILL = ("stream", "stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params",
-                    "return_token_ids", "n", "logprobs", "top_logprobs")
-
-
-def prefill_body(ctx: TurnContext, handle: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
-    params = dict(handle) if handle else dict(P_ONLY)
-    if ctx.prompt_ids is not None:
-        body: dict[str, Any] = {"model": ctx.body.get("model"), "prompt": ctx.prompt_ids, "max_tokens": 1,
-                                "stream": False, "kv_transfer_params": params}
-        if ctx.body.get("cache_salt") is not None:
-            body["cache_salt"] = ctx.body["cache_salt"]
-        return "/v1/completions", {k: v for k, v in body.items() if v is not None}
-    body = {k: v for k, v in ctx.body.items() if k not in _NOT_FOR_PREFILL}
-    body["stream"] = False
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    body["kv_transfer_params"] = params
-    return ctx.path, body
 
 
 async def run(ctx: TurnContext) -> TurnState:
@@ -55,14 +33,12 @@ async def run(ctx: TurnContext) -> TurnState:
             "prefill", exclude=frozenset(tried))
         if inst is None:
             break
-        path, body = prefill_body(ctx, handle)
+        call = PrefillCall(ctx.path, ctx.body, ctx.prompt_ids, handle, svc.settings.timeouts.prefill_first_token_s)
         t0 = time.perf_counter()
         ctx.handle_spent = ctx.handle_spent or handle is not None
         try:
             with svc.registry.busy(inst):
-                call = svc.upstream.post_json("prefill", inst.url, path, body, ctx.headers(),
-                                              timeout_s=svc.settings.timeouts.prefill_first_token_s)
-                data = await until_aborted(ctx, call)
+                data = await until_aborted(ctx, svc.engine.prefill(inst.url, call, ctx.meta))
         except UpstreamError as exc:
             last = exc
             if isinstance(exc, UpstreamTimeout):
@@ -90,12 +66,10 @@ async def run(ctx: TurnContext) -> TurnState:
         svc.registry.met_deadline(inst.url)
         ctx.prefill_s = time.perf_counter() - t0
         ctx.prefill_url = inst.url
-        ctx.prefill_params = data.get("kv_transfer_params") if isinstance(data.get("kv_transfer_params"),
-                                                                          dict) else None
-        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-        if isinstance(details.get("cached_tokens"), int):
-            ctx.prefill_cached = details["cached_tokens"]
-        ctx.prefill_prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
+        ctx.prefill_params = data.for_decode
+        if data.cached_tokens is not None:
+            ctx.prefill_cached = data.cached_tokens
+        ctx.prefill_prompt_tokens = data.prompt_tokens
         _observe(ctx)
         return TurnState.DECODE
     raise last or UpstreamUnavailable("no prefill engine is available", leg="prefill")

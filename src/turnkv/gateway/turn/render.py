@@ -21,9 +21,6 @@ from turnkv.reuse.assess import Reason
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.state.base import Claim, ClaimStatus
 
-_NOT_FOR_RENDER = ("stream", "stream_options", "kv_transfer_params", "max_tokens", "max_completion_tokens",
-                   "min_tokens", "n")
-
 
 async def _render(ctx: TurnContext) -> list[int]:
     svc = ctx.svc
@@ -33,13 +30,7 @@ async def _render(ctx: TurnContext) -> list[int]:
         if inst is None:
             raise ClientError("no prefill engine is configured")
         base = inst.url
-    body = {k: v for k, v in ctx.body.items() if k not in _NOT_FOR_RENDER}
-    data = await svc.upstream.post_json("render", base, "/v1/chat/completions/render", body, ctx.headers())
-    ids = data.get("token_ids")
-    if not isinstance(ids, list) or not ids:
-        raise UpstreamStatus(502, {"error": {"message": "render returned no token ids"}}, leg="render",
-                             instance=base)
-    return ids  # each id is checked to be an int when the chain is built (array("q") refuses others)
+    return await svc.engine.render(base, ctx.body, ctx.meta)
 
 
 async def _claim(ctx: TurnContext) -> Claim | None:

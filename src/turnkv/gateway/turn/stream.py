@@ -14,18 +14,17 @@ closes D's response, so D aborts the request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from turnkv.engine.base import DecodeStream, StreamBroken
 from turnkv.errors import GatewayError, ShuttingDown, UpstreamProtocolError, UpstreamTimeout
 from turnkv.gateway.errors import sse_error_event
-from turnkv.gateway.sse import DONE, SSESplitter, frame
+from turnkv.gateway.sse import DONE, frame
 from turnkv.gateway.turn import capture
 from turnkv.gateway.turn.context import TurnContext
 
@@ -37,20 +36,14 @@ class _Missed(Exception):
     """The first-token deadline passed."""
 
 
-async def _head(ctx: TurnContext, splitter: SSESplitter) -> bytes | None:
+async def _head(ctx: TurnContext, stream: DecodeStream) -> bytes | None:
     """Read D's answer up to its first chunk that shows the client output; the bytes to send up to
     there (with what came in the same read), or None when the stream failed or ended before it."""
-    resp = ctx.decode_response
-    assert resp is not None
     held: list[bytes] = []
-    async for data in resp.content.iter_any():
+    while (pieces := await stream.read()) is not None:
         out: list[bytes] | None = None
-        for payload in splitter.feed(data):
-            if payload == DONE:
-                ctx.decode_done = True
-                break
-            body, visible = ctx.capture.chunk(payload)
-            if ctx.capture.error is not None and out is None:
+        for body, visible, failed in pieces:
+            if failed and out is None:
                 return None  # failed before its first token: the caller may run the turn again
             if body is None:
                 continue
@@ -63,41 +56,29 @@ async def _head(ctx: TurnContext, splitter: SSESplitter) -> bytes | None:
                 held.append(frame(body))
         if out is not None:
             return b"".join(out)
-        if ctx.decode_done:
+        if stream.done:
             return None
     ctx.capture.error = ctx.capture.error or {"message": "decode stream ended before its first token"}
     return None
 
 
-async def _tail(ctx: TurnContext, splitter: SSESplitter) -> AsyncIterator[bytes]:
+async def _tail(ctx: TurnContext, stream: DecodeStream) -> AsyncIterator[bytes]:
     """The rest of D's answer; everything one network read brought is written at once (under load D's
     chunks arrive in batches, and one write per batch instead of per chunk is most of a relay's cost)."""
-    resp = ctx.decode_response
-    assert resp is not None
-    if ctx.decode_done:
-        return
-    async for data in resp.content.iter_any():
-        out: list[bytes] = []
-        for payload in splitter.feed(data):
-            if payload == DONE:
-                ctx.decode_done = True
-                break
-            body, _ = ctx.capture.chunk(payload)
-            if body is not None:
-                out.append(frame(body))
+    while (pieces := await stream.read()) is not None:
+        out = [frame(body) for body, _, _ in pieces if body is not None]
         if out:
             yield b"".join(out)
-        if ctx.decode_done:
-            return
-    ctx.capture.error = ctx.capture.error or {"message": "decode stream ended without [DONE]"}
+    if not stream.done:
+        ctx.capture.error = ctx.capture.error or {"message": "decode stream ended without [DONE]"}
 
 
-async def _await_head(ctx: TurnContext, splitter: SSESplitter) -> bytes | None:
+async def _await_head(ctx: TurnContext, stream: DecodeStream) -> bytes | None:
     """``_head`` within the first-token deadline (raises ``_Missed``)."""
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout_at(max(ctx.first_token_deadline, loop.time())) as scope:
-            return await _head(ctx, splitter)
+            return await _head(ctx, stream)
     except TimeoutError:
         if scope.expired():
             raise _Missed from None
@@ -108,37 +89,16 @@ async def _salvage(ctx: TurnContext) -> None:
     """The client left before the end: read what D already sent (bounded), so that a handle on its final
     chunk is not lost (D pinned those blocks; capture releases them). D's answer still running is then
     closed and aborted."""
-    resp = ctx.decode_response
-    if resp is None or ctx.decode_done or ctx.capture.error is not None or ctx.aborted is not None:
-        return
-    splitter = SSESplitter()
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-        async with asyncio.timeout(SALVAGE_S):
-            async for data in resp.content.iter_any():
-                for payload in splitter.feed(data):
-                    if payload == DONE:
-                        ctx.decode_done = True
-                        return
-                    ctx.capture.chunk(payload)
-
-
-async def _drain(ctx: TurnContext) -> None:
-    """After [DONE], read the end of D's response so its connection can go back to the pool."""
-    resp = ctx.decode_response
-    if resp is not None:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            await asyncio.wait_for(resp.content.read(), DRAIN_TIMEOUT_S)
+    if ctx.decode_stream is not None and ctx.aborted is None:
+        await ctx.decode_stream.salvage(SALVAGE_S)
 
 
 def close(ctx: TurnContext) -> None:
     """Give D's response up and its in-flight slot back: to the pool when D finished and the body was
     read to its end, else by closing the connection, which makes D abort the request."""
-    resp, ctx.decode_response = ctx.decode_response, None
-    if resp is not None:
-        if ctx.decode_done and resp.content.at_eof():
-            resp.release()
-        else:
-            resp.close()
+    stream, ctx.decode_stream = ctx.decode_stream, None
+    if stream is not None:
+        stream.close()
         inst = ctx.svc.registry.get(ctx.decode_url)
         if inst is not None:
             inst.in_flight -= 1
@@ -171,28 +131,29 @@ async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[Non
     ctx.relay_started = True
     try:
         while True:
-            splitter = SSESplitter()
+            stream = ctx.decode_stream
+            assert stream is not None
             missed = False
             try:
-                head = await _await_head(ctx, splitter)
+                head = await _await_head(ctx, stream)
             except _Missed:
                 head, missed = None, True
                 missed_first_token(ctx)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except StreamBroken as exc:
                 head = None
-                ctx.capture.error = {"message": f"decode stream broke: {type(exc).__name__}"}
+                ctx.capture.error = {"message": f"decode stream broke: {exc.cause}"}
             if head is not None:
                 svc.registry.met_deadline(ctx.decode_url)
                 yield head
                 engine_error = ctx.capture.error is not None
                 try:
-                    async for out in _tail(ctx, splitter):
+                    async for out in _tail(ctx, stream):
                         yield out
                         engine_error = ctx.capture.error is not None
-                    if ctx.decode_done:
-                        await _drain(ctx)
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    ctx.capture.error = {"message": f"decode stream broke: {type(exc).__name__}"}
+                    if stream.done:
+                        await stream.drain(DRAIN_TIMEOUT_S)
+                except StreamBroken as exc:
+                    ctx.capture.error = {"message": f"decode stream broke: {exc.cause}"}
                 finally:
                     close(ctx)
                 if ctx.capture.error is not None or ctx.aborted is not None:

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from turnkv.gateway.sse import DecodeCapture, SSESplitter, frame
+from turnkv.engine.vllm.stream import DecodeCapture
+from turnkv.gateway.sse import SSESplitter, frame
 
 ROLE = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
         b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'

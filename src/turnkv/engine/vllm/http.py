@@ -1,4 +1,4 @@
-"""HTTP to the engines: one aiohttp session, per-leg timeouts, and the one place aiohttp errors are translated.
+"""HTTP to vLLM's engines: one aiohttp session, per-leg timeouts, and the one place aiohttp errors are translated.
 
 Every call names its leg (render, prefill, decode, probe) and the instance, so an error can be
 counted and retried without parsing messages. Messages, which clients may read, name the leg only:
@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from turnkv.config import Timeouts
-from turnkv.errors import UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
+from turnkv.errors import UpstreamProtocolError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
 
 
 @contextlib.contextmanager
@@ -112,11 +112,4 @@ class Upstream:
         with map_aiohttp_errors("probe", base):
             async with self.session.get(base + path, timeout=self._leg_timeouts["probe"]) as resp:
                 return resp.status, await resp.read(), {k.lower(): v for k, v in resp.headers.items()}
-
-
-def is_retryable(exc: UpstreamError) -> bool:
-    """Whether another instance (or the same one, without a KV handle) may succeed."""
-    if isinstance(exc, UpstreamStatus):
-        return exc.upstream_status >= 500
-    return isinstance(exc, (UpstreamUnavailable, UpstreamTimeout, UpstreamProtocolError))
 
