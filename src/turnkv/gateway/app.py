@@ -175,11 +175,11 @@ async def _shut_down(svc: Services) -> None:
 
 
 def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain: Drain | None = None,
-               engine: Engine | None = None) -> Starlette:
+               engine: Engine | None = None, store: ConversationStore | None = None) -> Starlette:
     """The gateway; ``multiprocess_dir`` is set by ``serve --workers N`` (workers.py): where the workers'
     metrics meet, so that /metrics reports all of them. ``drain`` is how the server that runs the app
-    tells it a shutdown began (``launch.run_uvicorn``). ``engine``: the engines to use instead of the
-    ones ``settings.engine`` names (tests pass ``engine.fake.FakeEngine``)."""
+    tells it a shutdown began (``launch.run_uvicorn``). ``engine`` and ``store``: used instead of the ones
+    the settings name (tests pass ``engine.fake.FakeEngine`` and a store of their own)."""
     drain = drain or Drain(settings.drain_s)
 
     @contextlib.asynccontextmanager
@@ -188,8 +188,8 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
         log = make_logger("turnkv.turn", json=settings.log_json)
         if multiprocess_dir is not None:
             log = log.bind(worker=os.getpid())  # which of the workers served a turn
-        store = StoreGuard(
-            _store(settings), retry_s=settings.store_retry_s,
+        guard = StoreGuard(
+            store if store is not None else _store(settings), retry_s=settings.store_retry_s,
             on_error=lambda op: metrics.redis_errors.labels(op).inc(),
             on_state=lambda up: metrics.store_up.set(1 if up else 0),
         )
@@ -200,10 +200,10 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
             registry.on_link_sample = estimator.observe_link
             registry.on_restart = lambda inst: metrics.engine_restarts.labels(inst.role).inc()
             releaser = Releaser(eng, registry, metrics, next(iter(settings.models), None))
-            pins = PinKeeper(settings, registry, store, releaser, metrics, log)
+            pins = PinKeeper(settings, registry, guard, releaser, metrics, log)
             registry.on_scraped = pins.on_scraped
             svc = Services(
-                settings=settings, engine=eng, registry=registry, store=store,
+                settings=settings, engine=eng, registry=registry, store=guard,
                 policy=build_policy(settings.policy.name, settings.policy.params), estimator=estimator,
                 metrics=metrics, log=log, releaser=releaser, pins=pins, drain=drain,
             )
@@ -220,7 +220,8 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
             finally:
                 await _shut_down(svc)
                 await stop_tasks(tasks)
-        await store.close()
+        if store is None:  # a store passed in is its owner's to close
+            await guard.close()
 
     cors = settings.cors
     middleware = [Middleware(EdgeMiddleware, settings=settings)]
