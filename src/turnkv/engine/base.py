@@ -141,6 +141,7 @@ class DecodeStream(abc.ABC):
     """An open streamed answer, read one network read at a time (so back-pressure reaches the engine)."""
 
     done: bool = False  # the engine's end marker was read
+    closed: bool = False  # given up (``close`` or ``abort``)
 
     @property
     @abc.abstractmethod

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from turnkv.errors import ClientError
+from turnkv.gateway.answer import last_assistant
 
 _ID = re.compile(r"[A-Za-z0-9._:@/+=\-]+\Z")  # \Z, not $: "id\n" is not "id" (used with match)
 BODY_FIELDS = ("session_id", "conversation_id")
@@ -210,10 +211,8 @@ def history_keys(tenant: str, messages: Sequence[Any]) -> tuple[str, str]:
     digest of no messages, which no request is stored under."""
     h = hashlib.blake2b(digest_size=16, person=b"turnkv-history")
     h.update(tenant.encode() + b"\x00")
-    last = len(messages) - 1
-    while last >= 0 and not (isinstance(messages[last], Mapping) and messages[last].get("role") == "assistant"):
-        last -= 1
-    claim = h.hexdigest() if last < 0 else ""
+    last = last_assistant(messages)
+    claim = h.hexdigest() if last is None else ""
     for i, m in enumerate(messages):
         if i == last:
             claim = h.hexdigest()

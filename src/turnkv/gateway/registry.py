@@ -65,6 +65,20 @@ class Instance:
         return max(self.running, self.in_flight)
 
 
+class Slot:
+    """One request's place in an instance's in-flight count, given back once."""
+
+    def __init__(self, inst: Instance) -> None:
+        self._inst = inst
+        self._held = True
+        inst.in_flight += 1
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._inst.in_flight -= 1
+
+
 class Registry:
     def __init__(self, prefill: list[str], decode: list[str], block_size: int = 16,
                  routing: str = "affinity") -> None:
@@ -103,6 +117,16 @@ class Registry:
             return preferred
         ties = [i for i in healthy if i.in_flight == least]
         return ties[next(self._rr) % len(ties)]
+
+    def saw_stream_handle(self, url: str, seen: bool) -> None:
+        """Whether a stream of this engine that should have ended with a handle did: what its streams carry."""
+        inst = self.get(url)
+        if inst is not None:
+            inst.stream_handles = seen
+
+    def hold(self, inst: Instance) -> Slot:
+        """Count a request in flight on ``inst`` until the slot is released."""
+        return Slot(inst)
 
     @contextlib.contextmanager
     def busy(self, inst: Instance) -> Iterator[None]:

@@ -12,7 +12,7 @@ import asyncio
 import json
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.requests import ClientDisconnect, Request
@@ -82,6 +82,7 @@ class CompletionBody(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
 
 
+Body = TypeVar("Body", ChatBody, CompletionBody)
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
 
 
@@ -148,7 +149,7 @@ async def read_json(request: Request, max_bytes: int, *, timeout_s: float | None
     return body
 
 
-def validate(body: dict[str, Any], model: type[_Common]) -> _Common:
+def validate(body: dict[str, Any], model: type[Body]) -> Body:
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -30,8 +30,8 @@ from turnkv.gateway.requests import (
     validate,
 )
 from turnkv.gateway.services import Services
-from turnkv.gateway.turn.context import TurnContext, TurnState
 from turnkv.gateway.turn.driver import run_turn
+from turnkv.gateway.turn.request import Turn
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -61,10 +61,10 @@ def _known_models(svc: Services) -> list[str]:
     return svc.settings.models or svc.models
 
 
-def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: bool) -> TurnContext:
+def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: bool) -> Turn:
     s = svc.settings
     who = principal(request)
-    validate(body, ChatBody if chat else CompletionBody)
+    parsed: ChatBody | CompletionBody = validate(body, ChatBody) if chat else validate(body, CompletionBody)
     check_model(body.get("model"), _known_models(svc))
     model = body.get("model") or next(iter(_known_models(svc)), None)
     check_output_length(body, svc.model_len.get(model) if isinstance(model, str) else None)
@@ -75,21 +75,13 @@ def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: boo
         raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
     clean = {k: v for k, v in body.items() if k not in BODY_FIELDS}
     clean["cache_salt"] = cache_salt(who.tenant, body.get("cache_salt"))
-    messages = body.get("messages") or []
-    turn = 1 + sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
-    ctx = TurnContext(
-        svc=svc, request_id=_request_id(request), body=clean, stream=bool(body.get("stream")),
-        authorization=who.forward_authorization, conversation=conversation, turn_index=turn,
-        path="/v1/chat/completions" if chat else "/v1/completions",
-    )
-    if not chat:
-        ctx.state = TurnState.PREFILL
-    return ctx
+    return Turn.of(request_id=_request_id(request), body=clean, parsed=parsed,
+                   authorization=who.forward_authorization, conversation=conversation)
 
 
-def conversation_header(ctx: TurnContext, response: Response) -> Response:
+def conversation_header(turn: Turn, response: Response) -> Response:
     """Where the turn's conversation came from (identity.py), for clients that want to see it."""
-    response.headers["x-turnkv-conversation"] = ctx.conversation.source if ctx.conversation else "none"
+    response.headers["x-turnkv-conversation"] = turn.conversation.source if turn.conversation else "none"
     return response
 
 
@@ -97,10 +89,9 @@ async def _turn(request: Request, *, chat: bool) -> Response:
     svc = services(request)
     if svc.drain.refusing:
         raise ShuttingDown("the gateway is shutting down; send the turn again")
-    ctx = _prepare(svc, request, await _body(svc, request), chat=chat)
-    svc.drain.track(ctx, lambda: ctx.abort("shutdown"))
-    response = await run_turn(ctx)
-    return conversation_header(ctx, response) if chat else response
+    turn = _prepare(svc, request, await _body(svc, request), chat=chat)
+    response = await run_turn(svc, turn)
+    return conversation_header(turn, response) if chat else response
 
 
 async def chat_completions(request: Request) -> Response:

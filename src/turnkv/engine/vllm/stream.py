@@ -272,10 +272,12 @@ class VllmDecodeStream(DecodeStream):
                         self._capture.chunk(payload)
 
     def close(self) -> None:
+        self.closed = True
         if self.done and self._resp.content.at_eof():
             self._resp.release()
         else:
             self._resp.close()
 
     def abort(self) -> None:
+        self.closed = True
         self._resp.close()

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnkv.gateway.answer import reasoning_of
 from turnkv.gateway.responses import translate
 from turnkv.gateway.responses.models import ResponsesBody
 
@@ -131,7 +132,7 @@ class EventStream:
             if not isinstance(choice, Mapping) or choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning") if delta.get("reasoning") is not None else delta.get("reasoning_content")
+            reasoning = reasoning_of(delta)
             if isinstance(reasoning, str) and reasoning:
                 if self.open is None or self.open.kind != "reasoning":
                     out += self._open("reasoning")

@@ -27,8 +27,8 @@ from turnkv.gateway.responses import events, models, translate
 from turnkv.gateway.routes import _body, _request_id, principal, services
 from turnkv.gateway.services import Services
 from turnkv.gateway.sse import DONE, SSESplitter
-from turnkv.gateway.turn.context import TurnContext
 from turnkv.gateway.turn.driver import run_turn
+from turnkv.gateway.turn.request import Turn
 
 log = logging.getLogger("turnkv.responses")
 
@@ -73,9 +73,9 @@ async def _store(svc: Services, tenant: str, response: dict[str, Any], history: 
         log.warning("responses.not_stored id=%s", response["id"])
 
 
-def _turnkv_headers(resp: Response, ctx: TurnContext) -> dict[str, str]:
+def _turnkv_headers(resp: Response, turn: Turn) -> dict[str, str]:
     h = {k: v for k, v in resp.headers.items() if k.startswith("x-")}
-    h["x-turnkv-conversation"] = ctx.conversation.source if ctx.conversation else "none"
+    h["x-turnkv-conversation"] = turn.conversation.source if turn.conversation else "none"
     return h
 
 
@@ -95,7 +95,7 @@ async def create(request: Request) -> Response:
     history = list(previous["messages"]) if previous else []
     history += translate.input_messages(req.input)
     body = translate.chat_body(req, raw, history)
-    validate(body, ChatBody)
+    parsed = validate(body, ChatBody)
     model = body.get("model") or next(iter(s.models or svc.models), None)
     check_output_length(body, svc.model_len.get(model) if isinstance(model, str) else None)
     body["cache_salt"] = cache_salt(tenant, raw.get("cache_salt"))
@@ -103,24 +103,20 @@ async def create(request: Request) -> Response:
         request.headers, raw, session_headers=s.session_headers, tenant=tenant,
         max_length=s.max_session_id_length, messages=body["messages"],
         response_key=previous.get("key") if previous else None, from_history=s.conversation_from_history)
-    ctx = TurnContext(
-        svc=svc, request_id=_request_id(request), body=body, stream=bool(req.stream),
-        authorization=who.forward_authorization, conversation=conversation,
-        turn_index=1 + sum(1 for m in body["messages"] if m.get("role") == "assistant"),
-    )
-    svc.drain.track(ctx, lambda: ctx.abort("shutdown"))
+    turn = Turn.of(request_id=_request_id(request), body=body, parsed=parsed,
+                   authorization=who.forward_authorization, conversation=conversation)
     resp_id = translate.new_id("resp")
-    answer = await run_turn(ctx)
+    answer = await run_turn(svc, turn)
     key = conversation.store_key if conversation else None
     if not isinstance(answer, StreamingResponse):
-        return await _whole(svc, req, ctx, answer, resp_id, tenant, history, key)
+        return await _whole(svc, req, turn, answer, resp_id, tenant, history, key)
     stream = events.EventStream(resp_id, req)
     answer.body_iterator = _translated(svc, req, answer.body_iterator, stream, tenant, history, key)
     answer.headers["x-turnkv-conversation"] = conversation.source if conversation else "none"
     return answer
 
 
-async def _whole(svc: Services, req: models.ResponsesBody, ctx: TurnContext, answer: Response, resp_id: str,
+async def _whole(svc: Services, req: models.ResponsesBody, turn: Turn, answer: Response, resp_id: str,
                  tenant: str, history: list[dict[str, Any]], key: str | None) -> Response:
     chat = json.loads(bytes(answer.body))
     choice = (chat.get("choices") or [{}])[0]
@@ -131,7 +127,7 @@ async def _whole(svc: Services, req: models.ResponsesBody, ctx: TurnContext, ans
                                   usage=translate.usage(chat.get("usage")), model=chat.get("model"))
     if req.store is not False:
         await _store(svc, tenant, r, history, key)
-    return JSONResponse(r, headers=_turnkv_headers(answer, ctx))
+    return JSONResponse(r, headers=_turnkv_headers(answer, turn))
 
 
 async def _translated(svc: Services, req: models.ResponsesBody, chat: Any, stream: events.EventStream,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.errors import ClientError
+from turnkv.gateway.answer import reasoning_of
 from turnkv.gateway.responses.models import NOT_FORWARDED, ResponsesBody
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -255,7 +256,7 @@ def call_item(call_id: str, name: str, arguments: str, item_id: str | None = Non
 def output_items(message: Mapping[str, Any], finish_reason: str | None) -> list[dict[str, Any]]:
     """A chat completion's message as Response output items."""
     out: list[dict[str, Any]] = []
-    reasoning = message.get("reasoning") if message.get("reasoning") is not None else message.get("reasoning_content")
+    reasoning = reasoning_of(message)
     if isinstance(reasoning, str) and reasoning:
         out.append(reasoning_item(reasoning))
     content = message.get("content")

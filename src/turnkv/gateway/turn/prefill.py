@@ -1,10 +1,10 @@
-"""PREFILL: run the prompt on a prefill engine with ``max_tokens: 1`` and get its handle for D.
+"""PREFILL: run the prompt on a prefill engine and get what D needs to continue it.
 
-With token ids from RENDER, P gets exactly those ids (``/v1/completions``); otherwise the client's
-messages, changed as vLLM's P/D proxy changes them. A failed pull (P answers 5xx: expired handle,
-restarted D, broken link), or one that stalls past the first-token deadline, is retried once on the
-same P without the handle; an unreachable or failing P is replaced by the next healthy one (a single
-P whose connection failed is tried once more).
+With token ids from RENDER, P gets exactly those ids; otherwise the client's request, as plain P/D
+sends it. A failed pull (P answers 5xx: expired handle, restarted D, broken link), or one that stalls
+past the first-token deadline, falls back (``TurnRun.fall_back``) and is tried again on the same P
+without the handle; an unreachable or failing P is replaced by the next healthy one (a single P whose
+connection failed is tried once more).
 Transition: PREFILL → DECODE.
 """
 
@@ -14,76 +14,68 @@ import time
 
 from turnkv.engine.base import PrefillCall
 from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
-from turnkv.gateway.turn.context import TurnContext, TurnState, until_aborted
-from turnkv.reuse.assess import Reason
-from turnkv.reuse.cost import Action
+from turnkv.gateway.turn.results import Fallback, Prefilled
+from turnkv.gateway.turn.run import TurnRun
 
 
-async def run(ctx: TurnContext) -> TurnState:
-    svc = ctx.svc
-    handle = ctx.handle_for_prefill
+async def run(run: TurnRun) -> Prefilled:
+    svc, turn = run.svc, run.turn
+    reg = svc.registry
     tried: set[str] = set()
-    url = ctx.prefill_url
-    only_one = len(svc.registry.role("prefill")) == 1
-    attempts = len(svc.registry.role("prefill")) + 2
+    url = run.plan.prefill_url
+    only_one = len(reg.role("prefill")) == 1
     last: UpstreamError | None = None
     retried_same = False
-    for _ in range(attempts):
-        inst = svc.registry.get(url) if url and url not in tried else svc.registry.pick(
-            "prefill", exclude=frozenset(tried))
+    for _ in range(len(reg.role("prefill")) + 2):
+        inst = reg.get(url) if url and url not in tried else reg.pick("prefill", exclude=frozenset(tried))
         if inst is None:
             break
-        call = PrefillCall(ctx.path, ctx.body, ctx.prompt_ids, handle, svc.settings.timeouts.prefill_first_token_s)
+        send = run.plan.send
+        call = PrefillCall(turn.path, turn.body, run.rendered.prompt_ids, send,
+                           svc.settings.timeouts.prefill_first_token_s)
         t0 = time.perf_counter()
-        ctx.handle_spent = ctx.handle_spent or handle is not None
+        run.journal.handle_spent = run.journal.handle_spent or send is not None
         try:
-            with svc.registry.busy(inst):
-                data = await until_aborted(ctx, svc.engine.prefill(inst.url, call, ctx.meta))
+            with reg.busy(inst):
+                result = await run.until_aborted(svc.engine.prefill(inst.url, call, turn.meta))
         except UpstreamError as exc:
             last = exc
-            if isinstance(exc, UpstreamTimeout):
+            timed_out = isinstance(exc, UpstreamTimeout)
+            if timed_out:
                 svc.metrics.deadline_misses.labels("prefill").inc()
-                svc.registry.missed_deadline(inst.url)
-            ctx.failed("prefill", inst.url, exc)
-            if handle is not None and isinstance(exc, (UpstreamStatus, UpstreamTimeout)):
+                reg.missed_deadline(inst.url)
+            run.failed("prefill", inst.url, exc)
+            if send is not None and isinstance(exc, (UpstreamStatus, UpstreamTimeout)):
                 # P failed or stalled on D's handle (expired, D restarted or full, link failure): again,
                 # on the same P, without it
-                timed_out = isinstance(exc, UpstreamTimeout)
-                ctx.retrying("prefill", "first_token_deadline" if timed_out else "pull_failed")
-                if ctx.action is Action.PULL:
-                    ctx.reason = Reason.FIRST_TOKEN_DEADLINE if timed_out else Reason.PULL_FAILED
-                    ctx.action = Action.RECOMPUTE
-                handle, ctx.pull_tokens, ctx.expected_cached = None, 0, 0
+                run.fall_back(Fallback.PREFILL_DEADLINE if timed_out else Fallback.PULL_FAILED)
                 url = inst.url
                 continue
-            ctx.retrying("prefill", exc.kind)
+            run.retrying("prefill", exc.kind)
             if only_one and isinstance(exc, UpstreamUnavailable) and not retried_same:
                 retried_same, url = True, inst.url  # a single P's connection failed: once more, the same
                 continue
             tried.add(inst.url)
             url = None
             continue
-        svc.registry.met_deadline(inst.url)
-        ctx.prefill_s = time.perf_counter() - t0
-        ctx.prefill_url = inst.url
-        ctx.prefill_params = data.for_decode
-        if data.cached_tokens is not None:
-            ctx.prefill_cached = data.cached_tokens
-        ctx.prefill_prompt_tokens = data.prompt_tokens
-        _observe(ctx)
-        return TurnState.DECODE
+        reg.met_deadline(inst.url)
+        done = Prefilled(inst.url, time.perf_counter() - t0, result)
+        _observe(run, done)
+        return done
     raise last or UpstreamUnavailable("no prefill engine is available", leg="prefill")
 
 
-def _observe(ctx: TurnContext) -> None:
-    svc = ctx.svc
-    svc.metrics.prefill_seconds.labels(ctx.action.value).observe(ctx.prefill_s)
-    if ctx.prompt_ids is not None:
-        n = len(ctx.prompt_ids)
-    elif ctx.conversation is not None and isinstance(ctx.prefill_prompt_tokens, int):
-        n = ctx.prefill_prompt_tokens  # a first turn sent as messages: P's usage says how long it was
+def _observe(run: TurnRun, done: Prefilled) -> None:
+    """P's time for what it computed, for the cost model's prefill estimate."""
+    svc, plan = run.svc, run.plan
+    svc.metrics.prefill_seconds.labels(plan.action.value).observe(done.seconds)
+    prompt_ids, prompt_tokens = run.rendered.prompt_ids, done.result.prompt_tokens
+    if prompt_ids is not None:
+        n = len(prompt_ids)
+    elif run.stateful and prompt_tokens is not None:
+        n = prompt_tokens  # a first turn sent as messages: P's usage says how long it was
     else:
         return
-    cached = ctx.prefill_cached if ctx.prefill_cached is not None else ctx.expected_cached
-    svc.estimator.observe_prefill(new_tokens=n - cached, context_tokens=cached, pulled_tokens=ctx.pull_tokens,
-                                  seconds=ctx.prefill_s, block_size=svc.settings.block_size)
+    cached = done.result.cached_tokens if done.result.cached_tokens is not None else plan.expected_cached
+    svc.estimator.observe_prefill(new_tokens=n - cached, context_tokens=cached, pulled_tokens=plan.pull_tokens,
+                                  seconds=done.seconds, block_size=svc.settings.block_size)
