@@ -65,6 +65,29 @@ class PolicySettings(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict, description="the policy's own parameters")
 
 
+class RoutingPlugin(BaseModel):
+    """One routing plugin in a profile: its registered type, its weight (scorers) and its parameters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    type: str = Field(description="the plugin's name (turnkv.routing.plugins: filters not-tried, not-avoided, "
+                      "routable; scorers load, affinity, pin-headroom; picker max-score)")
+    weight: float = Field(1.0, ge=0, description="scorers: how much its score counts")
+    params: dict[str, Any] = Field(default_factory=dict, description="the plugin's own parameters")
+
+
+def _default_filters() -> list[RoutingPlugin]:
+    return [RoutingPlugin(type="not-tried"), RoutingPlugin(type="not-avoided"), RoutingPlugin(type="routable")]
+
+
+class RoutingProfile(BaseModel):
+    """How a request's engine is chosen: filters, then weighted scorers, then a picker (README: Routing)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    filters: list[RoutingPlugin] = Field(default_factory=_default_filters)
+    scorers: list[RoutingPlugin] = Field(default_factory=list)
+    picker: RoutingPlugin = Field(default_factory=lambda: RoutingPlugin(type="max-score"))
+
+
 class CostPriors(BaseModel):
     """What the cost model assumes until it has measured the engines (the project's H200 host)."""
 
@@ -177,8 +200,10 @@ class Settings(BaseSettings):
                                     "are still served, before new connections are refused")
     upstream_api_key: str | None = Field(None, description="bearer token for the engines; default: the client's")
     allow_client_kv_transfer_params: bool = Field(False, description="let clients send kv_transfer_params")
-    routing: str = Field("affinity", pattern="^(affinity|least-loaded|round-robin)$",
-                         description="affinity: the engines that hold the conversation, unless much busier")
+    routing: str = Field("affinity", description="the routing profile: affinity (the engines that hold the "
+                         "conversation, unless much busier), least-loaded, round-robin, or one of routing_profiles")
+    routing_profiles: dict[str, RoutingProfile] = Field(default_factory=dict, description="routing profiles "
+                                                        "of one's own, by name")
     policy: PolicySettings = Field(default_factory=PolicySettings)
     costs: CostPriors = Field(default_factory=CostPriors)
     timeouts: Timeouts = Field(default_factory=Timeouts)
@@ -232,8 +257,10 @@ class Settings(BaseSettings):
                               "API keys (api_keys, api_keys_file) or trusted proxy are configured: anyone could "
                               "use them. Configure keys, or set allow_anonymous to accept that")
         from turnkv.gateway.auth import load_keys  # the key file is read, and refused if malformed, at start
+        from turnkv.routing.router import build_profile  # so is the routing profile
 
         load_keys(self)
+        build_profile(self.routing, self.routing_profiles)
         return self
 
     @property

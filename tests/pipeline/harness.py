@@ -193,7 +193,7 @@ async def settled(gw: Gateway) -> None:
     """After a test: every turn ended, every decode answer closed and every in-flight count back to 0."""
     svc = gw.svc
     await gw.wait_for("every turn to end", lambda: svc.drain.in_flight == 0)
-    for view in svc.registry.instances.values():
+    for view in (*svc.fleet.views("prefill"), *svc.fleet.views("decode")):
         assert view.in_flight == 0, f"{view.url} still counts {view.in_flight} in flight"
     for inst in gw.engine.instances.values():
         assert inst.running == 0, f"{inst.url} still streams {inst.running} answers"

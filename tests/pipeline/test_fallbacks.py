@@ -66,7 +66,7 @@ async def test_an_unreachable_prefill_engine_is_replaced() -> None:
     async with gateway(engine, prefill=[P0, P1], render=None) as gw:
         engine.faults(P0, unreachable=True)
         engine.faults(P1, unreachable=True)
-        await gw.wait_for("both marked down", lambda: not any(i.healthy for i in gw.svc.registry.role("prefill")))
+        await gw.wait_for("both marked down", lambda: not any(v.healthy for v in gw.svc.fleet.views("prefill")))
         engine.faults(P1, unreachable=False)
         for i in range(4):  # whichever P a turn starts on, it ends on P1
             a = await Chat(gw).say(f"hello {i}")

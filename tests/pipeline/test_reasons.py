@@ -12,6 +12,13 @@ import pytest
 
 from tests.pipeline.harness import D0, D1, P0, Chat, EditableStore, Gateway, gateway
 from turnkv.engine.fake import FakeEngine
+from turnkv.routing import InstanceView
+
+
+def view(gw: Gateway, url: str) -> InstanceView:
+    v = gw.svc.fleet.view(url)
+    assert v is not None
+    return v
 
 
 async def conversation(gw: Gateway, turns: int = 1, *, stream: bool = False, session: str = "c1") -> Chat:
@@ -118,7 +125,7 @@ async def test_a_restarted_decode_engine_holds_nothing() -> None:
         chat = await conversation(gw)
         gw.engine.restart(D0)
         epoch = gw.engine[D0].epoch
-        await gw.wait_for("the restart to be seen", lambda: gw.svc.registry.instances[D0].epoch == epoch)
+        await gw.wait_for("the restart to be seen", lambda: view(gw, D0).epoch == epoch)
         a = await chat.say("go on")
         assert (a.outcome, a.reason) == ("none", "engine_restarted")
         assert gw.metric("turnkv_engine_restarts_total", role="decode") == 1
@@ -130,7 +137,7 @@ async def test_an_unhealthy_decode_engine_is_left_for_another() -> None:
         chat = await conversation(gw)
         holder = gw.turns[-1]["decode"]
         engine.faults(holder, unreachable=True)
-        await gw.wait_for("the engine to be marked down", lambda: not gw.svc.registry.instances[holder].healthy)
+        await gw.wait_for("the engine to be marked down", lambda: not view(gw, holder).healthy)
         a = await chat.say("go on")
         assert (a.outcome, a.reason) == ("none", "decode_unavailable")
         assert gw.turns[-1]["decode"] != holder
@@ -226,10 +233,12 @@ async def test_a_handle_given_back_for_memory_says_so() -> None:
         first = await conversation(gw, session="a")
         pinned = gw.engine[D0].pinned_tokens
         gw.engine[D0].capacity_tokens = pinned * 3  # a budget of 1.5 conversations like this one
-        await gw.wait_for("the capacity to be read", lambda: gw.svc.registry.instances[D0].capacity_tokens
+        await gw.wait_for("the capacity to be read", lambda: view(gw, D0).capacity_tokens
                           == pinned * 3)
         await conversation(gw, session="b")  # its pin crosses the budget: the idle one goes
         await gw.wait_for("a's pin to be released", lambda: len(gw.engine[D0].released) == 1)
+        d = view(gw, D0)  # what routing sees of it
+        assert d.pin_budget_tokens == int(pinned * 3 * 0.5) and 0 < d.pinned_tokens <= d.pin_budget_tokens
         a = await first.say("go on")
         assert (a.outcome, a.action, a.reason) == ("none", "recompute", "pin_released")
 

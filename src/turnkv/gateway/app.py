@@ -31,18 +31,19 @@ from turnkv.gateway import routes
 from turnkv.gateway.audit import classify, engine_renderer
 from turnkv.gateway.edge import EdgeMiddleware
 from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpected
+from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
-from turnkv.gateway.registry import Registry
 from turnkv.gateway.release import Releaser
 from turnkv.gateway.responses import routes as responses_routes
-from turnkv.gateway.services import Services, TemplateAudit
+from turnkv.gateway.services import Catalog, Services, TemplateAudit
 from turnkv.logging import make_logger
 from turnkv.reuse.assess import TemplateClass
 from turnkv.reuse.cost import CostParams
 from turnkv.reuse.estimator import CostEstimator
 from turnkv.reuse.policies import build_policy
+from turnkv.routing import Router, build_profile
 from turnkv.state.base import ConversationStore
 from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
@@ -92,19 +93,19 @@ async def _report_links(svc: Services) -> None:
 
 async def _audit_once(svc: Services) -> bool:
     """Learn the served model names and classify the chat template; False when no engine answered."""
-    inst = svc.registry.pick("prefill")
+    inst = svc.router.pick("prefill")
     base = svc.settings.render or (inst.url if inst else None)
     if base is None:
         return False
     try:
-        if not svc.models:
+        if not svc.catalog.models:
             cards = await svc.engine.models(base)
             if cards is not None:
-                svc.models = [c.name for c in cards]
-                svc.model_len = {c.name: c.max_model_len for c in cards if c.max_model_len is not None}
+                svc.catalog.learned([c.name for c in cards],
+                                    {c.name: c.max_model_len for c in cards if c.max_model_len is not None})
         if not svc.settings.template_audit:
             return True
-        model = next(iter(svc.settings.models or svc.models), None)
+        model = next(iter(svc.models), None)
         try:
             cls, detail = await classify(engine_renderer(svc.engine, base, model))
         except UpstreamStatus as exc:
@@ -114,13 +115,11 @@ async def _audit_once(svc: Services) -> bool:
             cls, detail = await classify(engine_renderer(svc.engine, base, model, tools=False), tools=False)
             detail += " (probed without tools: the tool probe was refused)"
     except (UpstreamError, ValueError, KeyError) as exc:
-        if svc.audit.detail == "not audited yet":
+        if svc.catalog.template.detail == "not audited yet":
             svc.log.warning("template.audit_failed", engine=base, error=str(exc))
-        svc.audit = TemplateAudit(TemplateClass.UNKNOWN, f"audit failed: {exc}")
+        svc.catalog.audited(TemplateAudit(TemplateClass.UNKNOWN, f"audit failed: {exc}"))
         return False
-    svc.audit = TemplateAudit(cls, detail)
-    if svc.releaser.model is None and svc.models:
-        svc.releaser.model = svc.models[0]
+    svc.catalog.audited(TemplateAudit(cls, detail))
     for c in TemplateClass:
         svc.metrics.template_class.labels(c.value).set(1 if c is cls else 0)
     svc.log.info("template.audit", template_class=cls.value, detail=detail)
@@ -195,22 +194,24 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
         )
         async with contextlib.AsyncExitStack() as stack:
             eng = engine if engine is not None else await stack.enter_async_context(open_engine(settings))
-            registry = Registry(settings.prefill, settings.decode, settings.block_size, settings.routing)
+            fleet = Fleet(settings.prefill, settings.decode, settings.block_size)
+            router = Router(build_profile(settings.routing, settings.routing_profiles), fleet.views)
             estimator = CostEstimator(cost_priors(settings))
-            registry.on_link_sample = estimator.observe_link
-            registry.on_restart = lambda inst: metrics.engine_restarts.labels(inst.role).inc()
-            releaser = Releaser(eng, registry, metrics, next(iter(settings.models), None))
-            pins = PinKeeper(settings, registry, guard, releaser, metrics, log)
-            registry.on_scraped = pins.on_scraped
+            fleet.on_link_sample = estimator.observe_link
+            fleet.on_restart = lambda view: metrics.engine_restarts.labels(view.role).inc()
+            catalog = Catalog()
+            releaser = Releaser(eng, router, metrics, lambda: next(iter(settings.models or catalog.models), None))
+            pins = PinKeeper(settings, fleet, guard, releaser, metrics, log)
+            fleet.on_scraped = pins.on_scraped
             svc = Services(
-                settings=settings, engine=eng, registry=registry, store=guard,
+                settings=settings, engine=eng, fleet=fleet, router=router, store=guard,
                 policy=build_policy(settings.policy.name, settings.policy.params), estimator=estimator,
-                metrics=metrics, log=log, releaser=releaser, pins=pins, drain=drain,
+                metrics=metrics, log=log, releaser=releaser, pins=pins, drain=drain, catalog=catalog,
             )
             audited = False
             with anyio.move_on_after(STARTUP_AUDIT_S):
                 audited = await _audit_once(svc)  # engines already up: know the template before serving
-            loops = [registry.run(eng, settings.health_interval_s, settings.scrape_interval_s),
+            loops = [fleet.run(eng, settings.health_interval_s, settings.scrape_interval_s),
                      _report_links(svc), releaser.run(), pins.run(), *([] if audited else [_audit_until_done(svc)])]
             tasks = [asyncio.create_task(c) for c in loops]
             for t in tasks:

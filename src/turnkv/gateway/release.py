@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 from turnkv.engine.base import Engine, Handle
 from turnkv.errors import UpstreamError
 from turnkv.gateway.metrics import GatewayMetrics
-from turnkv.gateway.registry import Registry
+from turnkv.routing import Router
 
 log = logging.getLogger("turnkv.release")
 QUEUE_SIZE = 4096
@@ -24,11 +25,12 @@ REMEMBERED = 8192  # pin ids already released, to never release one twice
 
 
 class Releaser:
-    def __init__(self, engine: Engine, registry: Registry, metrics: GatewayMetrics, model: str | None) -> None:
+    def __init__(self, engine: Engine, router: Router, metrics: GatewayMetrics,
+                 model: Callable[[], str | None]) -> None:
         self._engine = engine
-        self._registry = registry
+        self._router = router
         self._metrics = metrics
-        self.model = model
+        self._model = model  # the model a release names: the first served, once known
         self._queue: asyncio.Queue[Handle] = asyncio.Queue(QUEUE_SIZE)
         self._done: OrderedDict[str, None] = OrderedDict()
         self._busy = 0
@@ -73,11 +75,11 @@ class Releaser:
         return True
 
     async def release(self, handle: Handle) -> bool:
-        inst = self._registry.pick("prefill")
+        inst = self._router.pick("prefill")
         if inst is None:
             return False
         try:
-            await self._engine.release(inst.url, handle, self.model)
+            await self._engine.release(inst.url, handle, self._model())
         except UpstreamError as exc:
             self._metrics.releases.labels("failed").inc()
             log.warning("release.failed instance=%s error=%s", inst.url, exc)

@@ -57,17 +57,15 @@ async def _body(svc: Services, request: Request) -> dict[str, Any]:
                            max_depth=s.limits.max_json_depth)
 
 
-def _known_models(svc: Services) -> list[str]:
-    return svc.settings.models or svc.models
 
 
 def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: bool) -> Turn:
     s = svc.settings
     who = principal(request)
     parsed: ChatBody | CompletionBody = validate(body, ChatBody) if chat else validate(body, CompletionBody)
-    check_model(body.get("model"), _known_models(svc))
-    model = body.get("model") or next(iter(_known_models(svc)), None)
-    check_output_length(body, svc.model_len.get(model) if isinstance(model, str) else None)
+    check_model(body.get("model"), svc.models)
+    model = body.get("model") or next(iter(svc.models), None)
+    check_output_length(body, svc.catalog.model_len.get(model) if isinstance(model, str) else None)
     conversation = conversation_of(request.headers, body, session_headers=s.session_headers,
                                    tenant=who.tenant, max_length=s.max_session_id_length,
                                    from_history=s.conversation_from_history) if chat else None
@@ -105,7 +103,7 @@ async def completions(request: Request) -> Response:
 def _render_base(svc: Services) -> str:
     if svc.settings.render:
         return svc.settings.render
-    inst = svc.registry.pick("prefill")
+    inst = svc.router.pick("prefill")
     if inst is None:
         raise UpstreamUnavailable("no prefill engine is available", leg="render")
     return inst.url
@@ -116,7 +114,7 @@ async def _passthrough_post(request: Request, path: str) -> Response:
     its 4xx bodies pass as they are, its failures become ours."""
     svc = services(request)
     body = await _body(svc, request)
-    check_model(body.get("model"), _known_models(svc))
+    check_model(body.get("model"), svc.models)
     meta = CallMeta(_request_id(request), principal(request).forward_authorization)
     data = await svc.engine.api_post(_render_base(svc), path, body, meta)
     return JSONResponse(data)
@@ -140,13 +138,13 @@ async def version(request: Request) -> Response:
 
 async def _engine_models(svc: Services) -> bytes | None:
     """A prefill engine's ``/v1/models`` body; None when it cannot say and the names are known anyway."""
-    inst = svc.registry.pick("prefill")
+    inst = svc.router.pick("prefill")
     if inst is None:
         raise UpstreamUnavailable("no prefill engine is configured", leg="probe")
     try:
         status, raw = await svc.engine.api_get(inst.url, "/v1/models")
     except UpstreamError:
-        if not _known_models(svc):
+        if not svc.models:
             raise
         return None
     return raw if status == 200 else None
@@ -155,7 +153,7 @@ async def _engine_models(svc: Services) -> bytes | None:
 def _listed(svc: Services) -> dict[str, Any]:
     now = int(time.time())
     return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "turnkv"}
-                                       for n in _known_models(svc)]}
+                                       for n in svc.models]}
 
 
 async def models(request: Request) -> Response:
@@ -193,7 +191,7 @@ async def ready(request: Request) -> Response:
         return [{"url": i.url, "healthy": i.healthy, "version": i.version, "in_flight": i.in_flight,
                  "running": i.running, "kv_cache_usage": i.kv_usage, "prefix_cache_factor": round(i.cache_factor, 3),
                  **({"stream_handles": i.stream_handles} if role == "decode" else {})}
-                for i in svc.registry.role(role)]
+                for i in svc.fleet.views(role)]
 
     p, d = view("prefill"), view("decode")
     ok = any(i["healthy"] for i in p) and any(i["healthy"] for i in d) and not svc.drain.draining
@@ -202,7 +200,7 @@ async def ready(request: Request) -> Response:
     body = {
         "ready": ok, "prefill": p, "decode": d,
         "store": {"kind": "redis" if svc.settings.redis_url else "memory", "up": svc.store.up},
-        "template": {"class": svc.audit.cls.value, "detail": svc.audit.detail},
+        "template": {"class": svc.catalog.template.cls.value, "detail": svc.catalog.template.detail},
         "policy": svc.policy.name,
     }
     return JSONResponse(body, status_code=200 if ok else 503)

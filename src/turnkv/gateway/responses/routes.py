@@ -86,7 +86,7 @@ async def create(request: Request) -> Response:
         raise ShuttingDown("the gateway is shutting down; send the turn again")
     raw = await _body(svc, request)
     req = models.parse(raw)
-    check_model(req.model, s.models or svc.models)
+    check_model(req.model, svc.models)
     if "kv_transfer_params" in raw and not s.allow_client_kv_transfer_params:
         raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
     who = principal(request)
@@ -96,8 +96,8 @@ async def create(request: Request) -> Response:
     history += translate.input_messages(req.input)
     body = translate.chat_body(req, raw, history)
     parsed = validate(body, ChatBody)
-    model = body.get("model") or next(iter(s.models or svc.models), None)
-    check_output_length(body, svc.model_len.get(model) if isinstance(model, str) else None)
+    model = body.get("model") or next(iter(svc.models), None)
+    check_output_length(body, svc.catalog.model_len.get(model) if isinstance(model, str) else None)
     body["cache_salt"] = cache_salt(tenant, raw.get("cache_salt"))
     conversation = conversation_of(
         request.headers, raw, session_headers=s.session_headers, tenant=tenant,

@@ -45,10 +45,10 @@ def build_record(run: TurnRun) -> ConversationRecord | Capture:
     if cap.error is not None or cap.finish_reason is None:
         return Capture.FAILED
     decode_url = run.decode_url
-    d = svc.registry.get(decode_url)
+    d = svc.fleet.view(decode_url)
     stateful = run.prefilled is not None and run.prefilled.result.for_decode is not None and not run.plan.decode_local
     if turn.stream and d is not None and stateful:
-        svc.registry.saw_stream_handle(d.url, cap.handle is not None)
+        svc.fleet.saw_stream_handle(d.url, cap.handle is not None)
     prompt = cap.prompt_token_ids
     if prompt is None:
         return Capture.NO_TOKEN_IDS
@@ -101,9 +101,9 @@ def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> bool:
     claimed = run.rendered.claim.record if run.rendered.claim is not None else None
     grown = rec.prompt_tokens - (claimed.num_tokens if claimed is not None else 0)
     new = max(bs, grown if claimed is not None else rec.prompt_tokens // 8)  # the next turn's new part, guessed
-    d = svc.registry.get(rec.decode_url)
+    d = svc.fleet.view(rec.decode_url)
     f = facts(rec, prompt_tokens=rec.num_tokens + new, matched=rec.num_tokens,
-              prefill=svc.registry.get(rec.prefill_url), decode=d, decode_holds=d is not None, block_size=bs)
+              prefill=svc.fleet.view(rec.prefill_url), decode=d, decode_holds=d is not None, block_size=bs)
     return svc.policy.keeps_pin(f, svc.estimator.params())
 
 

@@ -18,23 +18,23 @@ from typing import Any
 
 from turnkv.engine.base import DecodeAnswer, DecodeCall, DecodeStream
 from turnkv.errors import FirstTokenDeadline, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from turnkv.gateway.registry import Instance, Registry, Slot
+from turnkv.gateway.fleet import Slot
 from turnkv.gateway.turn.results import Opened, Prefilled
 from turnkv.gateway.turn.run import Journal, TurnRun
+from turnkv.routing import InstanceView, Router
 
 DEFAULT_MAX_TOKENS = 1024  # for the deadline of a non-streamed answer that names no limit
 
 
-def _pick(reg: Registry, planned: str | None, journal: Journal) -> Instance | None:
+def _pick(router: Router, planned: str | None, journal: Journal) -> InstanceView | None:
     """The decode engine for this attempt: the planned one unless it failed; never one already tried;
     one that missed its first-token deadline only when no other is left."""
     prefer = planned if planned not in journal.tried_decode else None
     tried = frozenset(journal.tried_decode)
-    inst = reg.pick("decode", prefer=prefer, exclude=tried | journal.avoid_decode)
-    return inst or reg.pick("decode", prefer=prefer, exclude=tried)
+    return router.pick("decode", prefer=prefer, exclude=tried, avoid=frozenset(journal.avoid_decode))
 
 
-def _call(run: TurnRun, inst: Instance, prefilled: Prefilled | None) -> DecodeCall:
+def _call(run: TurnRun, inst: InstanceView, prefilled: Prefilled | None) -> DecodeCall:
     turn, local = run.turn, run.plan.decode_local
     prompt_ids = run.rendered.prompt_ids
     return DecodeCall(
@@ -53,7 +53,7 @@ def _timeout_s(run: TurnRun) -> float:
     return t.decode_first_token_s + t.decode_per_token_s * (run.turn.max_output or DEFAULT_MAX_TOKENS)
 
 
-async def _open(run: TurnRun, inst: Instance, call: DecodeCall, slot: Slot) -> Opened:
+async def _open(run: TurnRun, inst: InstanceView, call: DecodeCall, slot: Slot) -> Opened:
     """Send D the turn: a stream is opened (its first token is awaited by the relay, within the same
     deadline), or a non-streamed answer read whole; either gives way when the turn is aborted."""
     svc, turn = run.svc, run.turn
@@ -81,13 +81,13 @@ async def _open(run: TurnRun, inst: Instance, call: DecodeCall, slot: Slot) -> O
 
 async def run(run: TurnRun, prefilled: Prefilled | None) -> Opened | None:
     svc, plan = run.svc, run.plan
-    reg = svc.registry
+    fleet = svc.fleet
     last: UpstreamError | None = None
-    for _ in range(len(reg.role("decode")) + 1):
-        inst = _pick(reg, plan.decode_url, run.journal)
+    for _ in range(fleet.size("decode") + 1):
+        inst = _pick(svc.router, plan.decode_url, run.journal)
         if inst is None or (plan.decode_local and inst.url != plan.decode_url):
             break
-        slot = reg.hold(inst)
+        slot = fleet.hold(inst.url)
         try:
             opened = await _open(run, inst, _call(run, inst, prefilled), slot)
         except UpstreamError as exc:
@@ -95,7 +95,7 @@ async def run(run: TurnRun, prefilled: Prefilled | None) -> Opened | None:
             last = exc
             if isinstance(exc, FirstTokenDeadline):
                 svc.metrics.deadline_misses.labels("decode").inc()
-                reg.missed_deadline(inst.url)
+                fleet.missed_deadline(inst.url)
                 svc.pins.urgent(inst.url)
             run.failed("decode", inst.url, exc)
             run.journal.tried_decode.add(inst.url)
@@ -106,7 +106,7 @@ async def run(run: TurnRun, prefilled: Prefilled | None) -> Opened | None:
             raise
         if opened.stream is None:
             slot.release()
-            reg.met_deadline(inst.url)
+            fleet.met_deadline(inst.url)
         return opened
     if plan.decode_local:
         return None

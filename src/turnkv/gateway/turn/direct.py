@@ -126,7 +126,7 @@ def enabled(svc: Services, *, until_audited: bool = False) -> bool:
     """The setting is on and the template keeps history: direct turns are possible at all (with
     ``until_audited``, also while the start-up audit has not classified the template yet)."""
     ok = (TemplateClass.PRESERVES, TemplateClass.UNKNOWN) if until_audited else (TemplateClass.PRESERVES,)
-    return svc.settings.decode_local_direct and svc.audit.cls in ok
+    return svc.settings.decode_local_direct and svc.catalog.template.cls in ok
 
 
 def candidate(svc: Services, turn: Turn) -> Candidate | None:

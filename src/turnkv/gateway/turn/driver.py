@@ -50,7 +50,7 @@ def _plan(run: TurnRun, rendered: Rendered) -> Plan:
     finally:
         run.planned_s = time.perf_counter() - run.turn.started
     if made.expect_hits and made.prefill_url is not None:
-        run.svc.registry.expect_hits(made.prefill_url, made.expect_hits)
+        run.svc.fleet.expect_hits(made.prefill_url, made.expect_hits)
     return made
 
 

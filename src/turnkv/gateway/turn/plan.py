@@ -16,7 +16,6 @@ from dataclasses import replace
 
 from turnkv.engine.base import HandleUse
 from turnkv.gateway.answer import echoed_answer
-from turnkv.gateway.registry import Instance
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.direct import Candidate, history_digest
 from turnkv.gateway.turn.request import Turn
@@ -24,13 +23,14 @@ from turnkv.gateway.turn.results import Plan, Rendered
 from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, record_unusable, unpinned_reason
 from turnkv.reuse.cost import Action, TurnFacts, pulled_tokens
 from turnkv.reuse.policies import Decision
+from turnkv.routing.base import InstanceView
 from turnkv.state.base import Claim
 from turnkv.state.record import ConversationRecord
 
 
-def likely_prefill_cached(rec: ConversationRecord | None, prefill: Instance | None, block_size: int) -> int:
+def likely_prefill_cached(rec: ConversationRecord | None, prefill: InstanceView | None, block_size: int) -> int:
     """Prompt tokens the chosen P likely still caches: it computed the last prompt if it served the
-    last turn; how much of that survives there is measured (``Instance.cache_factor``)."""
+    last turn; how much of that survives there is measured (``InstanceView.cache_factor``)."""
     if rec is None or prefill is None or prefill.url != rec.prefill_url:
         return 0
     bs = block_size
@@ -45,8 +45,8 @@ def decode_cached(rec: ConversationRecord | None, matched: int, block_size: int)
     return (matched // block_size) * block_size
 
 
-def facts(rec: ConversationRecord | None, *, prompt_tokens: int, matched: int, prefill: Instance | None,
-          decode: Instance | None, decode_holds: bool, block_size: int) -> TurnFacts:
+def facts(rec: ConversationRecord | None, *, prompt_tokens: int, matched: int, prefill: InstanceView | None,
+          decode: InstanceView | None, decode_holds: bool, block_size: int) -> TurnFacts:
     """What the policy is told of a turn continuing ``rec`` (None: nothing stored): ``matched`` tokens of
     D's sequence extend the prompt; D may run the turn itself when it ``decode_holds`` them."""
     return TurnFacts(
@@ -67,11 +67,11 @@ def _assess(svc: Services, turn: Turn, rendered: Rendered) -> Assessment | None:
     if claim is None or rendered.prompt_ids is None or turn.conversation is None:
         return None
     rec = claim.record
-    inst = svc.registry.get(rec.decode_url) if rec else None
+    inst = svc.fleet.view(rec.decode_url) if rec else None
     a = assess(
         claim, rendered.prompt_ids, tenant=turn.conversation.tenant, now=time.time(),
         decode=None if inst is None else EngineView(inst.routable, inst.epoch),
-        echoed=echoed_answer(turn.messages), template=svc.audit.cls, block_size=svc.settings.block_size,
+        echoed=echoed_answer(turn.messages), template=svc.catalog.template.cls, block_size=svc.settings.block_size,
         prompt_chain=rendered.chain,
     )
     if rec is not None and not svc.policy.checks_tokens and a.releasable:
@@ -85,8 +85,8 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
     a = _assess(svc, turn, rendered)
     rec = rendered.record
     reason = a.reason if a is not None else rendered.reason
-    prefill = svc.registry.pick("prefill", prefer=rec.prefill_url if rec else None)
-    decode = svc.registry.pick("decode", prefer=rec.decode_url if rec else None)
+    prefill = svc.router.pick("prefill", prefer=rec.prefill_url if rec else None)
+    decode = svc.router.pick("decode", prefer=rec.decode_url if rec else None)
     base = Plan(Action.RECOMPUTE, reason, prefill_url=prefill.url if prefill else None,
                 decode_url=decode.url if decode else None, assessment=a)
     if a is None or rendered.prompt_ids is None:
@@ -129,7 +129,7 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
     if rec is None or turn.conversation is None:
         return None
     # the D routing would pick for this turn must be the one holding the conversation
-    d = svc.registry.pick("decode", prefer=rec.decode_url)
+    d = svc.router.pick("decode", prefer=rec.decode_url)
     view = EngineView(d.routable, d.epoch) if d is not None and d.url == rec.decode_url else None
     if d is None or record_unusable(claim, tenant=turn.conversation.tenant, now=time.time(), decode=view) is not None:
         return None
@@ -141,7 +141,7 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
     if rec.history_digest is None or history_digest(turn.body, history) != rec.history_digest:
         return None  # the history before the answer changed (compacted, tools, options): render and check
     bs = svc.settings.block_size
-    prefill = svc.registry.pick("prefill", prefer=rec.prefill_url)
+    prefill = svc.router.pick("prefill", prefer=rec.prefill_url)
     f = facts(rec, prompt_tokens=rec.num_tokens + cand.new_tokens(rec.bytes_per_token), matched=rec.num_tokens,
               prefill=prefill, decode=d, decode_holds=True, block_size=bs)
     decision = svc.policy.decide(f, svc.estimator.params())

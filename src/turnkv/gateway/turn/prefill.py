@@ -20,14 +20,14 @@ from turnkv.gateway.turn.run import TurnRun
 
 async def run(run: TurnRun) -> Prefilled:
     svc, turn = run.svc, run.turn
-    reg = svc.registry
+    fleet = svc.fleet
     tried: set[str] = set()
     url = run.plan.prefill_url
-    only_one = len(reg.role("prefill")) == 1
+    only_one = fleet.size("prefill") == 1
     last: UpstreamError | None = None
     retried_same = False
-    for _ in range(len(reg.role("prefill")) + 2):
-        inst = reg.get(url) if url and url not in tried else reg.pick("prefill", exclude=frozenset(tried))
+    for _ in range(fleet.size("prefill") + 2):
+        inst = fleet.view(url) if url and url not in tried else svc.router.pick("prefill", exclude=frozenset(tried))
         if inst is None:
             break
         send = run.plan.send
@@ -36,14 +36,14 @@ async def run(run: TurnRun) -> Prefilled:
         t0 = time.perf_counter()
         run.journal.handle_spent = run.journal.handle_spent or send is not None
         try:
-            with reg.busy(inst):
+            with fleet.busy(inst.url):
                 result = await run.until_aborted(svc.engine.prefill(inst.url, call, turn.meta))
         except UpstreamError as exc:
             last = exc
             timed_out = isinstance(exc, UpstreamTimeout)
             if timed_out:
                 svc.metrics.deadline_misses.labels("prefill").inc()
-                reg.missed_deadline(inst.url)
+                fleet.missed_deadline(inst.url)
             run.failed("prefill", inst.url, exc)
             if send is not None and isinstance(exc, (UpstreamStatus, UpstreamTimeout)):
                 # P failed or stalled on D's handle (expired, D restarted or full, link failure): again,
@@ -58,7 +58,7 @@ async def run(run: TurnRun) -> Prefilled:
             tried.add(inst.url)
             url = None
             continue
-        reg.met_deadline(inst.url)
+        fleet.met_deadline(inst.url)
         done = Prefilled(inst.url, time.perf_counter() - t0, result)
         _observe(run, done)
         return done

@@ -31,7 +31,7 @@ from turnkv.state.base import Claim, ClaimStatus
 async def _render(svc: Services, turn: Turn) -> list[int]:
     base = svc.settings.render
     if base is None:
-        inst = svc.registry.pick("prefill")
+        inst = svc.router.pick("prefill")
         if inst is None:
             raise ClientError("no prefill engine is configured")
         base = inst.url

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from turnkv.engine.base import Collected, DecodeAnswer, DecodeStream, HandleUse, PrefillResult
-from turnkv.gateway.registry import Slot
+from turnkv.gateway.fleet import Slot
 from turnkv.reuse.assess import Assessment, Reason
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.reuse.cost import Action

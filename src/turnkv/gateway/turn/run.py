@@ -103,7 +103,7 @@ class TurnRun:
         if not retryable(exc):
             raise exc
         if isinstance(exc, UpstreamUnavailable):
-            self.svc.registry.mark_failed(url)
+            self.svc.fleet.mark_failed(url)
 
     # -- ending it early ---------------------------------------------------------------------------
     def abort(self, why: str) -> None:

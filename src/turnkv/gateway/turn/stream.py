@@ -92,7 +92,7 @@ def missed_first_token(run: TurnRun, url: str) -> None:
     svc = run.svc
     svc.metrics.deadline_misses.labels("decode").inc()
     run.retrying("decode", "first_token_deadline")
-    svc.registry.missed_deadline(url)
+    svc.fleet.missed_deadline(url)
     svc.pins.urgent(url)
     run.journal.avoid_decode.add(url)
 
@@ -129,7 +129,7 @@ async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> 
                 head = None
                 stream.collected.error = {"message": f"decode stream broke: {exc.cause}"}
             if head is not None:
-                svc.registry.met_deadline(opened.url)
+                svc.fleet.met_deadline(opened.url)
                 yield head
                 engine_error = stream.collected.error is not None
                 try:
