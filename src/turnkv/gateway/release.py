@@ -49,10 +49,6 @@ class Releaser:
         except asyncio.QueueFull:
             self._metrics.releases.labels("dropped").inc()
 
-    @property
-    def pending(self) -> int:
-        return self._queue.qsize() + self._busy
-
     async def run(self) -> None:
         await asyncio.gather(*(self._work() for _ in range(WORKERS)))
 

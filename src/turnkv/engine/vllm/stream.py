@@ -86,8 +86,6 @@ class DecodeCapture:
     finish_reason: str | None = None
     error: dict[str, Any] | None = None
     answer: AnswerAccumulator = field(default_factory=AnswerAccumulator)
-    usage: dict[str, Any] | None = None
-    chunks: int = 0
     # prompt tokens this turn did not compute (P's cache and pull, as P counted them): what the client's
     # usage.prompt_tokens_details.cached_tokens says instead of D's view (D got them all from P)
     cached_tokens: int | None = None
@@ -116,7 +114,6 @@ class DecodeCapture:
         usage = obj.get("usage")
         if not isinstance(usage, dict):
             return False
-        self.usage = usage
         details = usage.get("prompt_tokens_details")
         if self.cached_tokens is None or not isinstance(details, dict) or "cached_tokens" not in details:
             return False
@@ -131,7 +128,6 @@ class DecodeCapture:
             return payload, False
         if not self.collect and _relay_as_is(payload) and not (
                 self.cached_tokens is not None and b'"cached_tokens"' in payload):
-            self.chunks += 1
             return payload, _shows_output(payload)
         cut, prompt_json = _cut_list(payload, _PROMPT_IDS)
         try:
@@ -147,7 +143,6 @@ class DecodeCapture:
         if "error" in obj and "choices" not in obj:
             self.error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
             return payload, False
-        self.chunks += 1
         redump = False  # the handle is removed from the parsed chunk; the ids are nulled in the bytes
         if prompt_json is not None:
             self._prompt_ids, self._prompt_ids_json = None, prompt_json
