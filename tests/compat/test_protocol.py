@@ -25,7 +25,8 @@ def rec_sse(events: list[Any]) -> dict[str, Any]:
     return protocol.record_response(200, {"content-type": "text/event-stream; charset=utf-8"}, raw)
 
 
-BODY = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "choices": [{"index": 0, "token_ids": [1, 2]}],
+BODY: dict[str, Any] = {
+    "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "choices": [{"index": 0, "token_ids": [1, 2]}],
         "kv_transfer_params": {"remote_block_ids": [[1, 2]], "remote_blocks_expiry_time": 12.5, "tp_size": 1}}
 
 

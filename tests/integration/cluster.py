@@ -146,7 +146,8 @@ def ask(client: openai.OpenAI, messages: list[dict[str, Any]], *, stream: bool, 
         m = raw.parse().choices[0].message
         return _message(m), dict(raw.headers), [c.id for c in (m.tool_calls or [])]
     raw = client.chat.completions.with_raw_response.create(stream=True, **kwargs)
-    content, reasoning, calls = "", "", {}
+    content, reasoning = "", ""
+    calls: dict[int, dict[str, Any]] = {}
     for chunk in raw.parse():
         if not chunk.choices:
             continue

@@ -59,7 +59,10 @@ def test_a_link_fast_only_towards_decode_is_learnt_from_the_first_pull(procs: li
 
 def test_decode_local_when_the_delta_is_small(procs: list[launch.Running], tmp_path: Path) -> None:
     c = start_cluster(procs, tmp_path, policy="adaptive", sim_flags=("--time-scale", "1"))
-    renders = lambda: sim_state(c.prefill[0].url)["renders"]  # noqa: E731
+
+    def renders() -> int:
+        return int(sim_state(c.prefill[0].url)["renders"])
+
     # the start-up template audit renders on P too, in the background if P came up after the gateway
     wait_for(lambda: metric(c.gateway.url, "turnkv_template_class", **{"class": "preserves"}) == 1,
              what="the template audit")

@@ -99,8 +99,9 @@ def test_forks_of_one_history_each_go_on(procs: list[launch.Running], tmp_path: 
 
 def _truth_answer(cluster: Cluster, messages: list[dict[str, Any]]) -> dict[str, Any]:
     with cluster.truth_client() as truth:
-        r = truth.chat.completions.create(model="sim-model", messages=messages, tools=[  # type: ignore[arg-type]
-            {"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}],
+        r = truth.chat.completions.create(
+            model="sim-model", messages=messages,  # type: ignore[arg-type]
+            tools=[{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}],  # type: ignore[typeddict-item]
             max_tokens=120)
     m = r.choices[0].message.model_dump()
     out = {"role": "assistant", "content": m.get("content") or ""}
@@ -132,7 +133,7 @@ def _respond(client: openai.OpenAI, stream: bool, **kw: Any) -> tuple[Response, 
         EVENT.validate_python(e.model_dump())
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
-    final = events[-1].response  # type: ignore[union-attr]
+    final = events[-1].response
     return Response.model_validate(final.model_dump()), headers
 
 

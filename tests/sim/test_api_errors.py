@@ -11,7 +11,7 @@ import pytest
 
 from tests.sim.helpers import MODEL, P_KEYS_026, P_KEYS_033, asgi_client, chat_body, prefill_body, sse
 
-MESSAGES = [{"role": "user", "content": "Plan a trip to the sea"}]
+MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "Plan a trip to the sea"}]
 
 
 def error(r: httpx.Response) -> dict[str, Any]:

@@ -16,9 +16,9 @@ KEEP = ChatTemplate.load("keep")
 STRIP = ChatTemplate.load("strip")
 
 SYSTEM = {"role": "system", "content": "Be brief."}
-USER1 = {"role": "user", "content": "Plan a trip"}
-ASSISTANT1 = {"role": "assistant", "content": "\n\nGo north.", "reasoning": "\nThink about it.\n"}
-USER2 = {"role": "user", "content": "And then?"}
+USER1: dict[str, Any] = {"role": "user", "content": "Plan a trip"}
+ASSISTANT1: dict[str, Any] = {"role": "assistant", "content": "\n\nGo north.", "reasoning": "\nThink about it.\n"}
+USER2: dict[str, Any] = {"role": "user", "content": "And then?"}
 WEATHER = {"type": "function", "function": {"name": "get_weather",
                                              "parameters": {"type": "object",
                                                             "properties": {"city": {"type": "string"}}}}}

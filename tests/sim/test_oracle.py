@@ -44,7 +44,8 @@ def pd_turn(p: Sim, d: Sim, client: dict[str, Any], handle: dict[str, Any] | Non
 
 def sequence(body: dict[str, Any]) -> list[int]:
     """The tokens whose KV D computed: its prompt and its answer but the last sampled token."""
-    return list(body["prompt_token_ids"]) + body["choices"][0]["token_ids"][:-1]
+    answer: list[int] = body["choices"][0]["token_ids"][:-1]
+    return list(body["prompt_token_ids"]) + answer
 
 
 @pytest.mark.parametrize(("compat", "stream"), [("0.26", False), ("0.33", True)])

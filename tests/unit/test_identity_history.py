@@ -12,7 +12,7 @@ from turnkv.gateway.identity import Conversation, conversation_of, history_keys
 OPTS: dict[str, Any] = {"session_headers": ["x-session-id"], "max_length": 64}
 SYSTEM = {"role": "system", "content": "You are an agent."}
 USER = {"role": "user", "content": "Plan a trip."}
-CALL = {"role": "assistant", "content": "", "reasoning": "I should look it up",
+CALL: dict[str, Any] = {"role": "assistant", "content": "", "reasoning": "I should look it up",
         "tool_calls": [{"id": "call_1", "type": "function",
                         "function": {"name": "lookup", "arguments": '{"place": "Lyon", "days": 2}'}}]}
 RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "Lyon: open daily"}

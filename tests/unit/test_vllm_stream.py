@@ -9,6 +9,12 @@ import pytest
 from turnkv.engine.vllm.stream import DecodeCapture
 from turnkv.gateway.sse import SSESplitter, frame
 
+
+def _some(payload: bytes | None) -> bytes:
+    assert payload is not None, "the chunk is forwarded"
+    return payload
+
+
 ROLE = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
         b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
         b'"prompt_token_ids":[1,2,3],"prompt_text":null}')
@@ -46,7 +52,7 @@ def test_capture_collects_and_hides_what_turnkv_added() -> None:
     assert cap.kv_transfer_params == {"do_remote_decode": True, "remote_num_tokens": 6}
     assert cap.finish_reason == "stop"
     assert [visible for _, visible in outs] == [False, True, True, True]
-    seen = [json.loads(b) for b, _ in outs]
+    seen = [json.loads(_some(b)) for b, _ in outs]
     assert seen[0]["prompt_token_ids"] is None
     assert all(c["choices"][0].get("token_ids") is None for c in seen[1:])
     assert seen[3]["kv_transfer_params"] is None
@@ -59,8 +65,8 @@ def test_capture_keeps_ids_the_client_asked_for() -> None:
     out, _ = cap.chunk(TOKEN)
     assert out == TOKEN  # nothing to change: forwarded byte for byte
     out, _ = cap.chunk(FINAL)
-    assert json.loads(out)["choices"][0]["token_ids"] == [2]
-    assert json.loads(out)["kv_transfer_params"] is None
+    assert json.loads(_some(out))["choices"][0]["token_ids"] == [2]
+    assert json.loads(_some(out))["kv_transfer_params"] is None
 
 
 def test_error_event_is_recorded_and_forwarded() -> None:
@@ -89,13 +95,13 @@ def test_a_stateless_turn_sees_what_a_collecting_one_sees(payload: bytes) -> Non
     fast, full = DecodeCapture(keep_token_ids=True, collect=False), DecodeCapture(keep_token_ids=True)
     (out_fast, vis_fast), (out_full, vis_full) = fast.chunk(payload), full.chunk(payload)
     assert vis_fast == vis_full
-    assert json.loads(out_fast) == json.loads(out_full)
+    assert json.loads(_some(out_fast)) == json.loads(_some(out_full))
     assert fast.finish_reason == full.finish_reason
 
 
 def test_stateless_turns_still_never_see_a_handle() -> None:
     out, _ = DecodeCapture(keep_token_ids=True, collect=False).chunk(FINAL)
-    assert json.loads(out)["kv_transfer_params"] is None
+    assert json.loads(_some(out))["kv_transfer_params"] is None
 
 
 # vLLM writes compact JSON; another server might not. Either way the ids are captured and hidden.
@@ -110,9 +116,9 @@ ONE_CHUNK = (b'{"id":"c","choices":[{"index":0,"delta":{"content":"x"},"finish_r
 def test_prompt_ids_are_captured_and_shown_only_when_asked(payload: bytes, keep: bool) -> None:
     cap = DecodeCapture(keep_token_ids=keep)
     out, _ = cap.chunk(payload)
-    assert json.loads(out)["prompt_token_ids"] == ([1, 2, 3] if keep else None)
+    assert json.loads(_some(out))["prompt_token_ids"] == ([1, 2, 3] if keep else None)
     assert cap.prompt_token_ids == [1, 2, 3]
-    assert "kv_transfer_params" not in json.loads(out) or json.loads(out)["kv_transfer_params"] is None
+    assert "kv_transfer_params" not in json.loads(_some(out)) or json.loads(_some(out))["kv_transfer_params"] is None
 
 
 # a completion's chunk carries the prompt's ids in its choice, not at the top level
@@ -123,7 +129,7 @@ SPACED_IDS = b'{"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids":
 
 def test_a_completion_keeps_its_ids_where_they_were() -> None:
     out, _ = DecodeCapture(keep_token_ids=True).chunk(COMPLETION)
-    seen = json.loads(out)
+    seen = json.loads(_some(out))
     assert seen["choices"][0]["prompt_token_ids"] == [1, 2, 3] and "prompt_token_ids" not in seen
     assert seen["kv_transfer_params"] is None
 
@@ -131,7 +137,7 @@ def test_a_completion_keeps_its_ids_where_they_were() -> None:
 @pytest.mark.parametrize("keep", [False, True])
 def test_generated_ids_in_spaced_json_are_hidden_unless_asked(keep: bool) -> None:
     cap = DecodeCapture(keep_token_ids=keep)
-    seen = json.loads(cap.chunk(SPACED_IDS)[0])
+    seen = json.loads(_some(cap.chunk(SPACED_IDS)[0]))
     assert seen["choices"][0]["token_ids"] == ([9] if keep else None)
     assert seen["prompt_token_ids"] == ([1, 2, 3] if keep else None)
     assert (cap.token_ids, cap.prompt_token_ids) == ([9], [1, 2, 3])
@@ -160,4 +166,4 @@ def test_usage_says_what_this_turn_did_not_compute(cached: int | None, seen: int
     cap = DecodeCapture(keep_token_ids=False, collect=False, cached_tokens=cached)
     out, _ = cap.chunk(USAGE)
     assert out is not None
-    assert json.loads(out)["usage"]["prompt_tokens_details"]["cached_tokens"] == seen
+    assert json.loads(_some(out))["usage"]["prompt_tokens_details"]["cached_tokens"] == seen
