@@ -5,7 +5,8 @@ the conversation unless it is much busier than the least loaded, else the least 
 equals), ``least-loaded`` and ``round-robin`` (benchmark baselines that ignore the conversation), or
 one of ``settings.routing_profiles``. Every built-in keeps the same filters: not tried, not avoided,
 routable. ``affinity`` weighs its scorer 2 against ``load``'s 1, so the conversation's engine, when
-within its slack, beats any other however idle.
+within its slack, beats any other however idle. A single candidate left by the filters is picked without
+scoring.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class Router:
         p = self.profile
         for f in p.filters:
             candidates = f.filter(req, candidates)
-        if not candidates:
-            return None
+        if len(candidates) <= 1:  # nothing to weigh (one P and one D: every pick)
+            return candidates[0] if candidates else None
         totals = [0.0] * len(candidates)
         for weight, scorer in p.scorers:
             for i, s in enumerate(scorer.score(req, candidates)):
