@@ -29,6 +29,8 @@ T = TypeVar("T")
 
 @dataclass
 class Journal:
+    """What happened along the way."""
+
     retries: list[str] = field(default_factory=list)  # "<leg>_<why>", in order
     handle_spent: bool = False  # the claimed handle went to P: it cannot be put back
     tried_decode: set[str] = field(default_factory=set)  # decode engines that failed this leg
@@ -50,6 +52,8 @@ def _unplanned() -> Plan:
 
 @dataclass(eq=False)
 class TurnRun:
+    """The turn in flight: the request, the latest result of each step, the journal, the abort switch."""
+
     svc: Services
     turn: Turn
     journal: Journal = field(default_factory=Journal)
