@@ -71,8 +71,9 @@ def assemble(events: list[dict[str, Any]]) -> dict[str, Any]:
             content.append(delta.get("content") or "")
             reasoning.append(delta.get("reasoning") or "")
             for c in delta.get("tool_calls") or []:
-                slot = calls.setdefault(c["index"], {"id": c.get("id"), "type": "function",
-                                                     "function": {"name": "", "arguments": ""}})
+                slot = calls.setdefault(
+                    c["index"], {"id": c.get("id"), "type": "function", "function": {"name": "", "arguments": ""}}
+                )
                 slot["function"]["name"] += c["function"].get("name") or ""
                 slot["function"]["arguments"] += c["function"].get("arguments") or ""
     m: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
@@ -111,8 +112,15 @@ class Gateway:
     def metric(self, name: str, **labels: str) -> float:
         return self.svc.metrics.registry.get_sample_value(name, labels) or 0.0
 
-    async def chat(self, messages: list[dict[str, Any]], *, session: str | None = None, stream: bool = False,
-                   headers: Mapping[str, str] | None = None, **body: Any) -> Answer:
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        session: str | None = None,
+        stream: bool = False,
+        headers: Mapping[str, str] | None = None,
+        **body: Any,
+    ) -> Answer:
         h = {"x-session-id": session} if session else {}
         req = {"model": MODEL, "messages": messages, "stream": stream, **body}
         r = await self.client.post("/v1/chat/completions", json=req, headers={**h, **(headers or {})})
@@ -135,8 +143,9 @@ def read_answer(r: httpx.Response, stream: bool) -> Answer:
         choices = body.get("choices") or [{}]
         message = dict(choices[0].get("message") or {})
         message.pop("reasoning_content", None)
-        return Answer(r.status_code, r.headers, {k: v for k, v in message.items() if v is not None or k == "content"},
-                      body)
+        return Answer(
+            r.status_code, r.headers, {k: v for k, v in message.items() if v is not None or k == "content"}, body
+        )
     splitter = SSESplitter()
     events: list[dict[str, Any]] = []
     done = False
@@ -151,16 +160,23 @@ def read_answer(r: httpx.Response, stream: bool) -> Answer:
 
 def settings(**over: Any) -> Settings:
     base: dict[str, Any] = {
-        "prefill": [P0], "decode": [D0], "models": [MODEL], "decision_headers": "full",
-        "health_interval_s": 0.01, "scrape_interval_s": 0.01, "policy": {"name": "always-pull"},
-        "conversation_from_history": False, "log_json": True,
+        "prefill": [P0],
+        "decode": [D0],
+        "models": [MODEL],
+        "decision_headers": "full",
+        "health_interval_s": 0.01,
+        "scrape_interval_s": 0.01,
+        "policy": {"name": "always-pull"},
+        "conversation_from_history": False,
+        "log_json": True,
     }
     return Settings(**{**base, **over})
 
 
 @contextlib.asynccontextmanager
-async def gateway(engine: FakeEngine | None = None, *, store: ConversationStore | None = None,
-                  **over: Any) -> AsyncIterator[Gateway]:
+async def gateway(
+    engine: FakeEngine | None = None, *, store: ConversationStore | None = None, **over: Any
+) -> AsyncIterator[Gateway]:
     """The gateway app with its lifespan running, over ``engine`` (a fake P0 and D0 by default)."""
     s = settings(**over)
     engine = engine or FakeEngine(s.prefill, s.decode)

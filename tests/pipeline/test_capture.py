@@ -60,13 +60,16 @@ async def test_a_stateless_turns_handle_is_released() -> None:
         assert gw.metric("turnkv_handle_releases_total", why="unused") == 1
 
 
-@pytest.mark.parametrize(("fault", "outcome"), [
-    ({"no_token_ids": True}, "no_token_ids"),
-    ({"no_handle": True}, "no_handle"),
-    ({"bad_handle": "not_a_decode_handle"}, "not_a_decode_handle"),
-    ({"bad_handle": "inconsistent_handle"}, "inconsistent_handle"),
-    ({"bad_handle": "incomplete_handle"}, "incomplete_handle"),
-])
+@pytest.mark.parametrize(
+    ("fault", "outcome"),
+    [
+        ({"no_token_ids": True}, "no_token_ids"),
+        ({"no_handle": True}, "no_handle"),
+        ({"bad_handle": "not_a_decode_handle"}, "not_a_decode_handle"),
+        ({"bad_handle": "inconsistent_handle"}, "inconsistent_handle"),
+        ({"bad_handle": "incomplete_handle"}, "incomplete_handle"),
+    ],
+)
 async def test_an_answer_that_cannot_be_kept(fault: dict[str, object], outcome: str) -> None:
     engine = FakeEngine([P0], [D0])
     engine.faults(D0, **fault)
@@ -110,11 +113,37 @@ async def test_a_store_that_fails_on_put_releases_the_new_handle() -> None:
 
 # -- the turn's headers and log event: clients, the benchmark and the dashboard read them ------------
 BASIC = {"x-request-id", "x-turnkv-outcome", "x-turnkv-action", "x-turnkv-reason", "x-turnkv-conversation"}
-FULL = BASIC | {"x-turnkv-matched-tokens", "x-turnkv-prompt-tokens", "x-turnkv-pulled-tokens",
-                "x-turnkv-prefill-cached-tokens", "x-turnkv-prefill-ms"}
-LOGGED = {"request_id", "conversation", "turn", "outcome", "action", "reason", "matched_tokens", "tokens_pulled",
-          "tokens_cached", "tokens_computed", "prompt_tokens", "generated_tokens", "prefill", "decode", "render_ms",
-          "planned_ms", "prefill_ms", "capture", "conversation_source", "event", "level", "timestamp"}
+FULL = BASIC | {
+    "x-turnkv-matched-tokens",
+    "x-turnkv-prompt-tokens",
+    "x-turnkv-pulled-tokens",
+    "x-turnkv-prefill-cached-tokens",
+    "x-turnkv-prefill-ms",
+}
+LOGGED = {
+    "request_id",
+    "conversation",
+    "turn",
+    "outcome",
+    "action",
+    "reason",
+    "matched_tokens",
+    "tokens_pulled",
+    "tokens_cached",
+    "tokens_computed",
+    "prompt_tokens",
+    "generated_tokens",
+    "prefill",
+    "decode",
+    "render_ms",
+    "planned_ms",
+    "prefill_ms",
+    "capture",
+    "conversation_source",
+    "event",
+    "level",
+    "timestamp",
+}
 
 
 def ours(headers: object) -> set[str]:
@@ -138,8 +167,15 @@ async def test_headers_and_log_of_a_direct_decode_local_turn(policy: str, logged
         a = await chat.say("again")
         assert a.action == "decode_local"
         # not rendered, not prefilled: no token counts but the pull's
-        assert ours(a.headers) == (FULL - {"x-turnkv-prefill-ms", "x-turnkv-prefill-cached-tokens",
-                                           "x-turnkv-matched-tokens", "x-turnkv-prompt-tokens"}) | {"x-turnkv-direct"}
+        assert ours(a.headers) == (
+            FULL
+            - {
+                "x-turnkv-prefill-ms",
+                "x-turnkv-prefill-cached-tokens",
+                "x-turnkv-matched-tokens",
+                "x-turnkv-prompt-tokens",
+            }
+        ) | {"x-turnkv-direct"}
         assert set(gw.turns[-1]) == LOGGED | logged
 
 

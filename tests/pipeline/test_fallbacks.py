@@ -82,6 +82,7 @@ async def test_a_single_prefill_engine_whose_connection_failed_is_tried_once_mor
             calls.append(leg)
             if leg == "prefill" and calls.count("prefill") == 1:
                 from turnkv.errors import UpstreamUnavailable
+
                 raise UpstreamUnavailable("prefill engine unreachable: ConnectionResetError", leg=leg, instance=base)
             return await real(base, leg, timeout_s)
 
@@ -114,8 +115,9 @@ async def test_a_shutdown_past_its_drain_aborts_a_stream_in_flight() -> None:
 async def test_a_client_that_leaves_mid_stream_aborts_d_and_frees_its_handle() -> None:
     async with gateway() as gw:
         chat = await conversation(gw)
-        body = json.dumps({"model": MODEL, "stream": True,
-                           "messages": [*chat.messages, {"role": "user", "content": "a long answer"}]}).encode()
+        body = json.dumps(
+            {"model": MODEL, "stream": True, "messages": [*chat.messages, {"role": "user", "content": "a long answer"}]}
+        ).encode()
         received: list[dict[str, Any]] = []
         left = asyncio.Event()
         sent = False
@@ -134,10 +136,20 @@ async def test_a_client_that_leaves_mid_stream_aborts_d_and_frees_its_handle() -
                 left.set()  # the client stops reading after its first chunk, and goes away
                 await asyncio.Event().wait()
 
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("gateway", 80),
-                 "headers": [(b"content-type", b"application/json"), (b"x-session-id", b"c1")]}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "query_string": b"",
+            "root_path": "",
+            "client": ("127.0.0.1", 1),
+            "server": ("gateway", 80),
+            "headers": [(b"content-type", b"application/json"), (b"x-session-id", b"c1")],
+        }
         await asyncio.wait_for(gw.app(scope, receive, send), 10)  # type: ignore[arg-type]
         await gw.wait_for("the turn's log", lambda: len(gw.turns) == 2)
         assert gw.turns[-1]["capture"] == "failed"
@@ -149,6 +161,7 @@ async def test_a_client_that_leaves_mid_stream_aborts_d_and_frees_its_handle() -
 async def test_many_conversations_at_once_stay_correct(stream: bool) -> None:
     engine = FakeEngine([P0, P1], [D0, D1], template="strip")
     async with gateway(engine, prefill=[P0, P1], decode=[D0, D1], policy={"name": "adaptive"}) as gw:
+
         async def talk(i: int) -> list[str]:
             chat = Chat(gw, session=f"conv-{i}", stream=stream)
             reasons = []

@@ -106,11 +106,14 @@ async def test_more_than_one_choice_is_not_tracked() -> None:
         assert (a.outcome, a.reason) == ("none", "unsupported_request")
 
 
-@pytest.mark.parametrize(("edit", "reason"), [
-    (lambda r: dataclasses.replace(r, expires_at=time.time() - 1), "expired"),
-    (lambda r: dataclasses.replace(r, tenant="someone-else"), "tenant"),
-    (lambda r: dataclasses.replace(r, block_size=r.block_size * 2), "block_size_changed"),
-])
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (lambda r: dataclasses.replace(r, expires_at=time.time() - 1), "expired"),
+        (lambda r: dataclasses.replace(r, tenant="someone-else"), "tenant"),
+        (lambda r: dataclasses.replace(r, block_size=r.block_size * 2), "block_size_changed"),
+    ],
+)
 async def test_a_record_that_cannot_serve_the_turn(edit: object, reason: str) -> None:
     store = EditableStore()
     async with gateway(store=store) as gw:
@@ -233,8 +236,7 @@ async def test_a_handle_given_back_for_memory_says_so() -> None:
         first = await conversation(gw, session="a")
         pinned = gw.engine[D0].pinned_tokens
         gw.engine[D0].capacity_tokens = pinned * 3  # a budget of 1.5 conversations like this one
-        await gw.wait_for("the capacity to be read", lambda: view(gw, D0).capacity_tokens
-                          == pinned * 3)
+        await gw.wait_for("the capacity to be read", lambda: view(gw, D0).capacity_tokens == pinned * 3)
         await conversation(gw, session="b")  # its pin crosses the budget: the idle one goes
         await gw.wait_for("a's pin to be released", lambda: len(gw.engine[D0].released) == 1)
         d = view(gw, D0)  # what routing sees of it
@@ -298,5 +300,3 @@ def test_every_reason_is_covered() -> None:
     source = inspect.getsource(sys.modules[__name__])
     missing = [r.value for r in Reason if f'"{r.value}"' not in source and r is not Reason.CORRUPT_RECORD]
     assert not missing
-
-

@@ -40,8 +40,15 @@ vllm:nixl_bytes_transferred_sum{{engine="0",model_name="m"}} {nbytes}
 """
 
 
-def text(start: float = 100.0, hits: float = 0.0, bs: int = 16, pc: str = "True", n: int = 0, secs: float = 0.0,
-         nbytes: float = 0.0) -> str:
+def text(
+    start: float = 100.0,
+    hits: float = 0.0,
+    bs: int = 16,
+    pc: str = "True",
+    n: int = 0,
+    secs: float = 0.0,
+    nbytes: float = 0.0,
+) -> str:
     return METRICS.format(start=start, hits=hits, bs=bs, pc=pc, n=n, secs=secs, nbytes=nbytes)
 
 
@@ -106,7 +113,7 @@ def test_capacity_is_read_from_cache_config() -> None:
     f = fleet()
     apply(f, "http://d0", text(bs=16))
     assert view(f, "http://d0").capacity_tokens is None  # the test's text names no num_gpu_blocks
-    apply(f, "http://d0", text(bs=16).replace('enable_prefix_caching', 'num_gpu_blocks="100",enable_prefix_caching'))
+    apply(f, "http://d0", text(bs=16).replace("enable_prefix_caching", 'num_gpu_blocks="100",enable_prefix_caching'))
     assert view(f, "http://d0").capacity_tokens == 1600
 
 
@@ -132,4 +139,3 @@ def test_a_snapshot_does_not_change_under_its_reader() -> None:
     after = f.views("prefill")
     assert [v.in_flight for v in after] == [0, 1, 0] and not after[2].healthy
     slot.release()
-

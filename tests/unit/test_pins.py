@@ -29,10 +29,22 @@ D = "http://d1"
 def record(i: int, tokens: int = 1000, *, stored_at: float = 0.0) -> ConversationRecord:
     now = time.time()
     return ConversationRecord(
-        tenant="t", decode_url=D, prefill_url=None, handle={"remote_request_id": f"req-{i}", "remote_num_tokens":
-                                                            tokens}, engine_id="e", engine_epoch=None,
-        num_tokens=tokens, chain=chain_of(list(range(tokens)), 16), block_size=16, prompt_tokens=tokens - 10,
-        answer_digest="a", reasoning_digest=None, turn=2, created_at=stored_at or now, expires_at=now + 400)
+        tenant="t",
+        decode_url=D,
+        prefill_url=None,
+        handle={"remote_request_id": f"req-{i}", "remote_num_tokens": tokens},
+        engine_id="e",
+        engine_epoch=None,
+        num_tokens=tokens,
+        chain=chain_of(list(range(tokens)), 16),
+        block_size=16,
+        prompt_tokens=tokens - 10,
+        answer_digest="a",
+        reasoning_digest=None,
+        turn=2,
+        created_at=stored_at or now,
+        expires_at=now + 400,
+    )
 
 
 @dataclasses.dataclass

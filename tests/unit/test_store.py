@@ -16,9 +16,21 @@ from turnkv.state.record import ConversationRecord
 from turnkv.state.redis import RedisStore
 
 REC = ConversationRecord(
-    tenant="t", decode_url="http://d1", prefill_url=None, handle={"remote_num_tokens": 20}, engine_id="e",
-    engine_epoch=None, num_tokens=20, chain=chain_of(list(range(20)), 16), block_size=16, prompt_tokens=10,
-    answer_digest="a", reasoning_digest=None, turn=2, created_at=1.0, expires_at=1000.0,
+    tenant="t",
+    decode_url="http://d1",
+    prefill_url=None,
+    handle={"remote_num_tokens": 20},
+    engine_id="e",
+    engine_epoch=None,
+    num_tokens=20,
+    chain=chain_of(list(range(20)), 16),
+    block_size=16,
+    prompt_tokens=10,
+    answer_digest="a",
+    reasoning_digest=None,
+    turn=2,
+    created_at=1.0,
+    expires_at=1000.0,
 )
 
 

@@ -15,17 +15,25 @@ def _some(payload: bytes | None) -> bytes:
     return payload
 
 
-ROLE = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-        b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
-        b'"prompt_token_ids":[1,2,3],"prompt_text":null}')
-TOKEN = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-         b'"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null,"token_ids":[7]}],'
-         b'"kv_transfer_params":null}')
-THINK = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-         b'"delta":{"reasoning":"hm"},"logprobs":null,"finish_reason":null,"token_ids":[5,6]}]}')
-FINAL = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},'
-         b'"logprobs":null,"finish_reason":"stop","stop_reason":null,"token_ids":[2]}],'
-         b'"kv_transfer_params":{"do_remote_decode":true,"remote_num_tokens":6}}')
+ROLE = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+    b'"prompt_token_ids":[1,2,3],"prompt_text":null}'
+)
+TOKEN = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    b'"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null,"token_ids":[7]}],'
+    b'"kv_transfer_params":null}'
+)
+THINK = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    b'"delta":{"reasoning":"hm"},"logprobs":null,"finish_reason":null,"token_ids":[5,6]}]}'
+)
+FINAL = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},'
+    b'"logprobs":null,"finish_reason":"stop","stop_reason":null,"token_ids":[2]}],'
+    b'"kv_transfer_params":{"do_remote_decode":true,"remote_num_tokens":6}}'
+)
 
 
 @pytest.mark.parametrize("cut", [1, 5, 17, 100, 250])
@@ -34,7 +42,7 @@ def test_splitter_reassembles_events_across_reads(cut: int) -> None:
     s = SSESplitter()
     out: list[bytes] = []
     for i in range(0, len(stream), cut):
-        out += s.feed(stream[i:i + cut])
+        out += s.feed(stream[i : i + cut])
     assert out == [ROLE, TOKEN, b"[DONE]"]
     assert not s.pending
 
@@ -79,9 +87,18 @@ def test_error_event_is_recorded_and_forwarded() -> None:
 
 def test_non_streaming_body() -> None:
     cap = DecodeCapture(keep_token_ids=False)
-    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "x", "reasoning": "r"},
-                         "finish_reason": "length", "token_ids": [4, 5]}],
-            "prompt_token_ids": [1], "kv_transfer_params": {"remote_num_tokens": 2}}
+    body = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "x", "reasoning": "r"},
+                "finish_reason": "length",
+                "token_ids": [4, 5],
+            }
+        ],
+        "prompt_token_ids": [1],
+        "kv_transfer_params": {"remote_num_tokens": 2},
+    }
     out = cap.body(body)
     assert (cap.prompt_token_ids, cap.token_ids, cap.finish_reason) == ([1], [4, 5], "length")
     assert cap.kv_transfer_params == {"remote_num_tokens": 2}
@@ -107,12 +124,16 @@ def test_stateless_turns_still_never_see_a_handle() -> None:
 # vLLM writes compact JSON; another server might not. Either way the ids are captured and hidden.
 SPACED = b'{"choices": [{"index": 0, "delta": {"content": ""}}], "prompt_token_ids": [1, 2, 3]}'
 # a first chunk that also ends the answer and carries the handle
-ONE_CHUNK = (b'{"id":"c","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"length","token_ids":[9]}],'
-             b'"prompt_token_ids":[1,2,3],"kv_transfer_params":{"do_remote_decode":true,"remote_num_tokens":4}}')
+ONE_CHUNK = (
+    b'{"id":"c","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"length","token_ids":[9]}],'
+    b'"prompt_token_ids":[1,2,3],"kv_transfer_params":{"do_remote_decode":true,"remote_num_tokens":4}}'
+)
 
 
-@pytest.mark.parametrize(("payload", "keep"), [(ROLE, False), (ROLE, True), (SPACED, False), (SPACED, True),
-                                               (ONE_CHUNK, False), (ONE_CHUNK, True)])
+@pytest.mark.parametrize(
+    ("payload", "keep"),
+    [(ROLE, False), (ROLE, True), (SPACED, False), (SPACED, True), (ONE_CHUNK, False), (ONE_CHUNK, True)],
+)
 def test_prompt_ids_are_captured_and_shown_only_when_asked(payload: bytes, keep: bool) -> None:
     cap = DecodeCapture(keep_token_ids=keep)
     out, _ = cap.chunk(payload)
@@ -122,8 +143,10 @@ def test_prompt_ids_are_captured_and_shown_only_when_asked(payload: bytes, keep:
 
 
 # a completion's chunk carries the prompt's ids in its choice, not at the top level
-COMPLETION = (b'{"id":"c","object":"text_completion","choices":[{"index":0,"text":"x","prompt_token_ids":[1,2,3],'
-              b'"token_ids":[9],"finish_reason":"length"}],"kv_transfer_params":{"do_remote_decode":true}}')
+COMPLETION = (
+    b'{"id":"c","object":"text_completion","choices":[{"index":0,"text":"x","prompt_token_ids":[1,2,3],'
+    b'"token_ids":[9],"finish_reason":"length"}],"kv_transfer_params":{"do_remote_decode":true}}'
+)
 SPACED_IDS = b'{"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [9]}], "prompt_token_ids":[1,2,3]}'
 
 
@@ -143,16 +166,19 @@ def test_generated_ids_in_spaced_json_are_hidden_unless_asked(keep: bool) -> Non
     assert (cap.token_ids, cap.prompt_token_ids) == ([9], [1, 2, 3])
 
 
-IDS_ONLY = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-            b'"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[9]}]}')
-USAGE = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],'
-         b'"usage":{"prompt_tokens":40,"total_tokens":45,"completion_tokens":5,'
-         b'"prompt_tokens_details":{"cached_tokens":40}}}')
+IDS_ONLY = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    b'"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[9]}]}'
+)
+USAGE = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],'
+    b'"usage":{"prompt_tokens":40,"total_tokens":45,"completion_tokens":5,'
+    b'"prompt_tokens_details":{"cached_tokens":40}}}'
+)
 
 
 @pytest.mark.parametrize(("keep", "forwarded", "visible"), [(False, False, False), (True, True, True)])
-def test_a_chunk_of_token_ids_alone_is_only_forwarded_to_who_asked(keep: bool, forwarded: bool,
-                                                                   visible: bool) -> None:
+def test_a_chunk_of_token_ids_alone_is_only_forwarded_to_who_asked(keep: bool, forwarded: bool, visible: bool) -> None:
     # D sends an empty delta to carry the ids of a token that shows no text; plain vLLM would not have
     # sent it, and it is no first token (a failure after it can still be rerun unseen)
     cap = DecodeCapture(keep_token_ids=keep)

@@ -81,8 +81,12 @@ class Conversation:
         """Adds the next user message and returns the request body (the whole history)."""
         self.messages.append({"role": "user", "content": words(self.rng, self.spec.user_tokens)})
         return {
-            "model": self.spec.model, "messages": self.messages, "max_tokens": self.spec.answer_tokens,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "model": self.spec.model,
+            "messages": self.messages,
+            "max_tokens": self.spec.answer_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
 
     def answered(self, content: str, reasoning: str) -> None:

@@ -131,8 +131,16 @@ class Generated:
 class FakeEngine:
     name = "fake"
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, template: str = "keep",
-                 block_size: int = 16, model: str = MODEL, drift: bool = False) -> None:
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        *,
+        template: str = "keep",
+        block_size: int = 16,
+        model: str = MODEL,
+        drift: bool = False,
+    ) -> None:
         self.tok = Tokenizer()
         self.drift = drift  # answers hold words that tokenize differently when sent back
         self.template = ChatTemplate.load(template)
@@ -188,8 +196,9 @@ class FakeEngine:
         await self._enter(base, "render")
         ids = self._prompt(body, None)
         if not ids:
-            raise UpstreamStatus(502, {"error": {"message": "render returned no token ids"}}, leg="render",
-                                 instance=base)
+            raise UpstreamStatus(
+                502, {"error": {"message": "render returned no token ids"}}, leg="render", instance=base
+            )
         return ids
 
     async def prefill(self, base: str, call: PrefillCall, meta: CallMeta) -> PrefillResult:
@@ -200,20 +209,27 @@ class FakeEngine:
         if use is not None:
             d, pin = self._pin_of(use.handle)
             if pin is None or d is None:
-                raise UpstreamStatus(500, {"error": {"message": "KV transfer failed: the handle is unknown"}},
-                                     leg="prefill", instance=base)
+                raise UpstreamStatus(
+                    500,
+                    {"error": {"message": "KV transfer failed: the handle is unknown"}},
+                    leg="prefill",
+                    instance=base,
+                )
             del d.pins[str(use.handle["remote_request_id"])]  # read (or released): D frees the blocks
             if use.tokens == 0:
                 d.released.append(str(use.handle["remote_request_id"]))
-            pulled = pin.kv[:min(use.tokens, len(prompt))]
+            pulled = pin.kv[: min(use.tokens, len(prompt))]
         cached = self._cached(p, prompt)
         start = len(pulled)
         kv = pulled + kv_extend(pulled[-1] if pulled else ROOT_KV, prompt[start:], start)
         self._remember(p, prompt)
         stage = f"stage-{next(self._ids)}"
         p.staged[stage] = kv
-        return PrefillResult(for_decode={"fake_prefill": base, "stage": stage}, cached_tokens=max(cached, start),
-                             prompt_tokens=len(prompt))
+        return PrefillResult(
+            for_decode={"fake_prefill": base, "stage": stage},
+            cached_tokens=max(cached, start),
+            prompt_tokens=len(prompt),
+        )
 
     def _pin_of(self, handle: Handle) -> tuple[Instance | None, Pin | None]:
         d = self.instances.get(str(handle.get("engine")))
@@ -221,8 +237,9 @@ class FakeEngine:
             return d, None
         return d, d.pins.get(str(handle.get("remote_request_id")))
 
-    async def _decode(self, base: str, call: DecodeCall, timeout_s: float | None) -> tuple[Instance, Generated,
-                                                                                            int, Handle | None]:
+    async def _decode(
+        self, base: str, call: DecodeCall, timeout_s: float | None
+    ) -> tuple[Instance, Generated, int, Handle | None]:
         d = await self._enter(base, "decode", timeout_s)
         prompt = self._prompt(call.body, call.prompt_ids)
         cached = self._cached(d, prompt)
@@ -230,8 +247,7 @@ class FakeEngine:
             p = self.instances.get(str(call.for_decode.get("fake_prefill")))
             kv = p.staged.pop(str(call.for_decode.get("stage")), None) if p is not None else None
             if kv is None or len(kv) != len(prompt):
-                raise UpstreamStatus(500, {"error": {"message": "prefilled KV not found"}}, leg="decode",
-                                     instance=base)
+                raise UpstreamStatus(500, {"error": {"message": "prefilled KV not found"}}, leg="decode", instance=base)
             cached = len(prompt) - 1  # all of it came from P; D computes the last token again, as vLLM's D does
         else:
             kv = kv_extend(ROOT_KV, prompt, 0)  # decode-local: its prefix cache is keyed by tokens, so exact
@@ -260,12 +276,20 @@ class FakeEngine:
         d, g, cached, handle = await self._decode(base, call, timeout_s)
         prompt = self._prompt(call.body, call.prompt_ids)
         message = _message(g)
-        collected = FakeCollected(token_ids=list(g.ids), finish_reason=g.finish_reason, handle=handle,
-                                  prompt_token_ids=prompt if call.track and not d.faults.no_token_ids else None)
+        collected = FakeCollected(
+            token_ids=list(g.ids),
+            finish_reason=g.finish_reason,
+            handle=handle,
+            prompt_token_ids=prompt if call.track and not d.faults.no_token_ids else None,
+        )
         collected.answer.message(message)
-        body = {"id": "fake", "object": "chat.completion", "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": g.finish_reason}],
-                "usage": _usage(len(prompt), g, cached, call)}
+        body = {
+            "id": "fake",
+            "object": "chat.completion",
+            "model": self.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": g.finish_reason}],
+            "usage": _usage(len(prompt), g, cached, call),
+        }
         return DecodeAnswer(body, collected)
 
     async def release(self, base: str, handle: Handle, model: str | None) -> None:
@@ -301,16 +325,23 @@ class FakeEngine:
         inst = self.instances.get(base)
         if inst is None or inst.faults.unreachable:
             return None
-        return EngineInfo(version="fake", stream_handles=None if inst.faults.no_handle_in_stream else True,
-                          takes_prompt_ids=True)
+        return EngineInfo(
+            version="fake", stream_handles=None if inst.faults.no_handle_in_stream else True, takes_prompt_ids=True
+        )
 
     async def load(self, base: str) -> LoadSample | None:
         inst = self.instances.get(base)
         if inst is None or inst.faults.unreachable:
             return None
         cap = inst.capacity_tokens
-        return LoadSample(epoch=inst.epoch, running=inst.running, kv_usage=inst.pinned_tokens / cap if cap else 0.0,
-                          prefix_cache_hits=float(inst.prefix_hits), block_size=self.block_size, capacity_tokens=cap)
+        return LoadSample(
+            epoch=inst.epoch,
+            running=inst.running,
+            kv_usage=inst.pinned_tokens / cap if cap else 0.0,
+            prefix_cache_hits=float(inst.prefix_hits),
+            block_size=self.block_size,
+            capacity_tokens=cap,
+        )
 
     async def models(self, base: str) -> list[ModelCard] | None:
         await self._enter(base, "probe")
@@ -319,8 +350,9 @@ class FakeEngine:
     async def api_get(self, base: str, path: str) -> tuple[int, bytes]:
         await self._enter(base, "probe")
         if path == "/v1/models":
-            return 200, json.dumps({"object": "list", "data": [
-                {"id": self.model, "object": "model", "max_model_len": MAX_MODEL_LEN}]}).encode()
+            return 200, json.dumps(
+                {"object": "list", "data": [{"id": self.model, "object": "model", "max_model_len": MAX_MODEL_LEN}]}
+            ).encode()
         if path == "/version":
             return 200, b'{"version":"fake"}'
         return 404, b'{"error":{"message":"not found"}}'
@@ -340,8 +372,11 @@ class FakeEngine:
             return list(ids)
         if "messages" in body:
             try:
-                text = self.template.render(body["messages"], tools=body.get("tools"),
-                                            add_generation_prompt=body.get("add_generation_prompt", True))
+                text = self.template.render(
+                    body["messages"],
+                    tools=body.get("tools"),
+                    add_generation_prompt=body.get("add_generation_prompt", True),
+                )
             except RenderError as exc:
                 raise UpstreamStatus(400, {"error": {"message": str(exc)}}, leg="render") from exc
             return self.tok.encode(text)
@@ -368,8 +403,16 @@ class FakeEngine:
         tools = body.get("tools") or ()
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
         thinking = opens_thinking(self.tok, prompt) if "messages" in body else False
-        gen = Generator(self.tok, Sampling(max_tokens=int(limit), thinking=thinking, tools=tools, drift=self.drift,
-                                           tool_choice=body.get("tool_choice") or ("auto" if tools else "none")))
+        gen = Generator(
+            self.tok,
+            Sampling(
+                max_tokens=int(limit),
+                thinking=thinking,
+                tools=tools,
+                drift=self.drift,
+                tool_choice=body.get("tool_choice") or ("auto" if tools else "none"),
+            ),
+        )
         parser = OutputParser(self.tok, parse_tools=bool(tools), thinking=thinking)
         ids: list[int] = []
         deltas: list[Delta] = []
@@ -386,8 +429,10 @@ class FakeEngine:
         deltas.append(parser.finish())
         if parser.tool_calls:
             finish = "tool_calls"
-        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                 for c in parser.final_tool_calls()]
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parser.final_tool_calls()
+        ]
         return Generated(ids, deltas, finish, kv[:-1], parser.reasoning, parser.final_content(), calls)
 
 
@@ -412,8 +457,12 @@ def _message(g: Generated) -> dict[str, Any]:
 
 def _usage(prompt: int, g: Generated, cached: int, call: DecodeCall) -> dict[str, Any]:
     shown = cached if call.cached_tokens is None else min(call.cached_tokens, prompt)
-    return {"prompt_tokens": prompt, "completion_tokens": len(g.ids), "total_tokens": prompt + len(g.ids),
-            "prompt_tokens_details": {"cached_tokens": shown}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": len(g.ids),
+        "total_tokens": prompt + len(g.ids),
+        "prompt_tokens_details": {"cached_tokens": shown},
+    }
 
 
 def _chunk(delta: dict[str, Any] | None, finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
@@ -427,8 +476,16 @@ def _chunk(delta: dict[str, Any] | None, finish: str | None = None, usage: dict[
 class FakeStream(DecodeStream):
     """D's answer as events, a few per read, with the instance's stream faults applied."""
 
-    def __init__(self, d: Instance, call: DecodeCall, g: Generated, collected: FakeCollected,
-                 handle: Handle | None, usage: dict[str, Any], faults: StreamFaults) -> None:
+    def __init__(
+        self,
+        d: Instance,
+        call: DecodeCall,
+        g: Generated,
+        collected: FakeCollected,
+        handle: Handle | None,
+        usage: dict[str, Any],
+        faults: StreamFaults,
+    ) -> None:
         self._d = d
         self._collected = collected
         self._handle = handle
@@ -520,8 +577,10 @@ def _delta(d: Delta) -> dict[str, Any]:
     if d.content:
         out["content"] = d.content
     if d.tool_calls:
-        out["tool_calls"] = [{"index": c.index, "id": c.id, "type": "function",
-                              "function": {"name": c.name, "arguments": c.arguments}} for c in d.tool_calls]
+        out["tool_calls"] = [
+            {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in d.tool_calls
+        ]
     return out
 
 

@@ -66,19 +66,24 @@ class State(TypedDict):
 def cost_priors(settings: Settings) -> CostParams:
     c = settings.costs
     return CostParams(
-        link_fixed_s=c.link_fixed_ms / 1e3, link_bytes_per_s=c.link_gbps * 1e9,
+        link_fixed_s=c.link_fixed_ms / 1e3,
+        link_bytes_per_s=c.link_gbps * 1e9,
         push_fixed_s=None if c.push_link_fixed_ms is None else c.push_link_fixed_ms / 1e3,
         push_bytes_per_s=None if c.push_link_gbps is None else c.push_link_gbps * 1e9,
-        kv_bytes_per_token=settings.kv_bytes_per_token, prefill_per_token_s=c.prefill_us_per_token / 1e6,
-        prefill_attn_s=c.prefill_attn_ns / 1e9, prefill_floor_s=c.prefill_floor_ms / 1e3, hop_s=c.hop_ms / 1e3,
+        kv_bytes_per_token=settings.kv_bytes_per_token,
+        prefill_per_token_s=c.prefill_us_per_token / 1e6,
+        prefill_attn_s=c.prefill_attn_ns / 1e9,
+        prefill_floor_s=c.prefill_floor_ms / 1e3,
+        hop_s=c.hop_ms / 1e3,
         recompute_threshold=c.recompute_threshold,
     )
 
 
 def _store(settings: Settings) -> ConversationStore:
     if settings.redis_url:
-        return RedisStore.from_url(settings.redis_url, namespace=settings.redis_namespace,
-                                   timeout_s=settings.timeouts.redis_s)
+        return RedisStore.from_url(
+            settings.redis_url, namespace=settings.redis_namespace, timeout_s=settings.timeouts.redis_s
+        )
     return MemoryStore()
 
 
@@ -101,8 +106,9 @@ async def _audit_once(svc: Services) -> bool:
         if not svc.catalog.models:
             cards = await svc.engine.models(base)
             if cards is not None:
-                svc.catalog.learned([c.name for c in cards],
-                                    {c.name: c.max_model_len for c in cards if c.max_model_len is not None})
+                svc.catalog.learned(
+                    [c.name for c in cards], {c.name: c.max_model_len for c in cards if c.max_model_len is not None}
+                )
         if not svc.settings.template_audit:
             return True
         model = next(iter(svc.models), None)
@@ -173,8 +179,14 @@ async def _shut_down(svc: Services) -> None:
         await svc.releaser.drain(SHUTDOWN_RELEASE_S)
 
 
-def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain: Drain | None = None,
-               engine: Engine | None = None, store: ConversationStore | None = None) -> Starlette:
+def create_app(
+    settings: Settings,
+    *,
+    multiprocess_dir: str | None = None,
+    drain: Drain | None = None,
+    engine: Engine | None = None,
+    store: ConversationStore | None = None,
+) -> Starlette:
     """The gateway; ``multiprocess_dir`` is set by ``serve --workers N`` (workers.py): where the workers'
     metrics meet, so that /metrics reports all of them. ``drain`` is how the server that runs the app
     tells it a shutdown began (``launch.run_uvicorn``). ``engine`` and ``store``: used instead of the ones
@@ -188,7 +200,8 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
         if multiprocess_dir is not None:
             log = log.bind(worker=os.getpid())  # which of the workers served a turn
         guard = StoreGuard(
-            store if store is not None else _store(settings), retry_s=settings.store_retry_s,
+            store if store is not None else _store(settings),
+            retry_s=settings.store_retry_s,
             on_error=lambda op: metrics.redis_errors.labels(op).inc(),
             on_state=lambda up: metrics.store_up.set(1 if up else 0),
         )
@@ -204,15 +217,30 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
             pins = PinKeeper(settings, fleet, guard, releaser, metrics, log)
             fleet.on_scraped = pins.on_scraped
             svc = Services(
-                settings=settings, engine=eng, fleet=fleet, router=router, store=guard,
-                policy=build_policy(settings.policy.name, settings.policy.params), estimator=estimator,
-                metrics=metrics, log=log, releaser=releaser, pins=pins, drain=drain, catalog=catalog,
+                settings=settings,
+                engine=eng,
+                fleet=fleet,
+                router=router,
+                store=guard,
+                policy=build_policy(settings.policy.name, settings.policy.params),
+                estimator=estimator,
+                metrics=metrics,
+                log=log,
+                releaser=releaser,
+                pins=pins,
+                drain=drain,
+                catalog=catalog,
             )
             audited = False
             with anyio.move_on_after(STARTUP_AUDIT_S):
                 audited = await _audit_once(svc)  # engines already up: know the template before serving
-            loops = [fleet.run(eng, settings.health_interval_s, settings.scrape_interval_s),
-                     _report_links(svc), releaser.run(), pins.run(), *([] if audited else [_audit_until_done(svc)])]
+            loops = [
+                fleet.run(eng, settings.health_interval_s, settings.scrape_interval_s),
+                _report_links(svc),
+                releaser.run(),
+                pins.run(),
+                *([] if audited else [_audit_until_done(svc)]),
+            ]
             tasks = [asyncio.create_task(c) for c in loops]
             for t in tasks:
                 t.add_done_callback(_log_crash)
@@ -227,10 +255,24 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
     cors = settings.cors
     middleware = [Middleware(EdgeMiddleware, settings=settings)]
     if cors.allow_origins:  # outermost: a browser's preflight is answered without credentials
-        middleware.insert(0, Middleware(
-            CORSMiddleware, allow_origins=cors.allow_origins, allow_methods=["GET", "POST"],
-            allow_headers=cors.allow_headers, allow_credentials=cors.allow_credentials, max_age=cors.max_age_s,
-            expose_headers=["x-request-id", "retry-after", "x-turnkv-outcome", "x-turnkv-action", "x-turnkv-reason"]))
+        middleware.insert(
+            0,
+            Middleware(
+                CORSMiddleware,
+                allow_origins=cors.allow_origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=cors.allow_headers,
+                allow_credentials=cors.allow_credentials,
+                max_age=cors.max_age_s,
+                expose_headers=[
+                    "x-request-id",
+                    "retry-after",
+                    "x-turnkv-outcome",
+                    "x-turnkv-action",
+                    "x-turnkv-reason",
+                ],
+            ),
+        )
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
@@ -248,8 +290,7 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
         ],
         middleware=middleware,
         lifespan=lifespan,
-        exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_exception,
-                            Exception: on_unexpected},
+        exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_exception, Exception: on_unexpected},
     )
     app.state.drain = drain  # for the server: launch.run_uvicorn tells it when a shutdown begins
     app.state.shutdown_delay_s = settings.shutdown_delay_s

@@ -17,15 +17,27 @@ from turnkv.reuse.assess import TemplateClass
 
 Render = Callable[[list[dict[str, Any]], bool], Awaitable[Sequence[int]]]
 
-PROBE_TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 _HISTORY: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a careful assistant."},
     {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": "", "reasoning": "The user wants the weather. I should call the tool.",
-     "tool_calls": [{"id": "call_1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "The user wants the weather. I should call the tool.",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
     {"role": "assistant", "content": "It is sunny and 21 C in Paris.", "reasoning": "The tool answered."},
     {"role": "user", "content": "And tomorrow?"},
@@ -52,8 +64,10 @@ async def classify(render: Render, *, tools: bool = True) -> tuple[TemplateClass
     bare = await render([*history, {k: v for k, v in _ANSWER.items() if k != "reasoning"}], False)
     if _starts(turn_next, bare):
         return TemplateClass.DROPS_REASONING, "turn N+1 drops the reasoning of turn N's answer"
-    common = next((i for i, (a, b) in enumerate(zip(turn_next, answered, strict=False)) if a != b),
-                  min(len(turn_next), len(answered)))
+    common = next(
+        (i for i, (a, b) in enumerate(zip(turn_next, answered, strict=False)) if a != b),
+        min(len(turn_next), len(answered)),
+    )
     return TemplateClass.REWRITES_HISTORY, f"turn N+1 leaves turn N's tokens at position {common}"
 
 

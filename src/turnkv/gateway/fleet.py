@@ -59,11 +59,21 @@ class _Engine:
 
     def view(self, now: float) -> InstanceView:
         return InstanceView(
-            url=self.url, role=self.role, healthy=self.healthy, routable=self.healthy and now >= self.suspended_until,
-            in_flight=self.in_flight, running=self.running, waiting=self.waiting, kv_usage=self.kv_usage,
-            epoch=self.epoch, version=self.version, stream_handles=self.stream_handles,
-            takes_prompt_ids=self.takes_prompt_ids, cache_factor=self.cache_factor,
-            capacity_tokens=self.capacity_tokens, pinned_tokens=self.pinned_tokens,
+            url=self.url,
+            role=self.role,
+            healthy=self.healthy,
+            routable=self.healthy and now >= self.suspended_until,
+            in_flight=self.in_flight,
+            running=self.running,
+            waiting=self.waiting,
+            kv_usage=self.kv_usage,
+            epoch=self.epoch,
+            version=self.version,
+            stream_handles=self.stream_handles,
+            takes_prompt_ids=self.takes_prompt_ids,
+            cache_factor=self.cache_factor,
+            capacity_tokens=self.capacity_tokens,
+            pinned_tokens=self.pinned_tokens,
             pin_budget_tokens=self.pin_budget_tokens,
         )
 
@@ -134,8 +144,12 @@ class Fleet:
             return
         e.deadline_misses += 1
         if e.deadline_misses >= MISSES_TO_SUSPEND and e.healthy and time.monotonic() >= e.suspended_until:
-            log.warning("instance.suspended url=%s reason=first_token_deadline misses=%d for_s=%.0f", url,
-                        e.deadline_misses, SUSPEND_S)
+            log.warning(
+                "instance.suspended url=%s reason=first_token_deadline misses=%d for_s=%.0f",
+                url,
+                e.deadline_misses,
+                SUSPEND_S,
+            )
             e.suspended_until = time.monotonic() + SUSPEND_S
             e.deadline_misses = MISSES_TO_SUSPEND - 1
 

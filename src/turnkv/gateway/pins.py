@@ -35,8 +35,9 @@ log = logging.getLogger("turnkv.pins")
 
 
 class PinKeeper:
-    def __init__(self, settings: Settings, fleet: Fleet, store: StoreGuard, releaser: Releaser,
-                 metrics: GatewayMetrics, log: Any) -> None:
+    def __init__(
+        self, settings: Settings, fleet: Fleet, store: StoreGuard, releaser: Releaser, metrics: GatewayMetrics, log: Any
+    ) -> None:
         self._s = settings
         self._dm = settings.decode_memory
         self._fleet = fleet
@@ -109,8 +110,13 @@ class PinKeeper:
             return 0
         self.release(entries, "pressure")
         if entries:
-            self._log.warning("pins.pressure", decode=url, released=len(entries),
-                              tokens=sum(e.tokens for e in entries), keep_tokens=keep)
+            self._log.warning(
+                "pins.pressure",
+                decode=url,
+                released=len(entries),
+                tokens=sum(e.tokens for e in entries),
+                keep_tokens=keep,
+            )
         return len(entries)
 
     async def check(self) -> None:

@@ -25,8 +25,9 @@ REMEMBERED = 8192  # pin ids already released, to never release one twice
 
 
 class Releaser:
-    def __init__(self, engine: Engine, router: Router, metrics: GatewayMetrics,
-                 model: Callable[[], str | None]) -> None:
+    def __init__(
+        self, engine: Engine, router: Router, metrics: GatewayMetrics, model: Callable[[], str | None]
+    ) -> None:
         self._engine = engine
         self._router = router
         self._metrics = metrics

@@ -53,10 +53,9 @@ def _request_id(request: Request) -> str:
 
 async def _body(svc: Services, request: Request) -> dict[str, Any]:
     s = svc.settings
-    return await read_json(request, s.max_body_bytes, timeout_s=s.limits.body_timeout_s,
-                           max_depth=s.limits.max_json_depth)
-
-
+    return await read_json(
+        request, s.max_body_bytes, timeout_s=s.limits.body_timeout_s, max_depth=s.limits.max_json_depth
+    )
 
 
 def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: bool) -> Turn:
@@ -66,15 +65,29 @@ def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: boo
     check_model(body.get("model"), svc.models)
     model = body.get("model") or next(iter(svc.models), None)
     check_output_length(body, svc.catalog.model_len.get(model) if isinstance(model, str) else None)
-    conversation = conversation_of(request.headers, body, session_headers=s.session_headers,
-                                   tenant=who.tenant, max_length=s.max_session_id_length,
-                                   from_history=s.conversation_from_history) if chat else None
+    conversation = (
+        conversation_of(
+            request.headers,
+            body,
+            session_headers=s.session_headers,
+            tenant=who.tenant,
+            max_length=s.max_session_id_length,
+            from_history=s.conversation_from_history,
+        )
+        if chat
+        else None
+    )
     if "kv_transfer_params" in body and not s.allow_client_kv_transfer_params:
         raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
     clean = {k: v for k, v in body.items() if k not in BODY_FIELDS}
     clean["cache_salt"] = cache_salt(who.tenant, body.get("cache_salt"))
-    return Turn.of(request_id=_request_id(request), body=clean, parsed=parsed,
-                   authorization=who.forward_authorization, conversation=conversation)
+    return Turn.of(
+        request_id=_request_id(request),
+        body=clean,
+        parsed=parsed,
+        authorization=who.forward_authorization,
+        conversation=conversation,
+    )
 
 
 def conversation_header(turn: Turn, response: Response) -> Response:
@@ -152,8 +165,10 @@ async def _engine_models(svc: Services) -> bytes | None:
 
 def _listed(svc: Services) -> dict[str, Any]:
     now = int(time.time())
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "turnkv"}
-                                       for n in svc.models]}
+    return {
+        "object": "list",
+        "data": [{"id": n, "object": "model", "created": now, "owned_by": "turnkv"} for n in svc.models],
+    }
 
 
 async def models(request: Request) -> Response:
@@ -188,17 +203,28 @@ async def ready(request: Request) -> Response:
     svc = services(request)
 
     def view(role: str) -> list[dict[str, Any]]:
-        return [{"url": i.url, "healthy": i.healthy, "version": i.version, "in_flight": i.in_flight,
-                 "running": i.running, "kv_cache_usage": i.kv_usage, "prefix_cache_factor": round(i.cache_factor, 3),
-                 **({"stream_handles": i.stream_handles} if role == "decode" else {})}
-                for i in svc.fleet.views(role)]
+        return [
+            {
+                "url": i.url,
+                "healthy": i.healthy,
+                "version": i.version,
+                "in_flight": i.in_flight,
+                "running": i.running,
+                "kv_cache_usage": i.kv_usage,
+                "prefix_cache_factor": round(i.cache_factor, 3),
+                **({"stream_handles": i.stream_handles} if role == "decode" else {}),
+            }
+            for i in svc.fleet.views(role)
+        ]
 
     p, d = view("prefill"), view("decode")
     ok = any(i["healthy"] for i in p) and any(i["healthy"] for i in d) and not svc.drain.draining
     if not principal(request).admin:  # engine URLs and load are an operator's business
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
     body = {
-        "ready": ok, "prefill": p, "decode": d,
+        "ready": ok,
+        "prefill": p,
+        "decode": d,
         "store": {"kind": "redis" if svc.settings.redis_url else "memory", "up": svc.store.up},
         "template": {"class": svc.catalog.template.cls.value, "detail": svc.catalog.template.detail},
         "policy": svc.policy.name,

@@ -24,9 +24,9 @@ class SSESplitter:
             if i < 0 and j < 0:
                 return out
             if j >= 0 and (i < 0 or j < i):
-                event, self._buf = self._buf[:j], self._buf[j + 4:]
+                event, self._buf = self._buf[:j], self._buf[j + 4 :]
             else:
-                event, self._buf = self._buf[:i], self._buf[i + 2:]
+                event, self._buf = self._buf[:i], self._buf[i + 2 :]
             lines = [ln[5:].lstrip(b" ") for ln in event.splitlines() if ln.startswith(b"data:")]
             if lines:
                 out.append(b"\n".join(lines))

@@ -14,7 +14,7 @@ from turnkv.reuse.assess import TemplateClass
 ADVICE = {
     TemplateClass.PRESERVES: "KV reuse applies to whole turns.",
     TemplateClass.DROPS_REASONING: "each turn's reasoning is dropped on the next turn: turnkv will reuse only "
-                                   "the blocks before the last answer (partial reuse).",
+    "the blocks before the last answer (partial reuse).",
     TemplateClass.REWRITES_HISTORY: "history is re-rendered differently on the next turn: expect little reuse.",
     TemplateClass.UNKNOWN: "",
 }

@@ -110,8 +110,16 @@ def record_unusable(claim: Claim, *, tenant: str, now: float, decode: EngineView
 
 
 def assess(
-    claim: Claim, prompt: Sequence[int], *, tenant: str, now: float, decode: EngineView | None,
-    echoed: EchoedAnswer | None, template: TemplateClass, block_size: int, prompt_chain: ChainBuilder | None = None,
+    claim: Claim,
+    prompt: Sequence[int],
+    *,
+    tenant: str,
+    now: float,
+    decode: EngineView | None,
+    echoed: EchoedAnswer | None,
+    template: TemplateClass,
+    block_size: int,
+    prompt_chain: ChainBuilder | None = None,
 ) -> Assessment:
     why = record_unusable(claim, tenant=tenant, now=now, decode=decode)
     if why is not None:
@@ -130,7 +138,10 @@ def assess(
 
 
 def explain(
-    r: ConversationRecord, diverge_start: int, echoed: EchoedAnswer | None, template: TemplateClass,
+    r: ConversationRecord,
+    diverge_start: int,
+    echoed: EchoedAnswer | None,
+    template: TemplateClass,
     block_size: int,
 ) -> Reason:
     """Why the prompt leaves D's sequence at token ``diverge_start`` (the start of the first differing block)."""

@@ -78,5 +78,6 @@ class Scorer(Protocol):
 class Picker(Protocol):
     """Chooses one candidate given their weighted scores (same order); None only when there are none."""
 
-    def pick(self, req: RouteRequest, candidates: Sequence[InstanceView],
-             scores: Sequence[float]) -> InstanceView | None: ...
+    def pick(
+        self, req: RouteRequest, candidates: Sequence[InstanceView], scores: Sequence[float]
+    ) -> InstanceView | None: ...

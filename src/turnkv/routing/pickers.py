@@ -16,8 +16,9 @@ class MaxScore:
     def __init__(self, params: NoParams) -> None:
         self._turn = itertools.count()
 
-    def pick(self, req: RouteRequest, candidates: Sequence[InstanceView],
-             scores: Sequence[float]) -> InstanceView | None:
+    def pick(
+        self, req: RouteRequest, candidates: Sequence[InstanceView], scores: Sequence[float]
+    ) -> InstanceView | None:
         if not candidates:
             return None
         best = max(scores)

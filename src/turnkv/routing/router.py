@@ -52,8 +52,13 @@ class Router:
         self.profile = profile
         self.snapshot = snapshot
 
-    def pick(self, role: str, prefer: str | None = None, exclude: frozenset[str] = frozenset(),
-             avoid: frozenset[str] = frozenset()) -> InstanceView | None:
+    def pick(
+        self,
+        role: str,
+        prefer: str | None = None,
+        exclude: frozenset[str] = frozenset(),
+        avoid: frozenset[str] = frozenset(),
+    ) -> InstanceView | None:
         """The engine of ``role`` for one request, from the engines as they are now."""
         req = RouteRequest(role, prefer, exclude, avoid)
         return self.route(req, self.snapshot(role))

@@ -37,8 +37,12 @@ class Load:
 
 
 class AffinityParams(Params):
-    slack: int = Field(8, ge=0, description="requests in flight the conversation's engine may have above the "
-                       "least loaded one and still be chosen")
+    slack: int = Field(
+        8,
+        ge=0,
+        description="requests in flight the conversation's engine may have above the "
+        "least loaded one and still be chosen",
+    )
 
 
 class Affinity:

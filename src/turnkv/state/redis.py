@@ -67,13 +67,18 @@ class RedisStore:
         self._pinned = self._redis.register_script(_PINNED)
 
     @classmethod
-    def from_url(cls, url: str, *, namespace: str = "turnkv", timeout_s: float = 0.25,
-                 max_connections: int = 64) -> RedisStore:
+    def from_url(
+        cls, url: str, *, namespace: str = "turnkv", timeout_s: float = 0.25, max_connections: int = 64
+    ) -> RedisStore:
         """One blocking pool with explicit timeouts: a slow Redis must not hold a turn; the guard in
         front of the store decides when to try again."""
         pool = BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, decode_responses=True,
+            url,
+            max_connections=max_connections,
+            timeout=timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            decode_responses=True,
         )
         # one immediate retry on a refused or reset connection, so the first command after Redis
         # comes back does not fail on a pooled connection from before; none on timeouts

@@ -39,11 +39,27 @@ from turnkv.errors import UpstreamError, UpstreamStatus
 RENDER_PATH = "/v1/chat/completions/render"
 RELEASE_TIMEOUT_S = 10.0
 # request fields that do not shape the prompt (vLLM's render refuses some of them)
-_NOT_FOR_RENDER = ("stream", "stream_options", "kv_transfer_params", "max_tokens", "max_completion_tokens",
-                   "min_tokens", "n")
+_NOT_FOR_RENDER = (
+    "stream",
+    "stream_options",
+    "kv_transfer_params",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "n",
+)
 # fields of the client's request a 1-token prefill does without
-_NOT_FOR_PREFILL = ("stream", "stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params",
-                    "return_token_ids", "n", "logprobs", "top_logprobs")
+_NOT_FOR_PREFILL = (
+    "stream",
+    "stream_options",
+    "min_tokens",
+    "min_completion_tokens",
+    "kv_transfer_params",
+    "return_token_ids",
+    "n",
+    "logprobs",
+    "top_logprobs",
+)
 
 
 class VllmEngine:
@@ -59,15 +75,21 @@ class VllmEngine:
         data = await self.upstream.post_json("render", base, RENDER_PATH, req, self._headers(meta))
         ids = data.get("token_ids")
         if not isinstance(ids, list) or not ids:
-            raise UpstreamStatus(502, {"error": {"message": "render returned no token ids"}}, leg="render",
-                                 instance=base)
+            raise UpstreamStatus(
+                502, {"error": {"message": "render returned no token ids"}}, leg="render", instance=base
+            )
         return ids  # each id is checked to be an int when the chain is built (array("q") refuses others)
 
     def _prefill_request(self, call: PrefillCall) -> tuple[str, dict[str, Any]]:
         params = handles.prefill_params(call.handle, self.block_size)
         if call.prompt_ids is not None:
-            body: dict[str, Any] = {"model": call.body.get("model"), "prompt": call.prompt_ids,
-                                    "max_tokens": 1, "stream": False, "kv_transfer_params": params}
+            body: dict[str, Any] = {
+                "model": call.body.get("model"),
+                "prompt": call.prompt_ids,
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": params,
+            }
             if call.body.get("cache_salt") is not None:
                 body["cache_salt"] = call.body["cache_salt"]
             return "/v1/completions", {k: v for k, v in body.items() if v is not None}
@@ -81,15 +103,16 @@ class VllmEngine:
 
     async def prefill(self, base: str, call: PrefillCall, meta: CallMeta) -> PrefillResult:
         path, body = self._prefill_request(call)
-        data = await self.upstream.post_json("prefill", base, path, body, self._headers(meta),
-                                             timeout_s=call.timeout_s)
+        data = await self.upstream.post_json("prefill", base, path, body, self._headers(meta), timeout_s=call.timeout_s)
         params = data.get("kv_transfer_params")
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         cached, prompt = details.get("cached_tokens"), usage.get("prompt_tokens")
-        return PrefillResult(for_decode=params if isinstance(params, dict) else None,
-                             cached_tokens=cached if isinstance(cached, int) else None,
-                             prompt_tokens=prompt if isinstance(prompt, int) else None)
+        return PrefillResult(
+            for_decode=params if isinstance(params, dict) else None,
+            cached_tokens=cached if isinstance(cached, int) else None,
+            prompt_tokens=prompt if isinstance(prompt, int) else None,
+        )
 
     def _decode_request(self, call: DecodeCall) -> dict[str, Any]:
         body = dict(call.body)
@@ -110,13 +133,15 @@ class VllmEngine:
         return DecodeCapture(keep_token_ids=call.keep_token_ids, collect=call.track, cached_tokens=call.cached_tokens)
 
     async def open_decode(self, base: str, call: DecodeCall, meta: CallMeta) -> VllmDecodeStream:
-        resp = await self.upstream.open_stream("decode", base, call.path, self._decode_request(call),
-                                               self._headers(meta))
+        resp = await self.upstream.open_stream(
+            "decode", base, call.path, self._decode_request(call), self._headers(meta)
+        )
         return VllmDecodeStream(resp, self._capture(call))
 
     async def decode_json(self, base: str, call: DecodeCall, meta: CallMeta, timeout_s: float) -> DecodeAnswer:
-        data = await self.upstream.post_json("decode", base, call.path, self._decode_request(call),
-                                             self._headers(meta), timeout_s=timeout_s)
+        data = await self.upstream.post_json(
+            "decode", base, call.path, self._decode_request(call), self._headers(meta), timeout_s=timeout_s
+        )
         capture = self._capture(call)
         return DecodeAnswer(capture.body(data), capture)
 
@@ -124,8 +149,9 @@ class VllmEngine:
         body: dict[str, Any] = {"prompt": ".", "max_tokens": 1, "kv_transfer_params": handles.release_handle(handle)}
         if model:
             body["model"] = model
-        await self.upstream.post_json("prefill", base, "/v1/completions", body, self._headers(CallMeta()),
-                                      timeout_s=RELEASE_TIMEOUT_S)
+        await self.upstream.post_json(
+            "prefill", base, "/v1/completions", body, self._headers(CallMeta()), timeout_s=RELEASE_TIMEOUT_S
+        )
 
     # -- handles -------------------------------------------------------------------------------
     def read_handle(self, handle: Handle, *, seq_len: int, block_size: int) -> HandleFacts | HandleProblem:
@@ -165,8 +191,10 @@ class VllmEngine:
         if status != 200:
             return None
         listed = json.loads(raw).get("data", [])  # vLLM lists max_model_len; OpenAI does not
-        return [ModelCard(str(m["id"]), m["max_model_len"] if isinstance(m.get("max_model_len"), int) else None)
-                for m in listed]
+        return [
+            ModelCard(str(m["id"]), m["max_model_len"] if isinstance(m.get("max_model_len"), int) else None)
+            for m in listed
+        ]
 
     # -- passed through ----------------------------------------------------------------------------
     async def api_get(self, base: str, path: str) -> tuple[int, bytes]:

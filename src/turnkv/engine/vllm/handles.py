@@ -10,8 +10,14 @@ from __future__ import annotations
 from turnkv.engine.base import Handle, HandleFacts, HandleProblem, HandleUse
 
 # a prefill for remote decode, with nothing to pull
-P_ONLY: Handle = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+P_ONLY: Handle = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 _ADDRESS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 

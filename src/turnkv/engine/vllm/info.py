@@ -17,9 +17,16 @@ from turnkv.engine.base import EngineInfo, LoadSample, Transfers
 
 log = logging.getLogger("turnkv.engine.vllm")
 PLUGIN_HEADER = "x-turnkv-plugin"  # set by plugins/vllm-turnkv: "<version>; streams=chat,completions"
-_SUMMED = ("process_start_time_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
-           "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:nixl_xfer_time_seconds_sum",
-           "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum")
+_SUMMED = (
+    "process_start_time_seconds",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_hits_total",
+    "vllm:nixl_xfer_time_seconds_sum",
+    "vllm:nixl_xfer_time_seconds_count",
+    "vllm:nixl_bytes_transferred_sum",
+)
 
 
 def version_tuple(v: str | None) -> tuple[int, ...]:
@@ -33,11 +40,16 @@ def engine_info(version: str | None, plugin: str, *, base: str, decode: bool) ->
     """What a vLLM version (and turnkv's plugin, when installed) means for turnkv."""
     streams = version_tuple(version) >= (0, 33) or "chat" in plugin.partition("streams=")[2].split(",")
     if not streams and decode:
-        log.warning("instance.no_stream_handles url=%s version=%s: streamed turns get no KV handle and run as "
-                    "plain P/D, and D still pins their blocks for decoder_kv_blocks_ttl; install the turnkv "
-                    "vLLM plugin (plugins/vllm-turnkv) or use vLLM >= 0.33", base, version)
-    return EngineInfo(version=version, stream_handles=True if streams else None,
-                      takes_prompt_ids=version_tuple(version) >= (0, 32))
+        log.warning(
+            "instance.no_stream_handles url=%s version=%s: streamed turns get no KV handle and run as "
+            "plain P/D, and D still pins their blocks for decoder_kv_blocks_ttl; install the turnkv "
+            "vLLM plugin (plugins/vllm-turnkv) or use vLLM >= 0.33",
+            base,
+            version,
+        )
+    return EngineInfo(
+        version=version, stream_handles=True if streams else None, takes_prompt_ids=version_tuple(version) >= (0, 32)
+    )
 
 
 def load_sample(text: str) -> LoadSample | None:
@@ -62,11 +74,23 @@ def load_sample(text: str) -> LoadSample | None:
     except ValueError:
         return None
     count = values.get("vllm:nixl_xfer_time_seconds_count")
-    transfers = None if count is None else Transfers(
-        count, values.get("vllm:nixl_bytes_transferred_sum", 0.0), values.get("vllm:nixl_xfer_time_seconds_sum", 0.0))
+    transfers = (
+        None
+        if count is None
+        else Transfers(
+            count,
+            values.get("vllm:nixl_bytes_transferred_sum", 0.0),
+            values.get("vllm:nixl_xfer_time_seconds_sum", 0.0),
+        )
+    )
     return LoadSample(
-        epoch=values.get("process_start_time_seconds"), running=int(values.get("vllm:num_requests_running", 0)),
-        waiting=int(values.get("vllm:num_requests_waiting", 0)), kv_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
-        prefix_cache_hits=values.get("vllm:prefix_cache_hits_total"), prefix_caching_off=caching_off,
-        block_size=block_size, capacity_tokens=capacity, transfers=transfers,
+        epoch=values.get("process_start_time_seconds"),
+        running=int(values.get("vllm:num_requests_running", 0)),
+        waiting=int(values.get("vllm:num_requests_waiting", 0)),
+        kv_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
+        prefix_cache_hits=values.get("vllm:prefix_cache_hits_total"),
+        prefix_caching_off=caching_off,
+        block_size=block_size,
+        capacity_tokens=capacity,
+        transfers=transfers,
     )

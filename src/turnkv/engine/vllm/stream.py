@@ -27,8 +27,11 @@ _OUTPUT_MARKS = (b'"content":"', b'"reasoning":"', b'"reasoning_content":"', b'"
 
 def _relay_as_is(payload: bytes) -> bool:
     """A chunk a stateless turn forwards untouched: no error, no handle, no finish to note."""
-    return (not payload.startswith(b'{"error"') and b'"kv_transfer_params":{' not in payload
-            and b'"finish_reason":"' not in payload)
+    return (
+        not payload.startswith(b'{"error"')
+        and b'"kv_transfer_params":{' not in payload
+        and b'"finish_reason":"' not in payload
+    )
 
 
 def _shows_output(payload: bytes) -> bool:
@@ -37,7 +40,7 @@ def _shows_output(payload: bytes) -> bool:
         return True
     for mark in _OUTPUT_MARKS:
         i = payload.find(mark)
-        if i >= 0 and payload[i + len(mark):i + len(mark) + 1] != b'"':
+        if i >= 0 and payload[i + len(mark) : i + len(mark) + 1] != b'"':
             return True
     return False
 
@@ -52,7 +55,7 @@ def _cut_list(payload: bytes, key: bytes) -> tuple[bytes, bytes | None]:
     end = payload.find(b"]", start)
     if end < 0:
         return payload, None
-    return payload[:start] + b"null" + payload[end + 1:], payload[start:end + 1]
+    return payload[:start] + b"null" + payload[end + 1 :], payload[start : end + 1]
 
 
 def _null_list(payload: bytes, key: bytes) -> bytes:
@@ -126,8 +129,11 @@ class DecodeCapture:
         token ids the client asked for)."""
         if payload == DONE:
             return payload, False
-        if not self.collect and _relay_as_is(payload) and not (
-                self.cached_tokens is not None and b'"cached_tokens"' in payload):
+        if (
+            not self.collect
+            and _relay_as_is(payload)
+            and not (self.cached_tokens is not None and b'"cached_tokens"' in payload)
+        ):
             return payload, _shows_output(payload)
         cut, prompt_json = _cut_list(payload, _PROMPT_IDS)
         try:
@@ -136,8 +142,7 @@ class DecodeCapture:
             return payload, False
         if not isinstance(obj, dict):
             return payload, False
-        if prompt_json is not None and not (obj.get("prompt_token_ids", 0) is None
-                                            and payload.count(_PROMPT_IDS) == 1):
+        if prompt_json is not None and not (obj.get("prompt_token_ids", 0) is None and payload.count(_PROMPT_IDS) == 1):
             # not the chunk's own top-level list (a completion's choice carries it): parse it all
             obj, prompt_json = json.loads(payload), None
         if "error" in obj and "choices" not in obj:
@@ -168,8 +173,13 @@ class DecodeCapture:
             if isinstance(ids, list):
                 self.token_ids += ids
                 visible = visible or (bool(ids) and self.keep_token_ids)
-                only_ours = not self.keep_token_ids and _empty(choice) and prompt_json is None \
-                    and "prompt_token_ids" not in obj and not obj.get("usage")
+                only_ours = (
+                    not self.keep_token_ids
+                    and _empty(choice)
+                    and prompt_json is None
+                    and "prompt_token_ids" not in obj
+                    and not obj.get("usage")
+                )
                 if not self.keep_token_ids:
                     choice["token_ids"] = None
                     nulled = _null_list(payload, b'"token_ids":[')
@@ -178,8 +188,12 @@ class DecodeCapture:
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 self.answer.delta(delta)
-                if delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") \
-                        or delta.get("tool_calls"):
+                if (
+                    delta.get("content")
+                    or delta.get("reasoning")
+                    or delta.get("reasoning_content")
+                    or delta.get("tool_calls")
+                ):
                     visible = True
             if choice.get("text"):
                 visible = True

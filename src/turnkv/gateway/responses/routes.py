@@ -51,8 +51,9 @@ async def _previous(svc: Services, tenant: str, resp_id: str) -> dict[str, Any]:
     try:
         raw = await svc.store.get_doc(_doc_key(tenant, resp_id))
     except StoreError as exc:
-        raise StoreUnavailable("the response store is unavailable: previous_response_id cannot be read now",
-                               param="previous_response_id") from exc
+        raise StoreUnavailable(
+            "the response store is unavailable: previous_response_id cannot be read now", param="previous_response_id"
+        ) from exc
     doc = json.loads(raw) if raw else None
     if not isinstance(doc, dict) or doc.get("tenant") != tenant:
         err = ClientError(f"Previous response with id '{resp_id}' not found.", param="previous_response_id")
@@ -61,14 +62,20 @@ async def _previous(svc: Services, tenant: str, resp_id: str) -> dict[str, Any]:
     return doc
 
 
-async def _store(svc: Services, tenant: str, response: dict[str, Any], history: list[dict[str, Any]],
-                 key: str | None) -> None:
+async def _store(
+    svc: Services, tenant: str, response: dict[str, Any], history: list[dict[str, Any]], key: str | None
+) -> None:
     """Keep the response for previous_response_id and GET; a failure only costs those."""
-    doc = {"tenant": tenant, "response": response, "key": key,
-           "messages": history + translate.input_messages(response["output"], where="output")}
+    doc = {
+        "tenant": tenant,
+        "response": response,
+        "key": key,
+        "messages": history + translate.input_messages(response["output"], where="output"),
+    }
     try:
-        await svc.store.put_doc(_doc_key(tenant, response["id"]), json.dumps(doc, ensure_ascii=False),
-                                svc.settings.response_ttl_s)
+        await svc.store.put_doc(
+            _doc_key(tenant, response["id"]), json.dumps(doc, ensure_ascii=False), svc.settings.response_ttl_s
+        )
     except StoreError:
         log.warning("responses.not_stored id=%s", response["id"])
 
@@ -100,11 +107,22 @@ async def create(request: Request) -> Response:
     check_output_length(body, svc.catalog.model_len.get(model) if isinstance(model, str) else None)
     body["cache_salt"] = cache_salt(tenant, raw.get("cache_salt"))
     conversation = conversation_of(
-        request.headers, raw, session_headers=s.session_headers, tenant=tenant,
-        max_length=s.max_session_id_length, messages=body["messages"],
-        response_key=previous.get("key") if previous else None, from_history=s.conversation_from_history)
-    turn = Turn.of(request_id=_request_id(request), body=body, parsed=parsed,
-                   authorization=who.forward_authorization, conversation=conversation)
+        request.headers,
+        raw,
+        session_headers=s.session_headers,
+        tenant=tenant,
+        max_length=s.max_session_id_length,
+        messages=body["messages"],
+        response_key=previous.get("key") if previous else None,
+        from_history=s.conversation_from_history,
+    )
+    turn = Turn.of(
+        request_id=_request_id(request),
+        body=body,
+        parsed=parsed,
+        authorization=who.forward_authorization,
+        conversation=conversation,
+    )
     resp_id = translate.new_id("resp")
     answer = await run_turn(svc, turn)
     key = conversation.store_key if conversation else None
@@ -116,22 +134,44 @@ async def create(request: Request) -> Response:
     return answer
 
 
-async def _whole(svc: Services, req: models.ResponsesBody, turn: Turn, answer: Response, resp_id: str,
-                 tenant: str, history: list[dict[str, Any]], key: str | None) -> Response:
+async def _whole(
+    svc: Services,
+    req: models.ResponsesBody,
+    turn: Turn,
+    answer: Response,
+    resp_id: str,
+    tenant: str,
+    history: list[dict[str, Any]],
+    key: str | None,
+) -> Response:
     chat = json.loads(bytes(answer.body))
     choice = (chat.get("choices") or [{}])[0]
     finish = choice.get("finish_reason")
     output = translate.output_items(choice.get("message") or {}, finish)
     status = "incomplete" if finish == "length" else "completed"
-    r = translate.response_object(resp_id, req, output=output, status=status, created_at=chat.get("created") or 0,
-                                  usage=translate.usage(chat.get("usage")), model=chat.get("model"))
+    r = translate.response_object(
+        resp_id,
+        req,
+        output=output,
+        status=status,
+        created_at=chat.get("created") or 0,
+        usage=translate.usage(chat.get("usage")),
+        model=chat.get("model"),
+    )
     if req.store is not False:
         await _store(svc, tenant, r, history, key)
     return JSONResponse(r, headers=_turnkv_headers(answer, turn))
 
 
-async def _translated(svc: Services, req: models.ResponsesBody, chat: Any, stream: events.EventStream,
-                      tenant: str, history: list[dict[str, Any]], key: str | None) -> Any:
+async def _translated(
+    svc: Services,
+    req: models.ResponsesBody,
+    chat: Any,
+    stream: events.EventStream,
+    tenant: str,
+    history: list[dict[str, Any]],
+    key: str | None,
+) -> Any:
     """The relayed chat stream as Responses events; the response is stored before it completes."""
     splitter = SSESplitter()
     try:

@@ -82,12 +82,24 @@ def build_record(run: TurnRun) -> ConversationRecord | Capture:
     direct = direct_enabled(svc, until_audited=True)
     now = time.time()
     return ConversationRecord(
-        tenant=turn.conversation.tenant, decode_url=str(decode_url), prefill_url=run.prefill_url,
-        handle=h, engine_id=engine_id, engine_epoch=d.epoch if d else None,
-        num_tokens=n, chain=chain.digests(), block_size=s.block_size, prompt_tokens=len(prompt), answer_digest=answer,
-        reasoning_digest=reasoning, turn=turn.index, created_at=now, expires_at=now + s.handle_ttl_s,
+        tenant=turn.conversation.tenant,
+        decode_url=str(decode_url),
+        prefill_url=run.prefill_url,
+        handle=h,
+        engine_id=engine_id,
+        engine_epoch=d.epoch if d else None,
+        num_tokens=n,
+        chain=chain.digests(),
+        block_size=s.block_size,
+        prompt_tokens=len(prompt),
+        answer_digest=answer,
+        reasoning_digest=reasoning,
+        turn=turn.index,
+        created_at=now,
+        expires_at=now + s.handle_ttl_s,
         history_digest=history_digest(turn.body, messages) if direct else None,
-        bytes_per_token=bytes_per_token(messages, len(prompt)) if direct else None, unpinned=unpinned,
+        bytes_per_token=bytes_per_token(messages, len(prompt)) if direct else None,
+        unpinned=unpinned,
     )
 
 
@@ -102,8 +114,15 @@ def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> bool:
     grown = rec.prompt_tokens - (claimed.num_tokens if claimed is not None else 0)
     new = max(bs, grown if claimed is not None else rec.prompt_tokens // 8)  # the next turn's new part, guessed
     d = svc.fleet.view(rec.decode_url)
-    f = facts(rec, prompt_tokens=rec.num_tokens + new, matched=rec.num_tokens,
-              prefill=svc.fleet.view(rec.prefill_url), decode=d, decode_holds=d is not None, block_size=bs)
+    f = facts(
+        rec,
+        prompt_tokens=rec.num_tokens + new,
+        matched=rec.num_tokens,
+        prefill=svc.fleet.view(rec.prefill_url),
+        decode=d,
+        decode_holds=d is not None,
+        block_size=bs,
+    )
     return svc.policy.keeps_pin(f, svc.estimator.params())
 
 
@@ -141,8 +160,12 @@ async def finish(run: TurnRun, *, ok: bool) -> Capture:
         result = Capture.STORE_UNAVAILABLE
         if isinstance(rec, ConversationRecord) and rec.handle is not None:
             _release(svc, rec.handle, "store_unavailable")  # nobody can use it: do not pin D for nothing
-    if not result.stored and result is not Capture.STORE_UNAVAILABLE and new_handle \
-            and svc.engine.pins_memory(new_handle):
+    if (
+        not result.stored
+        and result is not Capture.STORE_UNAVAILABLE
+        and new_handle
+        and svc.engine.pins_memory(new_handle)
+    ):
         # D pinned its blocks for a next turn that will not use them (a stateless turn, a failed one, or a
         # handle that could not be kept): give the memory back now rather than after decoder_kv_blocks_ttl
         _release(svc, new_handle, "unused" if ok else "failed_turn")

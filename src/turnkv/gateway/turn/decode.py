@@ -38,9 +38,13 @@ def _call(run: TurnRun, inst: InstanceView, prefilled: Prefilled | None) -> Deco
     turn, local = run.turn, run.plan.decode_local
     prompt_ids = run.rendered.prompt_ids
     return DecodeCall(
-        path=turn.path, body=turn.body, stream=turn.stream, track=run.stateful,
+        path=turn.path,
+        body=turn.body,
+        stream=turn.stream,
+        track=run.stateful,
         for_decode=None if local or prefilled is None else prefilled.result.for_decode,
-        prompt_ids=prompt_ids if inst.takes_prompt_ids else None, keep_token_ids=turn.return_token_ids,
+        prompt_ids=prompt_ids if inst.takes_prompt_ids else None,
+        keep_token_ids=turn.return_token_ids,
         # prompt tokens this turn did not compute, for the client's usage: P's count (its own cache and the
         # pull) on a P/D turn; D's own on a decode-local one (None: D's figure stands)
         cached_tokens=None if local or prefilled is None else prefilled.result.cached_tokens,
@@ -71,8 +75,9 @@ async def _open(run: TurnRun, inst: InstanceView, call: DecodeCall, slot: Slot) 
     except UpstreamTimeout as exc:
         if isinstance(exc, FirstTokenDeadline):
             raise
-        raise FirstTokenDeadline("the decode engine did not answer within its deadline", leg="decode",
-                                 instance=inst.url) from exc
+        raise FirstTokenDeadline(
+            "the decode engine did not answer within its deadline", leg="decode", instance=inst.url
+        ) from exc
     if isinstance(result, DecodeStream):
         return Opened(inst.url, slot, deadline, stream=result)
     assert isinstance(result, DecodeAnswer), "decode answers a stream or a body"

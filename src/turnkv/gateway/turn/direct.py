@@ -34,9 +34,19 @@ BYTES_PER_TOKEN = 2.5
 MARGIN = 1.25  # the new text may tokenize worse than the history did
 TOKENS_PER_MESSAGE = 8  # role markers and separators the template adds
 # request fields besides the messages that change the prompt the template renders
-PROMPT_FIELDS = ("model", "tools", "tool_choice", "chat_template", "chat_template_kwargs", "documents",
-                 "add_generation_prompt", "continue_final_message", "add_special_tokens", "cache_salt",
-                 "reasoning_effort")
+PROMPT_FIELDS = (
+    "model",
+    "tools",
+    "tool_choice",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "cache_salt",
+    "reasoning_effort",
+)
 
 
 def history_digest(body: Mapping[str, Any], messages: Sequence[Any]) -> str:
@@ -112,7 +122,7 @@ def continuation(messages: Sequence[Any]) -> Candidate | None:
     i = last_assistant(messages)
     if i is None:
         return None
-    tail = messages[i + 1:]
+    tail = messages[i + 1 :]
     if not tail or any(not isinstance(m, Mapping) or m.get("role") not in ("user", "tool", "system") for m in tail):
         return None
     size = text_size(tail)

@@ -37,7 +37,11 @@ def without_handle(plan: Plan, why: Fallback, *, stateful: bool, release: Handle
     free, if any), and D continues from P's KV."""
     action = Action.RECOMPUTE if plan.action in (Action.PULL, Action.DECODE_LOCAL) else plan.action
     return dataclasses.replace(
-        plan, action=action, reason=reason_after(plan, why, stateful=stateful),
-        send=HandleUse.release(release) if release is not None else None, pull_tokens=0, expected_cached=0,
+        plan,
+        action=action,
+        reason=reason_after(plan, why, stateful=stateful),
+        send=HandleUse.release(release) if release is not None else None,
+        pull_tokens=0,
+        expected_cached=0,
         direct=False,
     )

@@ -45,15 +45,25 @@ def decode_cached(rec: ConversationRecord | None, matched: int, block_size: int)
     return (matched // block_size) * block_size
 
 
-def facts(rec: ConversationRecord | None, *, prompt_tokens: int, matched: int, prefill: InstanceView | None,
-          decode: InstanceView | None, decode_holds: bool, block_size: int) -> TurnFacts:
+def facts(
+    rec: ConversationRecord | None,
+    *,
+    prompt_tokens: int,
+    matched: int,
+    prefill: InstanceView | None,
+    decode: InstanceView | None,
+    decode_holds: bool,
+    block_size: int,
+) -> TurnFacts:
     """What the policy is told of a turn continuing ``rec`` (None: nothing stored): ``matched`` tokens of
     D's sequence extend the prompt; D may run the turn itself when it ``decode_holds`` them."""
     return TurnFacts(
-        prompt_tokens=prompt_tokens, reusable_tokens=matched if rec is not None and rec.handle is not None else 0,
+        prompt_tokens=prompt_tokens,
+        reusable_tokens=matched if rec is not None and rec.handle is not None else 0,
         prefill_cached_tokens=likely_prefill_cached(rec, prefill, block_size),
         decode_cached_tokens=decode_cached(rec, matched, block_size) if decode_holds else 0,
-        decode_local_possible=decode_holds, decode_busy=decode.busy if decode is not None else 0,
+        decode_local_possible=decode_holds,
+        decode_busy=decode.busy if decode is not None else 0,
     )
 
 
@@ -69,9 +79,14 @@ def _assess(svc: Services, turn: Turn, rendered: Rendered) -> Assessment | None:
     rec = claim.record
     inst = svc.fleet.view(rec.decode_url) if rec else None
     a = assess(
-        claim, rendered.prompt_ids, tenant=turn.conversation.tenant, now=time.time(),
+        claim,
+        rendered.prompt_ids,
+        tenant=turn.conversation.tenant,
+        now=time.time(),
         decode=None if inst is None else EngineView(inst.routable, inst.epoch),
-        echoed=echoed_answer(turn.messages), template=svc.catalog.template.cls, block_size=svc.settings.block_size,
+        echoed=echoed_answer(turn.messages),
+        template=svc.catalog.template.cls,
+        block_size=svc.settings.block_size,
         prompt_chain=rendered.chain,
     )
     if rec is not None and not svc.policy.checks_tokens and a.releasable:
@@ -87,16 +102,28 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
     reason = a.reason if a is not None else rendered.reason
     prefill = svc.router.pick("prefill", prefer=rec.prefill_url if rec else None)
     decode = svc.router.pick("decode", prefer=rec.decode_url if rec else None)
-    base = Plan(Action.RECOMPUTE, reason, prefill_url=prefill.url if prefill else None,
-                decode_url=decode.url if decode else None, assessment=a)
+    base = Plan(
+        Action.RECOMPUTE,
+        reason,
+        prefill_url=prefill.url if prefill else None,
+        decode_url=decode.url if decode else None,
+        assessment=a,
+    )
     if a is None or rendered.prompt_ids is None:
         if rec is not None and rec.handle is not None and reason is Reason.RENDER_FAILED:
             return replace(base, send=HandleUse.release(rec.handle))
         return base
     bs = svc.settings.block_size
     holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
-    f = facts(rec, prompt_tokens=len(rendered.prompt_ids), matched=a.tokens, prefill=prefill, decode=decode,
-              decode_holds=holds, block_size=bs)
+    f = facts(
+        rec,
+        prompt_tokens=len(rendered.prompt_ids),
+        matched=a.tokens,
+        prefill=prefill,
+        decode=decode,
+        decode_holds=holds,
+        block_size=bs,
+    )
     costs = svc.estimator.params()
     decision = svc.policy.decide(f, costs)
     if decision.reason is not None:
@@ -105,15 +132,24 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         reason = unpinned_reason(rec)  # D's KV matched, but its handle was given back
     same_p = rec is not None and prefill is not None and prefill.url == rec.prefill_url
     local = decision.action is Action.DECODE_LOCAL
-    decided = replace(base, action=decision.action, reason=reason, estimates=estimates_ms(decision),
-                      expected_cached=f.prefill_cached_tokens,
-                      expect_hits=(rec.prompt_tokens // bs) * bs if rec is not None and same_p and not local else 0)
+    decided = replace(
+        base,
+        action=decision.action,
+        reason=reason,
+        estimates=estimates_ms(decision),
+        expected_cached=f.prefill_cached_tokens,
+        expect_hits=(rec.prompt_tokens // bs) * bs if rec is not None and same_p and not local else 0,
+    )
     if rec is None:
         return decided
     if decision.action is Action.PULL and rec.handle is not None:
         pulled = pulled_tokens(costs, f)
-        return replace(decided, send=HandleUse(rec.handle, a.tokens), pull_tokens=pulled,
-                       expected_cached=f.prefill_cached_tokens + pulled)
+        return replace(
+            decided,
+            send=HandleUse(rec.handle, a.tokens),
+            pull_tokens=pulled,
+            expected_cached=f.prefill_cached_tokens + pulled,
+        )
     if local:  # D's own cache holds the conversation
         return replace(decided, decode_url=rec.decode_url, expected_cached=f.decode_cached_tokens)
     if rec.handle is not None and a.releasable:
@@ -135,18 +171,32 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         return None
     echoed = cand.echoed
     if echoed.answer_digest != rec.answer_digest or (
-            rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest):
+        rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest
+    ):
         return None
-    history = turn.messages[:cand.answer_at]
+    history = turn.messages[: cand.answer_at]
     if rec.history_digest is None or history_digest(turn.body, history) != rec.history_digest:
         return None  # the history before the answer changed (compacted, tools, options): render and check
     bs = svc.settings.block_size
     prefill = svc.router.pick("prefill", prefer=rec.prefill_url)
-    f = facts(rec, prompt_tokens=rec.num_tokens + cand.new_tokens(rec.bytes_per_token), matched=rec.num_tokens,
-              prefill=prefill, decode=d, decode_holds=True, block_size=bs)
+    f = facts(
+        rec,
+        prompt_tokens=rec.num_tokens + cand.new_tokens(rec.bytes_per_token),
+        matched=rec.num_tokens,
+        prefill=prefill,
+        decode=d,
+        decode_holds=True,
+        block_size=bs,
+    )
     decision = svc.policy.decide(f, svc.estimator.params())
     if decision.action is not Action.DECODE_LOCAL:
         return None
-    return Plan(Action.DECODE_LOCAL, Reason.DECODE_LOCAL, prefill_url=prefill.url if prefill else None,
-                decode_url=rec.decode_url, expected_cached=f.decode_cached_tokens, estimates=estimates_ms(decision),
-                direct=True)
+    return Plan(
+        Action.DECODE_LOCAL,
+        Reason.DECODE_LOCAL,
+        prefill_url=prefill.url if prefill else None,
+        decode_url=rec.decode_url,
+        expected_cached=f.decode_cached_tokens,
+        estimates=estimates_ms(decision),
+        direct=True,
+    )

@@ -31,8 +31,9 @@ async def run(run: TurnRun) -> Prefilled:
         if inst is None:
             break
         send = run.plan.send
-        call = PrefillCall(turn.path, turn.body, run.rendered.prompt_ids, send,
-                           svc.settings.timeouts.prefill_first_token_s)
+        call = PrefillCall(
+            turn.path, turn.body, run.rendered.prompt_ids, send, svc.settings.timeouts.prefill_first_token_s
+        )
         t0 = time.perf_counter()
         run.journal.handle_spent = run.journal.handle_spent or send is not None
         try:
@@ -77,5 +78,10 @@ def _observe(run: TurnRun, done: Prefilled) -> None:
     else:
         return
     cached = done.result.cached_tokens if done.result.cached_tokens is not None else plan.expected_cached
-    svc.estimator.observe_prefill(new_tokens=n - cached, context_tokens=cached, pulled_tokens=plan.pull_tokens,
-                                  seconds=done.seconds, block_size=svc.settings.block_size)
+    svc.estimator.observe_prefill(
+        new_tokens=n - cached,
+        context_tokens=cached,
+        pulled_tokens=plan.pull_tokens,
+        seconds=done.seconds,
+        block_size=svc.settings.block_size,
+    )

@@ -66,8 +66,14 @@ async def run(svc: Services, turn: Turn) -> Rendered:
         if claim is not None and cand is not None:
             local = plan.direct(svc, turn, claim, cand)
             if local is not None:
-                return Rendered(Next.DECODE, local.reason, claim=claim, claimed=_claimed(claim),
-                                seconds=time.perf_counter() - t0, direct=local)
+                return Rendered(
+                    Next.DECODE,
+                    local.reason,
+                    claim=claim,
+                    claimed=_claimed(claim),
+                    seconds=time.perf_counter() - t0,
+                    direct=local,
+                )
         if first and (claim is None or claim.status is ClaimStatus.MISSING):
             # P and D render the messages themselves, as in plain P/D
             reason = Reason.NO_RECORD if claim is not None else Reason.STORE_UNAVAILABLE
@@ -97,5 +103,6 @@ async def run(svc: Services, turn: Turn) -> Rendered:
         svc.metrics.upstream_errors.labels("render", "protocol").inc()
         return failed
     reason = Reason.STORE_UNAVAILABLE if claim is None else Reason.NO_SESSION  # PLAN says why, from the record
-    return Rendered(Next.PLAN, reason, prompt_ids=rendered, chain=chain, claim=claim, claimed=_claimed(claim),
-                    seconds=seconds)
+    return Rendered(
+        Next.PLAN, reason, prompt_ids=rendered, chain=chain, claim=claim, claimed=_claimed(claim), seconds=seconds
+    )

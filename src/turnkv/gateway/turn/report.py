@@ -16,8 +16,12 @@ def headers(run: TurnRun) -> dict[str, str]:
     """The turn's decision, for clients and benchmarks that want to see it. Token counts and prefill time
     tell a client about the engines' caches (README, Security and limits): only with decision_headers full."""
     plan, prefilled = run.plan, run.prefilled
-    h = {"x-request-id": run.turn.request_id, "x-turnkv-outcome": plan.outcome(run.stateful),
-         "x-turnkv-action": plan.action.value, "x-turnkv-reason": plan.reason.value}
+    h = {
+        "x-request-id": run.turn.request_id,
+        "x-turnkv-outcome": plan.outcome(run.stateful),
+        "x-turnkv-action": plan.action.value,
+        "x-turnkv-reason": plan.reason.value,
+    }
     if plan.direct:
         h["x-turnkv-direct"] = "true"  # decode-local without a render call (turn/direct.py)
     if run.svc.settings.decision_headers != "full":
@@ -63,12 +67,28 @@ def account(run: TurnRun, capture: Capture) -> None:
     conv = turn.conversation
     a = plan.assessment
     svc.log.info(
-        "turn", request_id=turn.request_id, conversation=conv.log_id if conv else None, turn=turn.index,
-        outcome=outcome, action=plan.action.value, reason=plan.reason.value,
-        matched_tokens=a.tokens if a else 0, tokens_pulled=plan.pull_tokens, tokens_cached=cached,
-        tokens_computed=computed, prompt_tokens=n_prompt, generated_tokens=generated, prefill=run.prefill_url,
-        decode=run.decode_url, render_ms=round(run.rendered.seconds * 1e3, 2), planned_ms=round(run.planned_s * 1e3, 2),
-        prefill_ms=round((prefilled.seconds if prefilled else 0.0) * 1e3, 2), ttft_ms=ttft_ms,
-        capture=capture.value, retries=list(run.journal.retries) or None, estimates_ms=dict(plan.estimates) or None,
-        direct=plan.direct or None, conversation_source=conv.source if conv else None,
+        "turn",
+        request_id=turn.request_id,
+        conversation=conv.log_id if conv else None,
+        turn=turn.index,
+        outcome=outcome,
+        action=plan.action.value,
+        reason=plan.reason.value,
+        matched_tokens=a.tokens if a else 0,
+        tokens_pulled=plan.pull_tokens,
+        tokens_cached=cached,
+        tokens_computed=computed,
+        prompt_tokens=n_prompt,
+        generated_tokens=generated,
+        prefill=run.prefill_url,
+        decode=run.decode_url,
+        render_ms=round(run.rendered.seconds * 1e3, 2),
+        planned_ms=round(run.planned_s * 1e3, 2),
+        prefill_ms=round((prefilled.seconds if prefilled else 0.0) * 1e3, 2),
+        ttft_ms=ttft_ms,
+        capture=capture.value,
+        retries=list(run.journal.retries) or None,
+        estimates_ms=dict(plan.estimates) or None,
+        direct=plan.direct or None,
+        conversation_source=conv.source if conv else None,
     )

@@ -43,14 +43,27 @@ class Turn:
         return msgs if isinstance(msgs, list) else []
 
     @classmethod
-    def of(cls, *, request_id: str, body: Mapping[str, Any], parsed: ChatBody | CompletionBody,
-           authorization: str | None, conversation: Conversation | None) -> Turn:
+    def of(
+        cls,
+        *,
+        request_id: str,
+        body: Mapping[str, Any],
+        parsed: ChatBody | CompletionBody,
+        authorization: str | None,
+        conversation: Conversation | None,
+    ) -> Turn:
         """The turn for ``body`` (as the engines get it), ``parsed`` being the client's body validated."""
         answers = sum(1 for m in parsed.messages if m.role == "assistant") if isinstance(parsed, ChatBody) else 0
         out = body.get("max_completion_tokens") or body.get("max_tokens")
         return cls(
-            request_id=request_id, body=body, stream=bool(parsed.stream), meta=CallMeta(request_id, authorization),
-            conversation=conversation, index=1 + answers,
-            path=CHAT_PATH if isinstance(parsed, ChatBody) else COMPLETIONS_PATH, n=parsed.n or 1,
-            max_output=out if isinstance(out, int) else None, return_token_ids=bool(parsed.return_token_ids),
+            request_id=request_id,
+            body=body,
+            stream=bool(parsed.stream),
+            meta=CallMeta(request_id, authorization),
+            conversation=conversation,
+            index=1 + answers,
+            path=CHAT_PATH if isinstance(parsed, ChatBody) else COMPLETIONS_PATH,
+            n=parsed.n or 1,
+            max_output=out if isinstance(out, int) else None,
+            return_token_ids=bool(parsed.return_token_ids),
         )

@@ -156,5 +156,6 @@ class Capture(enum.StrEnum):
         return cls(f"stored_{why}")
 
 
-_STORED = frozenset({Capture.STORED, Capture.STORED_NOT_NEEDED, Capture.STORED_DECODE_LOCAL,
-                     Capture.STORED_NO_HANDLE_IN_STREAM})
+_STORED = frozenset(
+    {Capture.STORED, Capture.STORED_NOT_NEEDED, Capture.STORED_DECODE_LOCAL, Capture.STORED_NO_HANDLE_IN_STREAM}
+)

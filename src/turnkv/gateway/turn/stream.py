@@ -171,8 +171,7 @@ async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> 
     finally:
         if not finished:
             opened = run.opened
-            if opened is not None and opened.stream is not None and not opened.stream.closed \
-                    and run.aborted is None:
+            if opened is not None and opened.stream is not None and not opened.stream.closed and run.aborted is None:
                 with anyio.CancelScope(shield=True):
                     await opened.stream.salvage(SALVAGE_S)
         run.close_answer()
