@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from turnkv.engine.vllm.info import load_sample
+from turnkv.gateway import fleet as fleet_module
 from turnkv.gateway.fleet import MISSES_TO_SUSPEND, Fleet
 from turnkv.routing import InstanceView
 
@@ -139,3 +142,15 @@ def test_a_snapshot_does_not_change_under_its_reader() -> None:
     after = f.views("prefill")
     assert [v.in_flight for v in after] == [0, 1, 0] and not after[2].healthy
     slot.release()
+
+
+def test_a_suspension_that_ran_out_is_seen_by_the_next_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_module, "SUSPEND_S", 0.05)
+    f = fleet()
+    for _ in range(MISSES_TO_SUSPEND):
+        f.missed_deadline("http://p0")
+    assert not view(f).routable and view(f) is view(f)  # nothing changed: the same snapshot
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not view(f).routable:  # the clock, not a change, lifts it
+        time.sleep(0.01)
+    assert view(f).routable

@@ -56,9 +56,19 @@ class _Engine:
     pin_budget_tokens: int | None = None
     hits: float | None = field(default=None, repr=False)
     transfers: Transfers | None = field(default=None, repr=False)
+    _view: InstanceView | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name != "_view":
+            object.__setattr__(self, "_view", None)  # what the last snapshot said no longer holds
 
     def view(self, now: float) -> InstanceView:
-        return InstanceView(
+        """A snapshot; the same one again while nothing changed (and no suspension ran out since)."""
+        cached = self._view
+        if cached is not None and (cached.routable or not cached.healthy or now < self.suspended_until):
+            return cached
+        v = InstanceView(
             url=self.url,
             role=self.role,
             healthy=self.healthy,
@@ -76,6 +86,8 @@ class _Engine:
             pinned_tokens=self.pinned_tokens,
             pin_budget_tokens=self.pin_budget_tokens,
         )
+        object.__setattr__(self, "_view", v)
+        return v
 
 
 class Slot:
