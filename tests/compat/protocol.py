@@ -44,7 +44,7 @@ ENUM_KEYS = frozenset(
 )
 # response headers that are compared (others, e.g. date, server, content-length, are not)
 COMPARED_HEADERS = ("content-type",)
-# metric names turnkv reads from engines (gateway/registry.py), which both sides must expose
+# metric names turnkv reads from engines (engine/vllm/info.py), which both sides must expose
 SCRAPED_METRICS = ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total")
 
 

@@ -17,14 +17,12 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from turnkv.gateway.answer import echoed_answer, last_assistant
 from turnkv.gateway.services import Services
+from turnkv.gateway.turn.request import Turn
 from turnkv.reuse.assess import EchoedAnswer, TemplateClass
-
-if TYPE_CHECKING:
-    from turnkv.gateway.turn.request import Turn
 
 # Text bytes per token: measured on the conversation itself at each capture (its messages' bytes over
 # its prompt's tokens), and used with a margin; before any measurement, a low guess (English runs ~4,

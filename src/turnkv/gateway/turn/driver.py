@@ -14,7 +14,7 @@ import time
 
 from starlette.responses import JSONResponse, Response
 
-from turnkv.errors import UpstreamError, retryable
+from turnkv.errors import UpstreamError, UpstreamUnavailable, retryable
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn import capture, decode, plan, prefill, render, report, stream
 from turnkv.gateway.turn.request import Turn
@@ -26,7 +26,7 @@ from turnkv.reuse.cost import Action
 
 async def _legs(run: TurnRun) -> None:
     """P (unless the plan is decode-local), then D; a decode-local turn no D could take goes through P."""
-    while True:
+    for _ in range(2):  # the second time as plain P/D, where decode answers or raises
         prefilled = None
         if not run.plan.decode_local:
             run.check()
@@ -37,6 +37,7 @@ async def _legs(run: TurnRun) -> None:
             run.opened = opened
             return
         run.fall_back(Fallback.DECODE_LOCAL_FAILED)
+    raise UpstreamUnavailable("no decode engine is available", leg="decode")
 
 
 def _plan(run: TurnRun, rendered: Rendered) -> Plan:
