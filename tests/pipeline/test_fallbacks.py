@@ -43,7 +43,7 @@ async def test_a_non_streamed_answer_past_its_deadline_is_run_again() -> None:
 
 async def test_a_decode_engine_past_its_deadline_gives_way_to_another() -> None:
     engine = FakeEngine([P0], [D0, D1])
-    async with gateway(engine, decode=[D0, D1], timeouts={"decode_first_token_s": 0.1}) as gw:
+    async with gateway(engine, decode=[D0, D1], timeouts={"decode_first_token_s": 0.5}) as gw:
         chat = await conversation(gw, stream=True)
         late = gw.turns[-1]["decode"]
         engine.faults(late, stall=1)

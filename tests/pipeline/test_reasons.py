@@ -256,7 +256,7 @@ async def test_a_stream_without_ds_handle() -> None:
 
 
 async def test_a_decode_engine_past_its_first_token_deadline() -> None:
-    async with gateway(timeouts={"decode_first_token_s": 0.2}) as gw:
+    async with gateway(timeouts={"decode_first_token_s": 0.5}) as gw:
         chat = await conversation(gw, stream=True)
         gw.engine.faults(D0, stall=1)
         a = await chat.say("go on")
