@@ -23,18 +23,18 @@ handle released under a turn that holds it nor a handle used after its release:
   leaves the record alone, and the entry is not returned: the claiming turn owns the handle. The
   entry is dropped only when it names that pin id, so a newer pin stored meanwhile stays indexed.
   If the second step fails the entry is an orphan, which prune drops.
-* put: the record (replacing whatever is there, a marker included), then its index entry, in one pipeline (one server runs them in that order; in
-  a Cluster two nodes may run them in either order). A claim between the two leaves an orphan
-  entry (the evict CAS refuses it, prune drops it). Should the entry land first, an evict in
-  between finds the record without that pin and drops the entry unreturned: the handle stays
-  pinned, unindexed, until its next turn claims it or D's TTL frees it. A put that replaces a
-  record holding another pin drops that pin's entry in one more round trip (rare: concurrent turns
-  of one conversation).
+* put: the record (replacing whatever is there, a marker included), then its index entry, in one
+  pipeline (one server runs them in that order; in a Cluster two nodes may run them in either
+  order). A claim between the two leaves an orphan entry (the evict CAS refuses it, prune drops
+  it). Should the entry land first, an evict in between finds no record holding that pin and
+  drops the entry unreturned: the handle stays pinned, unindexed, until its next turn claims it or
+  D's TTL frees it. A put that replaces a record holding another pin drops that pin's entry in one
+  more round trip (rare: concurrent turns of one conversation).
 * evict: pick entries off the index (removed atomically there), then per record a CAS that strips
-  the handle only if the record still holds that pin id (a marker holds none); only those are returned
-  for release. A claim before the CAS keeps the handle (it owns it); one after gets the record
-  without it. If the CAS step fails, the picked records keep their handles, unindexed: a lost
-  budget entry, never a release of a handle in use.
+  the handle only if the record still holds that pin id (a marker holds none); only those are
+  returned for release. A claim before the CAS keeps the handle (it owns it); one after gets the
+  record without it. If the CAS step fails, the picked records keep their handles, unindexed: a
+  lost budget entry, never a release of a handle in use.
 * prune: read the index, ask the records whether they still hold each pin, then drop entries by
   their exact stored value (the nonce), so an entry stored again meanwhile is kept.
 
@@ -42,12 +42,18 @@ Round trips: claim 1 (2 when the record holds a handle), put 1, release 1, pinne
 of engines, evict 2 per 256 entries, prune 1-3, docs 1; plus one per script on the first use after
 Redis lost its script cache (NOSCRIPT: load, run again).
 
+The in-flight TTL bounds what a crashed gateway leaves behind: its markers go after
+``in_flight_ttl_s``. A marker that times out while its turn still runs costs nothing but a reason
+code: a concurrent turn then finds nothing instead of ``in_flight`` and recomputes either way, and
+the last put wins; claims stay single-use, so no handle is used twice.
+
 Connections: at most ``max_connections`` operations run at once per store (an asyncio semaphore in
 front of redis-py's pools, the same for the three topologies, whose pools are sized to match). A
 call that waits longer than ``pool_timeout_s`` for its turn raises ``StoreBusy``: load, not an
-outage, which the guard does not count as Redis being down. Connections retry a command once on a
-connection error (a pooled connection Redis dropped while it was away), never on a timeout.
-Every redis-py error is translated here, once, into ``StoreError``.
+outage, which the guard does not count as Redis being down. A command is retried once, at once, on
+a connection error (a pooled connection Redis dropped while it was away), never on a timeout (a
+Cluster client also retries a timeout once, on a fresh view of the slots). Every redis-py error
+is translated here, once, into ``StoreError``.
 """
 
 from __future__ import annotations
@@ -328,25 +334,26 @@ class RedisStore:
         return Claim(ClaimStatus.FOUND, record)
 
     async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
+        async with self._op("put"):
+            replaced = (await self._batch(self._put_calls(key, record, ttl_s)))[0]
+            if replaced:  # a record holding another pin was overwritten: that pin's entry goes too
+                await self._eval(UNPIN, self._index_by_id(str(replaced[1])).keys, [key, str(replaced[0])])
+
+    def _put_calls(self, key: str, record: ConversationRecord, ttl_s: float) -> list[_Call]:
+        """Put's steps: the record, then (when it holds a handle) its index entry."""
         k = self.conversation_key(key)
         ttl_ms = max(1, int(ttl_s * 1000))
         body = dataclasses.replace(record, handle=None).to_json()
-        calls: list[_Call] = []
         if record.handle is None:
-            calls.append((PUT, [k], [body, "", "", "", ttl_ms]))
-        else:
-            pin = _pin_of(record.handle)
-            index = self._index(record.decode_url)
-            entry = json.dumps({
-                "pin": pin, "tokens": record.num_tokens, "handle": record.handle, "stored_at": record.created_at,
-                "expires_at": record.expires_at, "epoch": record.engine_epoch, "n": secrets.token_hex(4),
-            }, separators=(",", ":"))
-            calls.append((PUT, [k], [body, json.dumps(record.handle, separators=(",", ":")), pin, index.id, ttl_ms]))
-            calls.append((PIN_ADD, index.keys, [key, repr(record.created_at), entry, record.num_tokens]))
-        async with self._op("put"):
-            replaced = (await self._batch(calls))[0]
-            if replaced:  # an unclaimed record with another pin was overwritten: its entry goes too
-                await self._eval(UNPIN, self._index_by_id(str(replaced[1])).keys, [key, str(replaced[0])])
+            return [(PUT, [k], [body, "", "", "", ttl_ms])]
+        pin = _pin_of(record.handle)
+        index = self._index(record.decode_url)
+        entry = json.dumps({
+            "pin": pin, "tokens": record.num_tokens, "handle": record.handle, "stored_at": record.created_at,
+            "expires_at": record.expires_at, "epoch": record.engine_epoch, "n": secrets.token_hex(4),
+        }, separators=(",", ":"))
+        return [(PUT, [k], [body, json.dumps(record.handle, separators=(",", ":")), pin, index.id, ttl_ms]),
+                (PIN_ADD, index.keys, [key, repr(record.created_at), entry, record.num_tokens])]
 
     async def release(self, key: str, *, owner: str) -> None:
         async with self._op("release"):
@@ -370,19 +377,27 @@ class RedisStore:
         return out
 
     async def evict(self, decode_url: str, *, keep_tokens: int, why: str) -> list[PinEntry]:
-        index = self._index(decode_url)
         out: list[PinEntry] = []
         for _ in range(MAX_EVICT_ROUNDS):
             async with self._op("evict"):
-                more, flat = await self._eval(EVICT_PICK, index.keys, [keep_tokens, EVICT_BATCH])
-                picked = [_entry(decode_url, str(flat[i]), str(flat[i + 1])) for i in range(0, len(flat), 2)]
-                if picked:
-                    stripped = await self._batch(
-                        [(STRIP, [self.conversation_key(e.key)], [pin, why]) for e, pin in picked])
-                    out.extend(e for (e, _), ok in zip(picked, stripped, strict=True) if int(ok) == 1)
-            if not int(more):
+                more, picked = await self._pick(decode_url, keep_tokens)
+                out += await self._strip(picked, why)
+            if not more:
                 break
         return out
+
+    async def _pick(self, decode_url: str, keep_tokens: int) -> tuple[bool, list[tuple[PinEntry, str]]]:
+        """Evict's first step: entries off the index, idle longest first (at most ``EVICT_BATCH``),
+        with their pin ids; whether more must go."""
+        more, flat = await self._eval(EVICT_PICK, self._index(decode_url).keys, [keep_tokens, EVICT_BATCH])
+        return bool(int(more)), [_entry(decode_url, str(flat[i]), str(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+    async def _strip(self, picked: Sequence[tuple[PinEntry, str]], why: str) -> list[PinEntry]:
+        """Evict's second step: the CAS on each record; the entries whose record gave up its handle."""
+        if not picked:
+            return []
+        stripped = await self._batch([(STRIP, [self.conversation_key(e.key)], [pin, why]) for e, pin in picked])
+        return [e for (e, _), ok in zip(picked, stripped, strict=True) if int(ok) == 1]
 
     async def prune(self, decode_url: str, *, now: float, epoch: float | None) -> list[PinEntry]:
         index = self._index(decode_url)
