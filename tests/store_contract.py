@@ -20,6 +20,7 @@ from turnkv.state.redis import RedisStore
 D1, D2, D3 = "http://d1:8200", "http://d2:8200", "http://d3:8200"
 LONG_TTL_S = 600.0
 SHORT_TTL_S = 0.05
+SHORT_MARKER_TTL_S = 0.05
 CONCURRENT = 200
 
 
@@ -40,7 +41,8 @@ class Backend:
     store: ConversationStore
     other: ConversationStore  # a second replica on the same data (the same store in process)
     elapse: Callable[[float], Awaitable[None]]  # let this much time pass for the stores' TTLs
-    in_flight_ttl_s: float
+    short_markers: ConversationStore  # a store on the same data whose in-flight markers time out soon
+    short_marker_ttl_s: float
 
 
 def keys(entries: list[PinEntry]) -> list[str]:
@@ -87,9 +89,13 @@ class StoreContract:
     async def test_a_marker_times_out(self, backend: Backend) -> None:
         s = backend.store
         await s.put("k", rec(), LONG_TTL_S)
-        await s.claim("k", owner="crashed")
-        await backend.elapse(backend.in_flight_ttl_s * 1.5)
+        await s.put("j", rec(), LONG_TTL_S)
+        assert (await backend.short_markers.claim("k", owner="crashed")).status is ClaimStatus.FOUND
+        await backend.elapse(backend.short_marker_ttl_s * 4)
         assert (await s.claim("k", owner="b")).status is ClaimStatus.MISSING
+        # a put after its marker timed out still stores (last put wins)
+        await backend.short_markers.put("k", rec("p9"), LONG_TTL_S)
+        assert (await s.claim("k", owner="c")).record == rec("p9")
 
     async def test_a_record_times_out(self, backend: Backend) -> None:
         s = backend.store

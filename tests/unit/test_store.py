@@ -14,7 +14,7 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import SSLConnection
 
-from tests.store_contract import Backend, RedisContract, StoreContract, rec
+from tests.store_contract import SHORT_MARKER_TTL_S, Backend, RedisContract, StoreContract, rec
 from turnkv.config import ConfigError, load_settings
 from turnkv.errors import StoreBusy, StoreError
 from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus
@@ -24,7 +24,7 @@ from turnkv.state.record import FORMAT_VERSION, ConversationRecord
 from turnkv.state.redis import RedisStore, TLSOptions
 from turnkv.state.redis_url import RedisTarget, Topology, parse_redis_url
 
-FAKE_IN_FLIGHT_TTL_S = 0.05
+
 
 
 class TestMemoryStore(StoreContract):
@@ -36,7 +36,7 @@ class TestMemoryStore(StoreContract):
             now[0] += seconds
 
         s = MemoryStore(clock=lambda: now[0])
-        yield Backend(s, s, elapse, IN_FLIGHT_TTL_S)
+        yield Backend(s, s, elapse, s, IN_FLIGHT_TTL_S)
         await s.close()
 
 
@@ -44,11 +44,11 @@ class TestRedisStoreOnFakeredis(StoreContract, RedisContract):
     @pytest.fixture
     async def backend(self) -> AsyncIterator[Backend]:
         server = fakeredis.FakeServer()
-        a, b = (RedisStore(fakeredis.aioredis.FakeRedis(server=server, decode_responses=True),
-                           in_flight_ttl_s=FAKE_IN_FLIGHT_TTL_S) for _ in range(2))
-        yield Backend(a, b, asyncio.sleep, FAKE_IN_FLIGHT_TTL_S)  # Redis TTLs run on the wall clock
-        await a.close()
-        await b.close()
+        a, b, short = (RedisStore(fakeredis.aioredis.FakeRedis(server=server, decode_responses=True),
+                                  in_flight_ttl_s=ttl) for ttl in (60.0, 60.0, SHORT_MARKER_TTL_S))
+        yield Backend(a, b, asyncio.sleep, short, SHORT_MARKER_TTL_S)  # Redis TTLs run on the wall clock
+        for s in (a, b, short):
+            await s.close()
 
 
 def test_record_round_trip() -> None:

@@ -77,7 +77,7 @@ from redis.asyncio.connection import (
     UnixDomainSocketConnection,
 )
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, NoScriptError, RedisClusterException, RedisError
@@ -451,6 +451,12 @@ class RedisStore:
         except TimeoutError:
             raise StoreBusy(f"redis {op}: no connection free within {self._pool_timeout_s} s") from None
         try:
+            if isinstance(self._redis, RedisCluster):
+                # a no-op once the client knows the slots; without it, commands that start while
+                # it is still learning them (first use, or after a reset on MOVED or a failover)
+                # go to an arbitrary node and come back MOVED: redis-py (8.1) picks their route
+                # before it waits for the slots
+                await self._redis.initialize()
             yield
         except MaxConnectionsError as exc:  # a pool below max_connections; not an outage either
             raise StoreBusy(f"redis {op}: {exc}") from exc
@@ -485,7 +491,9 @@ class RedisStore:
     async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
         async with self._redis.pipeline(transaction=False) as pipe:
             for script, keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                # not pipe.evalsha: redis-py refuses it in Cluster pipelines, for scripts whose keys
+                # may span slots; ours each touch one slot, which routes them like any keyed command
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
             return list(await pipe.execute(raise_on_error=False))
 
 
@@ -507,6 +515,22 @@ def _entry(decode_url: str, key: str, raw: str) -> tuple[PinEntry, str]:
                         engine_epoch=None if d["epoch"] is None else float(d["epoch"])), str(d["pin"])
     except (ValueError, TypeError, KeyError) as exc:
         raise StoreError(f"redis: unreadable pin index entry for {key!r}: {exc}") from exc
+
+
+class _SentinelConnection(SentinelManagedConnection):
+    """Asks Sentinel where the master is on every connect. redis-py (8.1) does so only in
+    ``connect()``, while a command on a dropped connection reconnects through
+    ``connect_check_health()``, to the old address: after a failover the retry of the command that
+    met READONLY went back to the demoted master and failed again."""
+
+    async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+
+class _SentinelSSLConnection(_SentinelConnection, SSLConnection):
+    pass
 
 
 def _client(target: RedisTarget, *, command_timeout_s: float, max_connections: int,
@@ -534,8 +558,9 @@ def _client(target: RedisTarget, *, command_timeout_s: float, max_connections: i
             "socket_timeout": command_timeout_s, "socket_connect_timeout": command_timeout_s,
             "decode_responses": True, "retry": retry, **({"ssl": True, **ssl} if target.tls else {})}
         sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
-        master = sentinel.master_for(target.service, max_connections=max_connections, db=target.db,
-                                     **conn_kwargs, **({"ssl": True, **ssl} if target.tls else {}))
+        master = sentinel.master_for(
+            target.service, max_connections=max_connections, db=target.db,
+            connection_class=_SentinelSSLConnection if target.tls else _SentinelConnection, **conn_kwargs, **ssl)
         return master, [sentinel]
     if target.path is not None:
         pool = ConnectionPool(connection_class=UnixDomainSocketConnection, path=target.path, db=target.db,
