@@ -25,8 +25,6 @@ from turnkv.state.redis import RedisStore, TLSOptions
 from turnkv.state.redis_url import RedisTarget, Topology, parse_redis_url
 
 
-
-
 class TestMemoryStore(StoreContract):
     @pytest.fixture
     async def backend(self) -> AsyncIterator[Backend]:
