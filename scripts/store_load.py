@@ -7,7 +7,8 @@ both behind the current guard (which opens for ``store_retry_s`` on any error th
 ``StoreBusy``; the old store never raised that). Optionally Redis is stopped for a second mid-run.
 
     .venv/bin/python scripts/store_load.py --streams 1000 --turns 6
-    .venv/bin/python scripts/store_load.py --streams 1000 --turns 12 --outage-at 3
+    .venv/bin/python scripts/store_load.py --streams 1000 --turns 12 --outage-at 3 --settle-s 2.5
+    .venv/bin/python scripts/store_load.py --restart-probe 32
 
 Reports per store: turns, turns that ran stateless (claim or put failed or skipped while the guard
 was open), claims that met an in-flight marker (left behind by a put that failed: every
@@ -226,6 +227,20 @@ async def run(kind: str, server: Server, args: argparse.Namespace) -> dict[str, 
     return out
 
 
+async def restart_probe(kind: str, server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    """``n`` pooled connections, Redis restarted, then ``n`` calls at once: how many fail."""
+    n = args.restart_probe
+    url = f"redis://127.0.0.1:{server.port}/0"
+    store: Any = OldStore(url, args.redis_timeout_s) if kind == "old" else RedisStore.from_url(
+        url, command_timeout_s=args.redis_timeout_s)
+    await asyncio.gather(*(store.put(f"k{i}", record(f"k{i}", 0), 600.0) for i in range(n)))
+    server.stop()
+    await asyncio.to_thread(server.start)
+    got = await asyncio.gather(*(store.claim(f"k{i}", owner="o") for i in range(n)), return_exceptions=True)
+    await store.close()
+    return {"store": kind, "calls_after_restart": n, "failed": sum(isinstance(g, Exception) for g in got)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=1000)
@@ -238,6 +253,7 @@ def main() -> None:
     p.add_argument("--settle-s", type=float, default=0.0, help="count turns starting this long after Redis is back")
     p.add_argument("--stores", default="old,new")
     p.add_argument("--count-round-trips", action="store_true")
+    p.add_argument("--restart-probe", type=int, default=0, help="instead: N pooled connections, restart, N calls")
     p.add_argument("--max-connections", type=int, default=256, help="the new store's redis_max_connections")
     p.add_argument("--pool-timeout-s", type=float, default=0.5, help="the new store's redis_pool_timeout_s")
     args = p.parse_args()
@@ -246,7 +262,8 @@ def main() -> None:
         server.start()
         try:
             for kind in args.stores.split(","):
-                print(json.dumps(asyncio.run(run(kind, server, args))), flush=True)
+                probe = restart_probe if args.restart_probe else run
+                print(json.dumps(asyncio.run(probe(kind, server, args))), flush=True)
         finally:
             server.stop()
 

@@ -95,6 +95,7 @@ DEFAULT_IN_FLIGHT_TTL_S = 60.0
 EVICT_BATCH = 256  # entries per pick; a pick and its CAS pipeline are one round trip each
 MAX_EVICT_ROUNDS = 64  # 16k entries per evict call at most
 PRUNE_CHUNK = 512  # records asked per pipeline
+_REDIS_ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,27 +312,16 @@ class RedisStore:
 
     async def claim(self, key: str, *, owner: str) -> Claim:
         async with self._op("claim"):
-            res = await self._eval(CLAIM, [self.conversation_key(key)], [owner, self._in_flight_ms])
-        status = str(res[0])
-        if status == "missing":
-            return Claim(ClaimStatus.MISSING)
-        if status == "in_flight":
-            return Claim(ClaimStatus.IN_FLIGHT)
-        if status != "found":
-            return Claim(ClaimStatus.CORRUPT)
-        try:
-            record = _decode(str(res[1]), str(res[2]), str(res[3]))
-        except (ValueError, TypeError, KeyError):
-            return Claim(ClaimStatus.CORRUPT)
-        if record.handle is not None:
-            try:
-                async with self._op("claim.unindex"):
+            claim = _claim_of(await self._eval(CLAIM, [self.conversation_key(key)], [owner, self._in_flight_ms]))
+            record = claim.record
+            if record is not None and record.handle is not None:
+                try:
                     await self._eval(UNPIN, self._index(record.decode_url).keys, [key, _pin_of(record.handle)])
-            except StoreError as exc:
-                # the claim stands (the turn owns the handle); the entry left behind is an orphan
-                # that evict's CAS refuses and prune drops
-                log.warning("store.claim_unindex_failed reason=orphan_entry error=%s", exc)
-        return Claim(ClaimStatus.FOUND, record)
+                except _REDIS_ERRORS as exc:
+                    # the claim stands (the turn owns the handle); the entry left behind is an
+                    # orphan that evict's CAS refuses and prune drops
+                    log.warning("store.claim_unindex_failed reason=orphan_entry error=%s: %s", type(exc).__name__, exc)
+        return claim
 
     async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
         async with self._op("put"):
@@ -460,7 +450,7 @@ class RedisStore:
             yield
         except MaxConnectionsError as exc:  # a pool below max_connections; not an outage either
             raise StoreBusy(f"redis {op}: {exc}") from exc
-        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+        except _REDIS_ERRORS as exc:
             raise StoreError(f"redis {op} failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self._slots.release()
@@ -495,6 +485,20 @@ class RedisStore:
                 # may span slots; ours each touch one slot, which routes them like any keyed command
                 pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
             return list(await pipe.execute(raise_on_error=False))
+
+
+def _claim_of(res: Sequence[Any]) -> Claim:
+    status = str(res[0])
+    if status == "missing":
+        return Claim(ClaimStatus.MISSING)
+    if status == "in_flight":
+        return Claim(ClaimStatus.IN_FLIGHT)
+    if status == "found":
+        try:
+            return Claim(ClaimStatus.FOUND, _decode(str(res[1]), str(res[2]), str(res[3])))
+        except (ValueError, TypeError, KeyError):
+            pass
+    return Claim(ClaimStatus.CORRUPT)
 
 
 def _decode(body: str, handle: str, unpinned: str) -> ConversationRecord:
