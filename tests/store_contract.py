@@ -286,8 +286,8 @@ class RedisContract:
         assert isinstance(s, RedisStore)
         raw = s._redis
         await raw.set(s.conversation_key("string"), "{not a record")
-        await raw.hset(s.conversation_key("no-body"), "x", "1")  # type: ignore[misc]
-        await raw.hset(s.conversation_key("bad-json"), "r", "{not json")  # type: ignore[misc]
+        await raw.hset(s.conversation_key("no-body"), "x", "1")
+        await raw.hset(s.conversation_key("bad-json"), "r", "{not json")
         for k in ("string", "no-body", "bad-json"):
             assert (await s.claim(k, owner="a")).status is ClaimStatus.CORRUPT
             await s.put(k, rec(f"p-{k}"), LONG_TTL_S)

@@ -140,6 +140,7 @@ class SentinelSetup:
             addr = c.sentinel_get_master_addr_by_name(self.service)
         finally:
             c.close()
+        assert isinstance(addr, tuple), f"Sentinel does not know {self.service}"
         return int(addr[1])
 
     def fail_over(self) -> None:

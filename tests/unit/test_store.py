@@ -168,7 +168,7 @@ async def test_each_scheme_builds_its_client_with_the_pool_timeouts_and_tls() ->
     kw = pool.connection_kwargs
     assert pool.connection_class is SSLConnection and pool.max_connections == 7
     assert {k: kw[k] for k in TLS_KWARGS} == TLS_KWARGS and (kw["socket_timeout"], kw["db"]) == (0.3, 2)
-    conn = pool.make_connection()  # the retry the pool's connections get (a client's own is ignored)
+    conn = pool.make_connection()  # type: ignore[no-untyped-call]  # the retry the pool's connections get (a client's own is ignored)
     assert conn.retry.get_retries() == 1
     await single.close()
 
