@@ -36,6 +36,8 @@ class GatewayMetrics:
                                        registry=r)
         self.retries = Counter("turnkv_retries", "Retried engine calls", ["leg", "reason"], registry=r)
         self.redis_errors = Counter("turnkv_redis_errors", "Conversation store failures", ["op"], registry=r)
+        self.store_busy = Counter("turnkv_store_busy", "Store calls that found every connection busy (load, not "
+                                  "an outage; the turn ran without its record)", ["op"], registry=r)
         self.store_up = Gauge("turnkv_store_up", "1 when the conversation store answers", registry=r,
                               multiprocess_mode="livemin")
         self.captures = Counter("turnkv_handle_captures", "Decode handles captured or missed", ["result"],

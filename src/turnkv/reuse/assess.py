@@ -25,6 +25,7 @@ class Reason(enum.StrEnum):
     CONCURRENT_TURN = "concurrent_turn"
     CORRUPT_RECORD = "corrupt_record"
     STORE_UNAVAILABLE = "store_unavailable"
+    STORE_BUSY = "store_busy"  # every store connection stayed busy past the pool wait: this turn only
     RENDER_FAILED = "render_failed"
     UNSUPPORTED_REQUEST = "unsupported_request"
     EXPIRED = "expired"

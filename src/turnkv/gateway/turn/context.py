@@ -55,6 +55,7 @@ class TurnContext:
     prompt_chain: ChainBuilder | None = None
     claim: Claim | None = None
     claimed: bool = False  # the store holds our in-flight marker
+    store_busy: bool = False  # the claim found every store connection busy (load, not an outage)
     render_s: float = 0.0  # render and claim, side by side
     direct: bool = False  # decode-local without a render (turn/direct.py)
     handle_spent: bool = False  # the claimed handle went to P: it cannot be put back

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from turnkv.errors import ClientError, StoreError, UpstreamError, UpstreamStatus
+from turnkv.errors import ClientError, StoreBusy, StoreError, UpstreamError, UpstreamStatus
 from turnkv.gateway.turn import direct
 from turnkv.gateway.turn.context import TurnContext, TurnState
 from turnkv.reuse.assess import Reason
@@ -42,10 +42,17 @@ async def _render(ctx: TurnContext) -> list[int]:
     return ids  # each id is checked to be an int when the chain is built (array("q") refuses others)
 
 
+def _no_store(ctx: TurnContext) -> Reason:
+    return Reason.STORE_BUSY if ctx.store_busy else Reason.STORE_UNAVAILABLE
+
+
 async def _claim(ctx: TurnContext) -> Claim | None:
     assert ctx.conversation is not None
     try:
         claim = await ctx.svc.store.claim(ctx.conversation.key, owner=ctx.request_id)
+    except StoreBusy:
+        ctx.store_busy = True
+        return None
     except StoreError:
         return None
     ctx.claimed = claim.status in (ClaimStatus.FOUND, ClaimStatus.CORRUPT)
@@ -71,7 +78,7 @@ async def run(ctx: TurnContext) -> TurnState:
             ctx.render_s = time.perf_counter() - t0
             return TurnState.DECODE
         if first and (claim is None or claim.status is ClaimStatus.MISSING):
-            ctx.reason = Reason.NO_RECORD if claim is not None else Reason.STORE_UNAVAILABLE
+            ctx.reason = Reason.NO_RECORD if claim is not None else _no_store(ctx)
             return TurnState.PREFILL  # P and D render the messages themselves, as in plain P/D
         try:
             rendered = await _render(ctx)
@@ -99,5 +106,5 @@ async def run(ctx: TurnContext) -> TurnState:
         return TurnState.PLAN
     ctx.prompt_ids = rendered
     if claim is None:
-        ctx.reason = Reason.STORE_UNAVAILABLE
+        ctx.reason = _no_store(ctx)
     return TurnState.PLAN
