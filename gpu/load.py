@@ -107,19 +107,25 @@ class Shape:
     prefill_tps: float = 35_000.0  # P's (or D's) prefill, tokens/s
     step_s: float = 0.030  # one decode step with up to 32 streams
     kv_tokens: int = 300_000  # KV capacity of one engine at 0.42 of the H200 (144 KiB per token)
+    kv_bytes_per_token: int = 147_456
+    pull_bytes_per_s: float = 20e9  # D -> P over CUDA IPC GET (5-34 GB/s measured)
 
 
 def estimate_wave_s(n: int, turns: int, system: int, user: int, answer: int, think: float, *, mode: str,
                     p_cache: bool, shape: Shape = Shape()) -> float:
     """One wave: each turn's prefill (all N conversations queue on one engine: the whole prompt, or only
     the new part where a cache or a pull holds the rest and the N contexts fit an engine's KV), then
-    its answer (in rounds where N contexts do not fit D at once), then the think time."""
+    its answer (in rounds where N contexts do not fit D at once), then the think time. adaptive-pull
+    pulls every later turn's history from D; adaptive runs it decode-local from D's prefix cache."""
     total = 0.0
     for k in range(1, turns + 1):
         ctx = system + k * user + (k - 1) * answer
         fits = n * ctx <= shape.kv_tokens
-        reuse = k > 1 and (mode == "adaptive-pull" or (fits and (p_cache or mode not in ("plain", "pd-direct"))))
+        pull = k > 1 and mode == "adaptive-pull"
+        reuse = pull or (k > 1 and fits and (p_cache or mode not in ("plain", "pd-direct")))
         prefill = n * ((user + answer) if reuse else ctx) / shape.prefill_tps
+        if pull:
+            prefill += n * (ctx - user) * shape.kv_bytes_per_token / shape.pull_bytes_per_s
         at_once = max(1, min(n, shape.kv_tokens // max(ctx + answer, 1)))
         total += prefill + math.ceil(n / at_once) * answer * shape.step_s + (think if k < turns else 0.0)
     return total

@@ -115,9 +115,10 @@ def part_markdown(res: dict[str, Any], images: dict[str, str]) -> str:
                      _pair(t.get("turn 1")), _pair(t.get("later turns")), _f((t.get("later turns") or {}).get("max")),
                      _pair(w.get("itl_ms")), _f(w.get("wall_s"), 1)])
     out += ["", "### Turns", "", "Answered of expected; hung = the client's deadline passed; failed = an error "
-            "answer; unsent = turns a conversation did not reach (after a failed turn, or cut at the time budget). "
+            "answer; not answered = turns a conversation did not reach after a failed turn, or cut at the time budget "
+            "(sent or not). "
             "Times in ms, client-side.", "",
-            md_table(["mode", "wave", "answered", "hung", "failed", "unsent", "cut", "TTFT p50 / p99 turn 1",
+            md_table(["mode", "wave", "answered", "hung", "failed", "not answered", "cut", "TTFT p50 / p99 turn 1",
                       "TTFT p50 / p99 later turns", "TTFT max later", "ITL p50 / p99", "wave s"], rows)]
     turns = sorted({int(k) for _, w in waves(res) for k in w.get("ttft_ms_by_turn", {})})
     rows = [[m["mode"], w["wave"], *[_pair(w["ttft_ms_by_turn"].get(str(k))) for k in turns]] for m, w in waves(res)]
@@ -137,7 +138,8 @@ def part_markdown(res: dict[str, Any], images: dict[str, str]) -> str:
             f"{a.get('sample_s')} s (`vllm:kv_cache_usage_perc`, running, waiting) and the gateway's "
             "(`turnkv_pinned_kv_bytes`, `turnkv_pinned_kv_budget_bytes`, as GB and as a share of D's KV capacity "
             "`turnkv_pinned_kv_capacity_bytes`); releases and first-token deadline misses are the gateway's "
-            "counters over the wave.", "",
+            "counters over the wave. The gateway refreshes its pinned gauges at each janitor pass "
+            "(`decode_memory.janitor_interval_s`, 5 s), D its usage at every scheduler step.", "",
             md_table(["mode", "wave", "D KV peak", "D running peak", "D waiting peak", "pinned peak GB",
                       "budget GB", "releases (why)", "deadline misses"], rows)]
     rows = []
