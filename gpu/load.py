@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [MODES[m] for m in a.modes.split(",") if m]
     res: dict[str, Any] = {"backend": devlib.backend(), "label": a.label, "args": vars(a), "modes": [],
                            "skipped": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                           "think_time": "exponential, mean --think-time-s (turnkv bench)"}
+                           "think_time": "exponential"}  # turnkv bench's: mean --think-time-s
     try:
         specs = start_engines(a, res)
         p, d = specs[0].url, specs[1].url
