@@ -60,6 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import devlib
 import engines
 
+if devlib.backend() == "vllm":  # aiohttp: the device image has it; vLLM's wheels in /root/site too
+    sys.path += [devlib.GATEWAY_SITE, devlib.VLLM_SITE]
+
 from turnkv.bench.client import Target
 from turnkv.bench.records import RequestRecord
 from turnkv.bench.runner import run_load
