@@ -158,3 +158,28 @@ def test_a_decode_engine_that_misses_the_first_token_deadline(procs: list[launch
     assert "deadline" in str(err.value)  # an answer within seconds, not minutes of silence
     for e in c.decode:
         sim_control(e.url, delay_ms=0)
+
+
+def test_a_busy_decode_engine_is_waited_for_past_the_first_token_deadline(
+        procs: list[launch.Running], tmp_path: Path) -> None:
+    # D decodes in real time and three long answers sent to it directly hold its KV: a turn waits there
+    # for blocks far longer than the 1 s deadline, while D's counters show it working. Giving up on a
+    # busy engine would only add a retry to its queue: the turn is waited for, and answered.
+    c = start_cluster(procs, tmp_path, compat="0.33", decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160"),
+                      gateway_env={"TURNKV_TIMEOUTS__DECODE_FIRST_TOKEN_S": "1"})
+    hogs = []
+    for i in range(3):
+        http = httpx.Client(timeout=60)
+        body = {"model": "sim-model", "prompt": f"hog {i}", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        hogs.append((http, http.send(http.build_request("POST", c.decode[0].url + "/v1/completions", json=body),
+                                     stream=True)))
+    wait_for(lambda: sim_state(c.decode[0].url)["free_blocks"] < 8, timeout_s=30,
+             what="D's KV held by the long answers")
+    with Dialogue(c, session="a", stream=True) as d:
+        turn = d.step()
+    assert turn.correct
+    assert metric(c.gateway.url, "turnkv_first_token_deadline_misses_total") == 0
+    assert metric(c.decode[0].url, "vllm:num_preemptions_total") > 0  # D was out of blocks meanwhile
+    for http, resp in hogs:
+        resp.close()
+        http.close()

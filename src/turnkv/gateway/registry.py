@@ -31,7 +31,8 @@ AFFINITY_SLACK = 8  # in-flight requests a preferred instance may have above the
 MIN_EXPECTED_HITS = 256  # tokens of expected cache hits before the observed ones are compared with them
 MISSES_TO_SUSPEND = 3  # first-token deadlines missed in a row before an engine is taken out of routing
 SUSPEND_S = 30.0  # how long; then one more miss takes it out again
-_SCRAPED = ("process_start_time_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
+_PROGRESS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")  # work done: moving means busy
+_SCRAPED = (*_PROGRESS, "process_start_time_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
             "vllm:kv_cache_usage_perc",
             "vllm:prefix_cache_hits_total", "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count",
             "vllm:nixl_bytes_transferred_sum")
@@ -51,6 +52,8 @@ class Instance:
     capacity_tokens: int | None = None  # KV cache size: num_gpu_blocks x block_size (vllm:cache_config_info)
     deadline_misses: int = 0  # first-token deadlines missed in a row
     suspended_until: float = 0.0  # monotonic; out of routing until then (missed deadlines), whatever /health says
+    progressed_at: float = 0.0  # monotonic; when its token counters last moved (it computed something)
+    _work: float | None = field(default=None, repr=False)
     stream_handles: bool | None = None  # whether its SSE streams end with a KV handle (seen, or by version)
     # how much of the prefix-cache hit the gateway expects actually happens (1: all; 0: cache off or evicting)
     cache_factor: float = 1.0
@@ -206,6 +209,10 @@ class Registry:
                 inst.epoch = start
                 self.on_restart(inst)
             inst.epoch = start
+        work = sum(values.get(k, 0.0) for k in _PROGRESS)
+        if inst._work is not None and work > inst._work:
+            inst.progressed_at = time.monotonic()
+        inst._work = work
         inst.running = int(values.get("vllm:num_requests_running", 0))
         inst.waiting = int(values.get("vllm:num_requests_waiting", 0))
         inst.kv_usage = values.get("vllm:kv_cache_usage_perc", 0.0)

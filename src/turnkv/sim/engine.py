@@ -181,6 +181,8 @@ class Engine:
         while True:
             freed = self._freed
             try:
+                if self._preempted:  # vLLM's waiting queue is first come first served: they go first
+                    raise OutOfBlocks("preempted requests wait")
                 self._admit(seq)
                 return
             except OutOfBlocks:

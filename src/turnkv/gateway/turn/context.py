@@ -86,7 +86,8 @@ class TurnContext:
     retries: list[str] = field(default_factory=list)
     tried_decode: set[str] = field(default_factory=set)
     avoid_decode: set[str] = field(default_factory=set)  # missed a first-token deadline: another D if any
-    first_token_deadline: float = 0.0  # loop time by which D's first visible token must come
+    decode_deadline: Deadline | None = None  # for D's first visible token (turn/stream.py)
+    decode_sent: float = 0.0  # loop time the decode request went out
     aborted: str | None = None  # why the gateway ended the turn early ("shutdown")
     abort_event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -133,23 +134,52 @@ def _close_response(task: asyncio.Future[Any]) -> None:
         task.result().close()
 
 
-async def until_aborted(ctx: TurnContext, call: Awaitable[T], timeout_s: float | None = None) -> T:
-    """``call``, unless the turn is aborted (``ShuttingDown``) or ``timeout_s`` passes first
-    (``FirstTokenDeadline``); the call is cancelled then (an open response closed)."""
+@dataclass(frozen=True)
+class Deadline:
+    """How long an engine may take to start answering: ``first_s``, renewed while the engine shows
+    progress on other work (its token counters moved within the last ``first_s``: it is busy, not
+    stuck, and giving up would only add a retry to its queue), up to ``cap_s`` in all."""
+
+    leg: str
+    url: str
+    first_s: float
+    cap_s: float
+
+    def extend(self, ctx: TurnContext, started: float, now: float) -> bool:
+        inst = ctx.svc.registry.get(self.url)
+        busy = inst is not None and time.monotonic() - inst.progressed_at < self.first_s
+        return busy and now - started + self.first_s <= self.cap_s
+
+
+async def until_aborted(ctx: TurnContext, call: Awaitable[T], deadline: Deadline | None = None, *,
+                        started: float | None = None) -> T:
+    """``call``, unless the turn is aborted (``ShuttingDown``) or ``deadline`` (counted from ``started``,
+    a loop time; default now) passes first (``FirstTokenDeadline``); the call is cancelled then (an
+    open response closed)."""
     if ctx.aborted is not None:
         if inspect.iscoroutine(call):
             call.close()
         raise ShuttingDown("the gateway is shutting down; send the turn again")
+    loop = asyncio.get_running_loop()
+    started = loop.time() if started is None else started
+    until = started + deadline.first_s if deadline is not None else None
     task = asyncio.ensure_future(call)
     stop = asyncio.ensure_future(ctx.abort_event.wait())
     try:
-        done, _ = await asyncio.wait({task, stop}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        while True:
+            timeout = None if until is None else max(0.0, until - loop.time())
+            done, _ = await asyncio.wait({task, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            if stop in done or deadline is None or not deadline.extend(ctx, started, loop.time()):
+                break
+            until = loop.time() + deadline.first_s
     finally:
         stop.cancel()
-    if task in done:
-        return task.result()
     task.add_done_callback(_close_response)
     task.cancel()
     if ctx.aborted is not None:
         raise ShuttingDown("the gateway is shutting down; send the turn again")
-    raise FirstTokenDeadline("the engine missed its first-token deadline", leg="decode")
+    assert deadline is not None
+    raise FirstTokenDeadline(f"the {deadline.leg} engine missed its first-token deadline", leg=deadline.leg,
+                             instance=deadline.url)

@@ -20,7 +20,7 @@ import aiohttp
 from turnkv.errors import FirstTokenDeadline, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from turnkv.gateway.registry import Instance
 from turnkv.gateway.sse import DecodeCapture
-from turnkv.gateway.turn.context import TurnContext, TurnState, until_aborted
+from turnkv.gateway.turn.context import Deadline, TurnContext, TurnState, until_aborted
 from turnkv.reuse.assess import release_handle
 from turnkv.reuse.cost import Action
 from turnkv.state.base import ClaimStatus
@@ -66,18 +66,19 @@ async def _open(ctx: TurnContext, inst: Instance, body: dict[str, Any]) -> None:
     """Send D the turn: a stream is opened (its first token is awaited by the relay, within the same
     deadline), or a non-streamed answer read whole; either gives way when the turn is aborted."""
     svc = ctx.svc
-    loop = asyncio.get_running_loop()
-    ctx.first_token_deadline = loop.time() + svc.settings.timeouts.decode_first_token_s
+    t = svc.settings.timeouts
+    ctx.decode_deadline = Deadline("decode", inst.url, t.decode_first_token_s, t.decode_read_s)
+    ctx.decode_sent = asyncio.get_running_loop().time()
     call: Awaitable[Any]
     if ctx.stream:
         call = svc.upstream.open_stream("decode", inst.url, ctx.path, body, ctx.headers())
-        timeout = ctx.first_token_deadline - loop.time()
+        deadline: Deadline | None = ctx.decode_deadline
     else:
         call = svc.upstream.post_json("decode", inst.url, ctx.path, body, ctx.headers(),
                                       timeout_s=_timeout_s(ctx))
-        timeout = None
+        deadline = None
     try:
-        result = await until_aborted(ctx, call, timeout)
+        result = await until_aborted(ctx, call, deadline)
     except UpstreamTimeout as exc:
         if isinstance(exc, FirstTokenDeadline):
             raise

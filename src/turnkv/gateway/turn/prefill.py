@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
-from turnkv.gateway.turn.context import TurnContext, TurnState, until_aborted
+from turnkv.gateway.turn.context import Deadline, TurnContext, TurnState, until_aborted
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
 
@@ -59,10 +59,11 @@ async def run(ctx: TurnContext) -> TurnState:
         t0 = time.perf_counter()
         ctx.handle_spent = ctx.handle_spent or handle is not None
         try:
+            t = svc.settings.timeouts
             with svc.registry.busy(inst):
-                call = svc.upstream.post_json("prefill", inst.url, path, body, ctx.headers(),
-                                              timeout_s=svc.settings.timeouts.prefill_first_token_s)
-                data = await until_aborted(ctx, call)
+                call = svc.upstream.post_json("prefill", inst.url, path, body, ctx.headers())
+                data = await until_aborted(ctx, call, Deadline("prefill", inst.url, t.prefill_first_token_s,
+                                                               t.prefill_s))
         except UpstreamError as exc:
             last = exc
             if isinstance(exc, UpstreamTimeout):

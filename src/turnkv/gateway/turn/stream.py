@@ -23,11 +23,11 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from turnkv.errors import GatewayError, ShuttingDown, UpstreamProtocolError, UpstreamTimeout
+from turnkv.errors import FirstTokenDeadline, GatewayError, ShuttingDown, UpstreamProtocolError, UpstreamTimeout
 from turnkv.gateway.errors import sse_error_event
 from turnkv.gateway.sse import DONE, SSESplitter, frame
 from turnkv.gateway.turn import capture
-from turnkv.gateway.turn.context import TurnContext
+from turnkv.gateway.turn.context import TurnContext, until_aborted
 
 DRAIN_TIMEOUT_S = 1.0
 SALVAGE_S = 0.5
@@ -93,15 +93,14 @@ async def _tail(ctx: TurnContext, splitter: SSESplitter) -> AsyncIterator[bytes]
 
 
 async def _await_head(ctx: TurnContext, splitter: SSESplitter) -> bytes | None:
-    """``_head`` within the first-token deadline (raises ``_Missed``)."""
-    loop = asyncio.get_running_loop()
+    """``_head`` within the first-token deadline, counted from when the request went out (raises
+    ``_Missed``; None when the turn was aborted)."""
     try:
-        async with asyncio.timeout_at(max(ctx.first_token_deadline, loop.time())) as scope:
-            return await _head(ctx, splitter)
-    except TimeoutError:
-        if scope.expired():
-            raise _Missed from None
-        raise
+        return await until_aborted(ctx, _head(ctx, splitter), ctx.decode_deadline, started=ctx.decode_sent)
+    except FirstTokenDeadline:
+        raise _Missed from None
+    except ShuttingDown:
+        return None
 
 
 async def _salvage(ctx: TurnContext) -> None:
