@@ -7,6 +7,7 @@
 #   bash gpu/session.sh C2   more link-rate variants                                             ~8 min
 #   bash gpu/session.sh D1   setup, then TTFT at 16k with CUDA IPC GET on, P cache off            ~9 min
 #   bash gpu/session.sh D2   the same at 4k, then 16k with P's cache on                            ~8 min
+#   bash gpu/session.sh L4   (fresh machine) setup, 64 conversations again: adaptive, then plain        ~9 min
 #   bash gpu/session.sh D3   (fresh machine) setup, correctness with CUDA IPC GET, 16k P cache on  ~9.5 min
 #   bash gpu/session.sh L1   setup, 8b pair with CUDA IPC GET, load: 32 conversations x 4 turns x
 #                            2 waves, P cache on; plain, adaptive, adaptive-pull, colocated         ~9.5 min
@@ -84,6 +85,12 @@ case "$part" in
     python3 gpu/engines.py down
     step ttft_ipc_on "$(left 575)" python3 gpu/ttft.py --label ipc_cache_on --p-cache on --histories 16384 \
       --modes never-pull,always-pull,adaptive-pull,adaptive --time-budget-s "$(left 500)"
+    python3 gpu/engines.py down
+    ;;
+  L4)  # (fresh machine) setup, then 64 conversations again: adaptive first, then plain P/D, same engines
+    step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }
+    step load_L4 "$(left 575)" python3 gpu/load.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --label L4_64_cache_on \
+      --conversations 64 --turns 3 --p-cache on --modes adaptive,plain --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
     python3 gpu/engines.py down
     ;;
   L1|L2|L3)  # issue 9's load proof (gpu/load.py); both engines with CUDA IPC GET on, kept up from L1 to L3

@@ -119,7 +119,7 @@ def _keeps_pin(ctx: TurnContext, rec: ConversationRecord) -> bool:
     facts = TurnFacts(
         prompt_tokens=rec.num_tokens + new, reusable_tokens=rec.num_tokens,
         prefill_cached_tokens=likely_prefill_cached(rec, prefill, bs), decode_cached_tokens=(rec.num_tokens // bs) * bs,
-        decode_local_possible=d is not None, decode_busy=d.busy if d is not None else 0,
+        decode_local_possible=d is not None and svc.pins.room_for_local(d), decode_busy=d.busy if d is not None else 0,
     )
     return svc.policy.keeps_pin(facts, svc.estimator.params())
 

@@ -158,6 +158,8 @@ def try_direct(ctx: TurnContext, claim: Claim, cand: Candidate) -> bool:
     if record_unusable(claim, tenant=ctx.conversation.tenant, now=time.time(), decode=view) is not None:
         return False
     assert d is not None
+    if not svc.pins.room_for_local(d):
+        return False  # rendered and planned: the plan says why
     echoed = cand.echoed
     if echoed.answer_digest != rec.answer_digest or (
             rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest):

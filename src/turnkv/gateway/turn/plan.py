@@ -99,6 +99,8 @@ async def _plan(ctx: TurnContext) -> TurnState:
     same_p = rec is not None and prefill is not None and prefill.url == rec.prefill_url
     p_cached = likely_prefill_cached(rec, prefill, bs)
     d_holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
+    pressed = d_holds and decode is not None and not svc.pins.room_for_local(decode)
+    d_holds = d_holds and not pressed
     pullable = rec is not None and rec.handle is not None
     facts = TurnFacts(
         prompt_tokens=len(ctx.prompt_ids), reusable_tokens=a.tokens if pullable else 0,
@@ -111,6 +113,8 @@ async def _plan(ctx: TurnContext) -> TurnState:
     ctx.estimates = estimates_ms(decision)
     if decision.reason is not None:
         ctx.reason = decision.reason
+    elif pressed and decision.action is Action.RECOMPUTE:
+        ctx.reason = Reason.DECODE_BUSY  # D would have taken it, but is short of KV or has a queue
     elif rec is not None and not pullable and a.full and decision.action is Action.RECOMPUTE:
         ctx.reason = unpinned_reason(rec)  # D's KV matched, but its handle was given back
     ctx.expected_cached = p_cached
