@@ -213,3 +213,22 @@ def test_a_busy_decode_engine_is_waited_for_past_the_first_token_deadline(
     assert metric(c.gateway.url, "turnkv_first_token_deadline_misses_total") == 0
     assert metric(c.decode[0].url, "vllm:num_preemptions_total") > 0  # D was out of blocks meanwhile
     _unhog(hogs)
+
+
+def test_a_client_that_leaves_before_the_first_token_is_settled_cleanly(
+        procs: list[launch.Running], tmp_path: Path) -> None:
+    # the turn waits for its first token behind a full D; the client gives up. Nothing else may read D's
+    # stream while that wait is still reading it (a crash seen on the H200: readany() while another
+    # coroutine waits), and the turn is settled and logged.
+    c = start_cluster(procs, tmp_path, compat="0.33", decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160"))
+    with Dialogue(c, session="a") as d:
+        d.step()
+        hogs = _hog(c, 3, 1000)
+        http, resp = _long_stream(c, "a", d.messages)
+        assert resp.status_code == 200  # D's stream is open; its first token is not there yet
+        resp.close()
+        http.close()
+    c.turn_events(2)
+    _unhog(hogs)
+    log = (tmp_path / "gateway.log").read_text()
+    assert "Exception in ASGI application" not in log and "readany" not in log

@@ -176,8 +176,10 @@ async def until_aborted(ctx: TurnContext, call: Awaitable[T], deadline: Deadline
             until = loop.time() + deadline.first_s
     finally:
         stop.cancel()
-    task.add_done_callback(_close_response)
-    task.cancel()
+        if not task.done():  # given up on (or this turn was cancelled): stop it before anyone else reads
+            task.add_done_callback(_close_response)
+            task.cancel()
+            await asyncio.wait({task})
     if ctx.aborted is not None:
         raise ShuttingDown("the gateway is shutting down; send the turn again")
     assert deadline is not None
