@@ -21,6 +21,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -174,6 +175,24 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
         return get(url, "/health", timeout=timeout).status == 200
     except OSError:
         return False
+
+
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_samples(text: str, names: tuple[str, ...] = ()) -> list[tuple[str, dict[str, str], float]]:
+    """The samples of a /metrics body as (name, labels, value), only those whose name starts with one
+    of ``names`` where given."""
+    out: list[tuple[str, dict[str, str], float]] = []
+    for line in text.splitlines():
+        if not line or line.startswith("#") or (names and not line.startswith(names)):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name, _, rest = name_labels.partition("{")
+        labels = dict(LABEL.findall(rest))
+        with contextlib.suppress(ValueError):
+            out.append((name, labels, float(value)))
+    return out
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -335,6 +354,10 @@ def sim_command(spec: EngineSpec, time_scale: float) -> tuple[list[str], dict[st
             cmd += ["--decoder-kv-blocks-ttl", str(v)]
         elif k == "kv_recompute_threshold":
             cmd += ["--kv-recompute-threshold", str(v)]
+        elif k == "kv_lease_duration":
+            cmd += ["--kv-lease-duration", str(v)]
+    if spec.env.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") == "y":
+        cmd += ["--link", "h200-ipc"]  # the link that setting gave on the H200 host
     for f in spec.flags:
         cmd += SIM_FLAGS.get(f, [])
     cmd += spec.sim_extra
@@ -379,6 +402,10 @@ def _ours(rec: dict[str, Any]) -> bool:
 
 
 def _group_alive(pgid: int) -> bool:
+    # a leader that is our own child (a gateway started by this script) stays a zombie, and keeps its
+    # group "alive", until it is reaped
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pgid, os.WNOHANG)
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

@@ -94,12 +94,24 @@ def pair(
     env: dict[str, str] | None = None,
     kv_extra: dict[str, object] | None = None,
     mem: float = 0.42,
+    p_sim_extra: list[str] | None = None,
+    d_sim_extra: list[str] | None = None,
 ) -> list[EngineSpec]:
+    """``*_sim_extra``: flags for the simulator only (e.g. a small ``--num-gpu-blocks`` on D)."""
     model = str(devlib.KIT / f"model-{size}-keep")
     common = {"model": model, "mem": mem, "env": dict(env or {}), "kv_extra": dict(kv_extra or {})}
     return [
-        EngineSpec("p", "prefill", 8100, 5600, flags=list(p_flags or []), **common),  # type: ignore[arg-type]
-        EngineSpec("d", "decode", 8200, 5601, plugin=True, flags=list(d_flags or []), **common),  # type: ignore[arg-type]
+        EngineSpec("p", "prefill", 8100, 5600, flags=list(p_flags or []), sim_extra=list(p_sim_extra or []), **common),  # type: ignore[arg-type]
+        EngineSpec(
+            "d",
+            "decode",
+            8200,
+            5601,
+            plugin=True,
+            flags=list(d_flags or []),
+            sim_extra=list(d_sim_extra or []),
+            **common,
+        ),  # type: ignore[arg-type]
     ]
 
 

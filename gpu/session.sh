@@ -7,13 +7,19 @@
 #   bash gpu/session.sh C2   more link-rate variants                                             ~8 min
 #   bash gpu/session.sh D1   setup, then TTFT at 16k with CUDA IPC GET on, P cache off            ~9 min
 #   bash gpu/session.sh D2   the same at 4k, then 16k with P's cache on                            ~8 min
+#   bash gpu/session.sh L4   (fresh machine) setup, 64 conversations again: adaptive, then plain        ~9 min
 #   bash gpu/session.sh D3   (fresh machine) setup, correctness with CUDA IPC GET, 16k P cache on  ~9.5 min
+#   bash gpu/session.sh L1   setup, 8b pair with CUDA IPC GET, load: 32 conversations x 4 turns x
+#                            2 waves, P cache on; plain, adaptive, adaptive-pull, colocated         ~9.5 min
+#   bash gpu/session.sh L2   the same with 64 conversations x 3 turns                               ~7-9.5 min
+#   bash gpu/session.sh L3   P restarted without prefix caching, 32 x 4 turns; stops both           ~8 min
+# (L1-L3: gpu/load.py; TURNKV_LOAD_ARGS adds flags to its command line, e.g. smaller sizes on the simulator)
 # Every step has its own time limit so the call ends well inside the tool's 10 minutes and the
 # results (and engine logs) are always packed into $OUT. Engines started here outlive the call
 # (process sessions of their own) until a later part stops them or the machine goes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?part: A, B1, B2, C, C2, D1 or D2}"
+part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2 or L3}"
 : "${OUT:=${TURNKV_GPU_STATE:-/root/gpu-state}/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -80,6 +86,27 @@ case "$part" in
     step ttft_ipc_on "$(left 575)" python3 gpu/ttft.py --label ipc_cache_on --p-cache on --histories 16384 \
       --modes never-pull,always-pull,adaptive-pull,adaptive --time-budget-s "$(left 500)"
     python3 gpu/engines.py down
+    ;;
+  L4)  # (fresh machine) setup, then 64 conversations again: adaptive first, then plain P/D, same engines
+    step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }
+    step load_L4 "$(left 575)" python3 gpu/load.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --label L4_64_cache_on \
+      --conversations 64 --turns 3 --p-cache on --modes adaptive,plain --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
+    python3 gpu/engines.py down
+    ;;
+  L1|L2|L3)  # issue 9's load proof (gpu/load.py); both engines with CUDA IPC GET on, kept up from L1 to L3
+    load=(python3 gpu/load.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y)
+    case "$part" in
+      L1) if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }; fi
+          load+=(--label L1_32_cache_on --conversations 32 --turns 4 --p-cache on) ;;
+      L2) load+=(--label L2_64_cache_on --conversations 64 --turns 3 --p-cache on) ;;
+      L3) load+=(--label L3_32_cache_off --conversations 32 --turns 4 --p-cache off) ;;
+    esac
+    # the issue's 5 turns do not fit one call (gpu/run_session.md, "Load"); the last mode runs only
+    # where load.py's estimate says it fits (colocated does not involve P: L3 repeats L1's, or stands in)
+    load+=(--modes plain,adaptive,adaptive-pull,colocated)
+    # nothing in load.py runs past its budget but stopping a gateway (<= 40 s) and writing its JSON
+    step "load_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
+    [ "$part" = L3 ] && python3 gpu/engines.py down
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -18,6 +18,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from turnkv.state.redis_url import parse_redis_url
+
 
 class ConfigError(ValueError):
     """A setting is missing or inconsistent; raised at start, never at request time."""
@@ -200,8 +202,38 @@ class Settings(BaseSettings):
     decode: list[str] = Field(default_factory=list, description="decode engine base URLs")
     render: str | None = Field(None, description="render service URL; default: a prefill engine")
     engine: str = Field("vllm", description="the engines' family, as turnkv.engine.ENGINES names it")
-    redis_url: str | None = Field(None, description="redis://host:port/db; none: in-process store")
-    redis_namespace: str = "turnkv"
+    redis_url: str | None = Field(
+        None,
+        description="redis://host:port/db, rediss:// (TLS), unix://, "
+        "redis+sentinel://host:port[,host:port]/service[/db], "
+        "redis+cluster://host:port[,host:port]; none: in-process store",
+    )
+    redis_namespace: str = Field("turnkv", pattern=r"^[^{}]+$", description="prefix of every key turnkv writes")
+    redis_max_connections: int = Field(
+        256,
+        ge=1,
+        le=10_000,
+        description="store operations in flight at once per gateway process (each holds one connection per Redis node)",
+    )
+    redis_pool_timeout_s: float = Field(
+        0.5,
+        gt=0,
+        description="longest wait for a free connection; past it "
+        "that call runs without state (Redis is not marked down)",
+    )
+    redis_in_flight_ttl_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long a claimed conversation stays "
+        "in flight if its turn never stores or releases (a crashed gateway)",
+    )
+    redis_tls_ca_certs: str | None = Field(None, description="CA bundle for rediss:// (default: the system's)")
+    redis_tls_certfile: str | None = Field(None, description="client certificate for rediss://")
+    redis_tls_keyfile: str | None = Field(None, description="client key for rediss://")
+    redis_tls_cert_reqs: str = Field(
+        "required", pattern="^(required|optional|none)$", description="verification of the server's certificate"
+    )
+    redis_tls_check_hostname: bool = Field(True, description="check the server certificate's host name")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     workers: int = Field(
@@ -335,6 +367,11 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if not self.prefill or not self.decode:
             raise ConfigError("at least one --prefill and one --decode URL are needed")
+        if self.redis_url:
+            try:
+                parse_redis_url(self.redis_url)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
         if self.workers > 1 and not self.redis_url:
             raise ConfigError(
                 "--workers above 1 needs --redis-url: each worker is a process of its own, and a "

@@ -19,6 +19,8 @@
     - UpstreamProtocolError          502: the engine answered something we cannot read
 * StoreError                         the conversation store failed; never rendered: the turn
                                      degrades to plain P/D and the error is counted
+  - StoreBusy                        no connection came free in time: this call fails, but the
+                                     store is not down (the guard stays closed)
 
 Foreign exceptions are translated once, at the edge: aiohttp in ``engine.vllm.http``, redis in
 ``state.redis``.
@@ -185,3 +187,7 @@ def _message_of(body: Any) -> str | None:
 
 class StoreError(Exception):
     """The conversation store failed or timed out."""
+
+
+class StoreBusy(StoreError):
+    """Every connection to the store stayed busy past the pool wait: load, not an outage."""

@@ -184,3 +184,87 @@ def test_a_decode_engine_that_misses_the_first_token_deadline(procs: list[launch
     assert "deadline" in str(err.value)  # an answer within seconds, not minutes of silence
     for e in c.decode:
         sim_control(e.url, delay_ms=0)
+
+
+def _hog(c: Cluster, n: int, tokens: int) -> list[tuple[httpx.Client, Any]]:
+    """Long answers sent to D directly, holding its KV while they run."""
+    hogs = []
+    for i in range(n):
+        http = httpx.Client(timeout=60)
+        body = {"model": "sim-model", "prompt": f"hog {i}", "max_tokens": tokens, "ignore_eos": True, "stream": True}
+        hogs.append(
+            (http, http.send(http.build_request("POST", c.decode[0].url + "/v1/completions", json=body), stream=True))
+        )
+    wait_for(
+        lambda: sim_state(c.decode[0].url)["free_blocks"] < 8, timeout_s=30, what="D's KV held by the long answers"
+    )
+    return hogs
+
+
+def _unhog(hogs: list[tuple[httpx.Client, Any]]) -> None:
+    for http, resp in hogs:
+        resp.close()
+        http.close()
+
+
+def _gateway_sees(c: Cluster, pred: Any) -> bool:
+    with httpx.Client(timeout=10) as http:
+        d = http.get(c.gateway.url + "/ready").json()["decode"][0]
+    return bool(pred(d))
+
+
+def test_no_decode_local_turn_on_a_decode_engine_short_of_kv(procs: list[launch.Running], tmp_path: Path) -> None:
+    # a D out of blocks has evicted idle conversations' freed blocks: decode-local there would compute
+    # the whole history again, behind a queue. The turn goes through P, and says why.
+    c = start_cluster(
+        procs, tmp_path, compat="0.33", policy="adaptive", decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160")
+    )
+    with Dialogue(c, session="a", stream=True) as d:
+        assert d.step().correct
+        hogs = _hog(c, 3, 1000)
+        wait_for(lambda: _gateway_sees(c, lambda e: e["kv_cache_usage"] >= 0.9), what="the gateway seeing D full")
+        turn = d.step()
+        _unhog(hogs)
+    assert turn.correct and turn.reason == "decode_busy" and turn.headers["x-turnkv-action"] == "recompute"
+
+
+def test_a_busy_decode_engine_is_waited_for_past_the_first_token_deadline(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    # D decodes in real time and three long answers sent to it directly hold its KV: a turn waits there
+    # for blocks far longer than the 1 s deadline, while D's counters show it working. Giving up on a
+    # busy engine would only add a retry to its queue: the turn is waited for, and answered.
+    c = start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",
+        decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160"),
+        gateway_env={"TURNKV_TIMEOUTS__DECODE_FIRST_TOKEN_S": "1"},
+    )
+    hogs = _hog(c, 3, 1000)
+    with Dialogue(c, session="a", stream=True) as d:
+        turn = d.step()
+    assert turn.correct
+    assert metric(c.gateway.url, "turnkv_first_token_deadline_misses_total") == 0
+    assert metric(c.decode[0].url, "vllm:num_preemptions_total") > 0  # D was out of blocks meanwhile
+    _unhog(hogs)
+
+
+def test_a_client_that_leaves_before_the_first_token_is_settled_cleanly(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    # the turn waits for its first token behind a full D; the client gives up. Nothing else may read D's
+    # stream while that wait is still reading it (a crash seen on the H200: readany() while another
+    # coroutine waits), and the turn is settled and logged.
+    c = start_cluster(procs, tmp_path, compat="0.33", decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160"))
+    with Dialogue(c, session="a") as d:
+        d.step()
+        hogs = _hog(c, 3, 1000)
+        http, resp = _long_stream(c, "a", d.messages)
+        assert resp.status_code == 200  # D's stream is open; its first token is not there yet
+        resp.close()
+        http.close()
+    c.turn_events(2)
+    _unhog(hogs)
+    log = (tmp_path / "gateway.log").read_text()
+    assert "Exception in ASGI application" not in log and "readany" not in log

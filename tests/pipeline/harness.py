@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from turnkv.config import Settings
 from turnkv.engine.fake import MODEL, FakeEngine
-from turnkv.errors import StoreError
+from turnkv.errors import StoreBusy, StoreError
 from turnkv.gateway.app import create_app
 from turnkv.gateway.services import Services
 from turnkv.gateway.sse import DONE, SSESplitter
@@ -217,14 +217,17 @@ async def settled(gw: Gateway) -> None:
 
 class EditableStore(MemoryStore):
     """The in-process store, with a way to change a record as a turn claims it (an expired handle, another
-    tenant's record, another block size) and to fail on purpose."""
+    tenant's record, another block size) and to fail, or be too busy to answer, on purpose."""
 
     def __init__(self) -> None:
         super().__init__()
         self.edit: Callable[[ConversationRecord], ConversationRecord] | None = None
         self.failing: set[str] = set()  # operations that raise StoreError
+        self.busy: set[str] = set()  # operations that raise StoreBusy (every connection in use)
 
     def _check(self, op: str) -> None:
+        if op in self.busy:
+            raise StoreBusy(f"{op}: no connection came free")
         if op in self.failing or "all" in self.failing:
             raise StoreError(f"{op} failed on purpose")
 

@@ -86,6 +86,24 @@ async def test_a_store_that_fails_costs_the_turn_its_reuse_only(failing: str) ->
         assert gw.metric("turnkv_redis_errors_total", op="claim") == 1
 
 
+@pytest.mark.parametrize("first", [True, False])
+async def test_a_busy_store_costs_that_turn_its_reuse_and_is_not_taken_for_down(first: bool) -> None:
+    # every store connection in use: load, not an outage. The turn runs without its record and says why;
+    # the guard stays closed, so the next turn finds the record this one stored
+    store = EditableStore()
+    async with gateway(store=store) as gw:
+        chat = Chat(gw, session="c1") if first else await conversation(gw)
+        store.busy.add("claim")
+        a = await chat.say("still there?")
+        assert a.status == 200 and (a.outcome, a.action, a.reason) == ("none", "recompute", "store_busy")
+        assert gw.turns[-1]["reason"] == "store_busy"
+        assert gw.metric("turnkv_store_busy_total", op="claim") == 1
+        assert gw.metric("turnkv_redis_errors_total", op="claim") == 0 and gw.metric("turnkv_store_up") == 1
+        store.busy.clear()
+        a = await chat.say("and now?")
+        assert (a.outcome, a.reason) == ("full", "full_match")
+
+
 async def test_a_failed_render_runs_the_turn_as_plain_pd_and_releases_the_handle() -> None:
     render = "http://render.fake"
     engine = FakeEngine([P0, render], [D0])
@@ -219,6 +237,27 @@ async def test_decode_local(direct: bool) -> None:
         assert (a.headers.get("x-turnkv-direct") == "true") is direct
         assert (gw.engine[P0].calls.count("render") == renders) is direct  # direct: no render call
         assert "x-turnkv-prefill-ms" not in a.headers
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("load", [{"waiting": 2}, {"kv_usage": 0.95}], ids=["queue", "kv_full"])
+async def test_a_decode_engine_with_a_queue_or_short_of_kv_takes_no_decode_local_turn(
+    direct: bool, load: dict[str, float]
+) -> None:
+    # its idle conversations' freed blocks are the first it evicts: a decode-local turn would compute the
+    # whole history again there, behind the queue. The turn goes through P, and says why.
+    async with gateway(policy={"name": "decode-local"}, decode_local_direct=direct) as gw:
+        chat = await conversation(gw)
+        for k, v in load.items():
+            setattr(gw.engine[D0], k, v)
+        await gw.wait_for("the fleet to see D's load", lambda: not gw.svc.pins.room_for_local(view(gw, D0)))
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "decode_busy")
+        assert "x-turnkv-direct" not in a.headers and gw.turns[-1]["prefill"] == P0
+        gw.engine[D0].waiting, gw.engine[D0].kv_usage = 0, None
+        await gw.wait_for("D to have room again", lambda: gw.svc.pins.room_for_local(view(gw, D0)))
+        a = await chat.say("and now?")
+        assert (a.outcome, a.action, a.reason) == ("decode_local", "decode_local", "decode_local")
 
 
 async def test_a_pull_that_fails_is_run_again_without_the_handle() -> None:

@@ -278,3 +278,17 @@ async def test_unread_pins_are_released_when_their_time_is_up(make_engine: MakeE
         )
         == 1
     )
+
+
+async def test_requests_that_outgrow_the_cache_are_preempted_and_answer_the_same(make_engine: MakeEngine) -> None:
+    # 4 requests of 64 prompt + 200 generated tokens need 4 x 17 blocks; the engine has 40: some must
+    # give their blocks back mid-answer and be computed again, as vLLM preempts them, never hang
+    small = await make_engine("colocated", num_blocks=40)
+    big = await make_engine("colocated")
+    prompts = [words(64, 100 * i) for i in range(4)]
+    expected = [await run(big, p, max_tokens=200) for p in prompts]
+    got = await asyncio.wait_for(asyncio.gather(*(run(small, p, max_tokens=200) for p in prompts)), 60)
+    assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+    assert (
+        small.metrics.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "m", "engine": "0"}) or 0
+    ) >= 1

@@ -42,6 +42,7 @@ def engine(
         capacity_tokens=None,
         pinned_tokens=pinned,
         pin_budget_tokens=budget,
+        progressed_at=0.0,
     )
 
 

@@ -1,117 +1,213 @@
-"""Store semantics: single-use claims, in-flight markers, put back, pinned report. Memory and Redis (fakeredis)."""
+"""The store contract against MemoryStore and RedisStore on fakeredis (with Lua); records; the guard;
+``redis_url`` parsing and what each scheme builds. The same contract on real servers (one, Sentinel,
+Cluster, TLS) is in tests/integration/test_store_redis.py."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 from collections.abc import AsyncIterator
 
+import fakeredis
 import fakeredis.aioredis
 import pytest
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.connection import SSLConnection
 
-from turnkv.errors import StoreError
-from turnkv.reuse.chain import chain_of
-from turnkv.state.base import ClaimStatus, ConversationStore
+from tests.store_contract import SHORT_MARKER_TTL_S, Backend, RedisContract, StoreContract, rec
+from turnkv.config import ConfigError, load_settings
+from turnkv.errors import StoreBusy, StoreError
+from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus
 from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
-from turnkv.state.record import ConversationRecord
-from turnkv.state.redis import RedisStore
-
-REC = ConversationRecord(
-    tenant="t",
-    decode_url="http://d1",
-    prefill_url=None,
-    handle={"remote_num_tokens": 20},
-    engine_id="e",
-    engine_epoch=None,
-    num_tokens=20,
-    chain=chain_of(list(range(20)), 16),
-    block_size=16,
-    prompt_tokens=10,
-    answer_digest="a",
-    reasoning_digest=None,
-    turn=2,
-    created_at=1.0,
-    expires_at=1000.0,
-)
+from turnkv.state.record import FORMAT_VERSION, ConversationRecord
+from turnkv.state.redis import RedisStore, TLSOptions
+from turnkv.state.redis_url import RedisTarget, Topology, parse_redis_url
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[ConversationStore]:
-    if request.param == "memory":
-        s: ConversationStore = MemoryStore()
-    else:
-        s = RedisStore(fakeredis.aioredis.FakeRedis(decode_responses=True))
-    yield s
-    await s.close()
+class TestMemoryStore(StoreContract):
+    @pytest.fixture
+    async def backend(self) -> AsyncIterator[Backend]:
+        now = [1000.0]
+
+        async def elapse(seconds: float) -> None:
+            now[0] += seconds
+
+        s = MemoryStore(clock=lambda: now[0])
+        yield Backend(s, s, elapse, s, IN_FLIGHT_TTL_S)
+        await s.close()
+
+
+class TestRedisStoreOnFakeredis(StoreContract, RedisContract):
+    @pytest.fixture
+    async def backend(self) -> AsyncIterator[Backend]:
+        server = fakeredis.FakeServer()
+        a, b, short = (
+            RedisStore(fakeredis.aioredis.FakeRedis(server=server, decode_responses=True), in_flight_ttl_s=ttl)
+            for ttl in (60.0, 60.0, SHORT_MARKER_TTL_S)
+        )
+        yield Backend(a, b, asyncio.sleep, short, SHORT_MARKER_TTL_S)  # Redis TTLs run on the wall clock
+        for s in (a, b, short):
+            await s.close()
 
 
 def test_record_round_trip() -> None:
-    assert ConversationRecord.from_json(REC.to_json()) == REC
+    for r in (rec(), rec(pin=None, unpinned="budget"), rec(epoch=12.5)):
+        assert ConversationRecord.from_json(r.to_json()) == r
 
 
 def test_record_of_another_format_is_refused() -> None:
+    raw = rec().to_json()
+    assert f'"v":{FORMAT_VERSION}' in raw
     with pytest.raises(ValueError):
-        ConversationRecord.from_json(REC.to_json().replace('"v":2', '"v":1'))
+        ConversationRecord.from_json(raw.replace(f'"v":{FORMAT_VERSION}', f'"v":{FORMAT_VERSION - 1}'))
 
 
-async def test_claim_is_single_use(store: ConversationStore) -> None:
-    assert (await store.claim("k")).status is ClaimStatus.MISSING
-    await store.put("k", REC, 60)
-    first = await store.claim("k")
-    assert first.status is ClaimStatus.FOUND and first.record == REC
-    assert (await store.claim("k")).status is ClaimStatus.IN_FLIGHT
-    await store.release("k")
-    assert (await store.claim("k")).status is ClaimStatus.MISSING
+class _Failing:
+    """A store whose claims fail with the given error."""
 
-
-async def test_put_replaces_the_marker(store: ConversationStore) -> None:
-    await store.put("k", REC, 60)
-    await store.claim("k")
-    await store.put("k", REC, 60)
-    assert (await store.claim("k")).status is ClaimStatus.FOUND
-
-
-async def test_release_does_not_drop_a_record(store: ConversationStore) -> None:
-    await store.put("k", REC, 60)
-    await store.release("k")
-    assert (await store.claim("k")).status is ClaimStatus.FOUND
-
-
-async def test_pinned_counts_live_handles_per_decode(store: ConversationStore) -> None:
-    await store.put("a", REC, 60)
-    await store.put("b", REC, 60)
-    pinned = await store.pinned(now=10.0)
-    assert (pinned["http://d1"].handles, pinned["http://d1"].tokens) == (2, 40)
-    await store.claim("a")
-    assert (await store.pinned(now=10.0))["http://d1"].handles == 1
-    assert await store.pinned(now=2000.0) == {}
-
-
-async def test_corrupt_records_are_reported() -> None:
-    r = fakeredis.aioredis.FakeRedis(decode_responses=True)
-    s = RedisStore(r)
-    await r.set(s.key("k"), "{not json")
-    assert (await s.claim("k")).status is ClaimStatus.CORRUPT
-
-
-class _Broken:
-    def __init__(self) -> None:
+    def __init__(self, error: StoreError | None) -> None:
+        self.error = error
         self.calls = 0
 
-    async def claim(self, key: str) -> object:
+    async def claim(self, key: str, *, owner: str) -> Claim:
         self.calls += 1
-        raise StoreError("down")
+        if self.error is not None:
+            raise self.error
+        return Claim(ClaimStatus.MISSING)
 
 
 async def test_guard_skips_a_failing_store_until_retry() -> None:
     now = [0.0]
-    broken = _Broken()
+    store = _Failing(StoreError("down"))
     states: list[bool] = []
-    g = StoreGuard(broken, retry_s=5, clock=lambda: now[0], on_state=states.append)  # type: ignore[arg-type]
+    errors: list[str] = []
+    g = StoreGuard(
+        store,  # type: ignore[arg-type]
+        retry_s=5,
+        clock=lambda: now[0],
+        on_state=states.append,
+        on_error=errors.append,
+    )
     for _ in range(3):
         with pytest.raises(StoreError):
-            await g.claim("k")
-    assert broken.calls == 1 and states == [False] and not g.up
+            await g.claim("k", owner="o")
+    assert store.calls == 1 and states == [False] and not g.up and errors == ["claim"]
     now[0] = 6.0
-    with pytest.raises(StoreError):
-        await g.claim("k")
-    assert broken.calls == 2
+    store.error = None
+    assert (await g.claim("k", owner="o")).status is ClaimStatus.MISSING
+    assert store.calls == 2 and states == [False, True] and g.up
+
+
+async def test_a_busy_pool_fails_the_call_but_does_not_open_the_guard() -> None:
+    store = _Failing(StoreBusy("no connection free"))
+    busy: list[str] = []
+    errors: list[str] = []
+    g = StoreGuard(store, retry_s=5, on_busy=busy.append, on_error=errors.append)  # type: ignore[arg-type]
+    for _ in range(3):
+        with pytest.raises(StoreBusy):
+            await g.claim("k", owner="o")
+    assert store.calls == 3 and g.up and busy == ["claim"] * 3 and errors == []
+    store.error = None
+    assert (await g.claim("k", owner="o")).status is ClaimStatus.MISSING
+
+
+async def test_a_full_pool_raises_store_busy() -> None:
+    s = RedisStore(fakeredis.aioredis.FakeRedis(decode_responses=True), max_connections=1, pool_timeout_s=0.01)
+    async with s._op("holding"):  # one operation in flight holds the only connection
+        with pytest.raises(StoreBusy):
+            await s.claim("k", owner="o")
+    assert (await s.claim("k", owner="o")).status is ClaimStatus.MISSING
+    await s.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "target"),
+    [
+        ("redis://127.0.0.1:6380/2", RedisTarget(Topology.SINGLE, False, (("127.0.0.1", 6380),), 2)),
+        ("redis://localhost", RedisTarget(Topology.SINGLE, False, (("localhost", 6379),), 0)),
+        ("rediss://u:p%40ss@h:1/0", RedisTarget(Topology.SINGLE, True, (("h", 1),), 0, "u", "p@ss")),
+        ("redis://:secret@[::1]:7000", RedisTarget(Topology.SINGLE, False, (("::1", 7000),), 0, None, "secret")),
+        ("unix:///run/redis.sock?db=3", RedisTarget(Topology.SINGLE, False, (), 3, path="/run/redis.sock")),
+        (
+            "redis+sentinel://a:26379,b:26380/mymaster/1",
+            RedisTarget(Topology.SENTINEL, False, (("a", 26379), ("b", 26380)), 1, service="mymaster"),
+        ),
+        ("rediss+sentinel://s1/svc", RedisTarget(Topology.SENTINEL, True, (("s1", 26379),), 0, service="svc")),
+        ("redis+cluster://n1:7000,n2:7001", RedisTarget(Topology.CLUSTER, False, (("n1", 7000), ("n2", 7001)), 0)),
+        ("rediss+cluster://u:pw@n1:7000/", RedisTarget(Topology.CLUSTER, True, (("n1", 7000),), 0, "u", "pw")),
+    ],
+)
+def test_redis_urls(url: str, target: RedisTarget) -> None:
+    assert parse_redis_url(url) == target
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://h:6379", "scheme"),
+        ("redis://h:6379/0?max_connections=5", "settings"),
+        ("redis://a:1,b:2/0", "one host"),
+        ("redis+sentinel://a:1", "service"),
+        ("redis+cluster://a:1/3", "database 0"),
+        ("redis://h:port/0", "bad port"),
+        ("redis://h:1/x", "database number"),
+        ("redis://user:hunter2@h:1/0?x=1", "***@"),  # and the password is not repeated
+    ],
+)
+def test_bad_redis_urls_are_refused(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        parse_redis_url(url)
+    assert "hunter2" not in str(err.value)
+
+
+def test_settings_refuse_a_bad_redis_url_at_start() -> None:
+    with pytest.raises(ConfigError, match="scheme"):
+        load_settings(None, prefill=["http://p"], decode=["http://d"], redis_url="http://h")
+    with pytest.raises(ConfigError, match="redis_namespace"):
+        load_settings(None, prefill=["http://p"], decode=["http://d"], redis_namespace="a{b}")
+    s = load_settings(None, prefill=["http://p"], decode=["http://d"], redis_url="redis+cluster://h:7000")
+    assert (s.redis_max_connections, s.redis_pool_timeout_s, s.redis_in_flight_ttl_s) == (256, 0.5, 60.0)
+
+
+TLS = TLSOptions(ca_certs="/ca.pem", certfile="/c.pem", keyfile="/k.pem", cert_reqs="optional", check_hostname=False)
+TLS_KWARGS = {
+    "ssl_ca_certs": "/ca.pem",
+    "ssl_certfile": "/c.pem",
+    "ssl_keyfile": "/k.pem",
+    "ssl_cert_reqs": "optional",
+    "ssl_check_hostname": False,
+}
+
+
+async def test_each_scheme_builds_its_client_with_the_pool_timeouts_and_tls() -> None:
+    """What reaches redis-py (the plumbing; the real servers are in tests/integration)."""
+    single = RedisStore.from_url("rediss://h:1/2", command_timeout_s=0.3, max_connections=7, tls=TLS)
+    assert isinstance(single._redis, Redis)
+    pool = single._redis.connection_pool
+    kw = pool.connection_kwargs
+    assert pool.connection_class is SSLConnection and pool.max_connections == 7
+    assert {k: kw[k] for k in TLS_KWARGS} == TLS_KWARGS and (kw["socket_timeout"], kw["db"]) == (0.3, 2)
+    conn = pool.make_connection()  # type: ignore[no-untyped-call]  # the retry the pool's connections get (a client's own is ignored)
+    assert conn.retry.get_retries() == 1
+    await single.close()
+
+    plain = RedisStore.from_url("redis://h:1/0", tls=TLS)
+    assert plain._redis.connection_pool.connection_class is not SSLConnection  # type: ignore[union-attr]
+    await plain.close()
+
+    cluster = RedisStore.from_url("rediss+cluster://h:7000,g:7001", command_timeout_s=0.3, max_connections=9, tls=TLS)
+    assert isinstance(cluster._redis, RedisCluster)
+    node_kw = cluster._redis.nodes_manager.connection_kwargs
+    assert node_kw["connection_class"] is SSLConnection and node_kw["max_connections"] == 9
+    assert {k: node_kw[k] for k in TLS_KWARGS} == TLS_KWARGS and node_kw["socket_timeout"] == 0.3
+    await cluster.close()
+
+    sentinel = RedisStore.from_url("rediss+sentinel://s:26379/svc/1", max_connections=5, tls=TLS)
+    assert isinstance(sentinel._redis, Redis)
+    spool = sentinel._redis.connection_pool
+    assert issubclass(spool.connection_class, SSLConnection) and spool.max_connections == 5
+    assert {k: spool.connection_kwargs[k] for k in TLS_KWARGS} == TLS_KWARGS
+    sentinel_node = sentinel._closers[0].sentinels[0].connection_pool
+    assert sentinel_node.connection_class is SSLConnection
+    await sentinel.close()

@@ -175,7 +175,7 @@ def add_bench_parser(sub: Any) -> None:
     r.set_defaults(func=_run)
 
     s = bsub.add_parser("scenarios", help="start simulated deployments and run a benchmark suite")
-    s.add_argument("--suite", required=True, choices=["fifth-turn", "overhead", "smoke"])
+    s.add_argument("--suite", required=True, choices=["fifth-turn", "overhead", "smoke", "decode-memory"])
     s.add_argument("--out", default=None, help="output directory (default bench-results/<suite>-<time>)")
     s.add_argument(
         "--only",

@@ -4,13 +4,15 @@ At most ``concurrency`` conversations are active; one that arrives while all slo
 for a slot (its wait is not part of any TTFT). A conversation stops at its last turn, at its first
 failed turn (its history would no longer be what the server saw), when the run's request budget
 is spent, or at the deadline: no request starts after ``duration_s``, and each one is cut after
-``request_timeout_s``, so a run always ends.
+``request_timeout_s``, so a run always ends. A caller that must stop sooner cancels the run; the
+records it passed in (``records``) keep every request that had finished.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -32,10 +34,17 @@ class _Budget:
 
 
 async def run_load(
-    spec: WorkloadSpec, target: Target, *, label: str = "bench", show_progress: bool = True
+    spec: WorkloadSpec,
+    target: Target,
+    *,
+    label: str = "bench",
+    show_progress: bool = True,
+    conversation: Callable[[int, WorkloadSpec], Conversation] = Conversation,
+    records: list[RequestRecord] | None = None,
 ) -> list[RequestRecord]:
-    """Runs the workload against ``target`` and returns one record per request sent."""
-    records: list[RequestRecord] = []
+    """Runs the workload against ``target`` and returns one record per request sent (appended to
+    ``records`` as each finishes, where given). ``conversation`` makes each conversation."""
+    records = [] if records is None else records
     total = min(spec.conversations * spec.turns, spec.max_requests)
     progress = Progress(label, total)
     budget = _Budget(spec.max_requests)
@@ -46,9 +55,9 @@ async def run_load(
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         client = TurnClient(session, target, spec.request_timeout_s)
 
-        async def conversation(index: int, arrives: float) -> None:
+        async def one(index: int, arrives: float) -> None:
             await asyncio.sleep(max(0.0, min(start + arrives, deadline) - time.perf_counter()))
-            conv = Conversation(index, spec)
+            conv = conversation(index, spec)
             async with slots:
                 progress.active += 1
                 try:
@@ -60,7 +69,7 @@ async def run_load(
         try:
             async with asyncio.TaskGroup() as tg:
                 for i, t in enumerate(arrival_offsets(spec)):
-                    tg.create_task(conversation(i, t))
+                    tg.create_task(one(i, t))
         finally:
             bar.cancel()
             await asyncio.gather(bar, return_exceptions=True)

@@ -1,14 +1,17 @@
 """Synthetic conversations: what each turn says, and the shape of the load that sends them.
 
 Text is made of the simulator tokenizer's synthetic words, each with a leading space, so a message
-of N words is N tokens on the simulator (and roughly N on a real tokenizer). Every conversation
-draws its own words from a seeded generator: no two conversations share a prefix, so a prefix
-cache only ever helps a conversation with its own history.
+of N words is N tokens on the simulator (and roughly N on a real tokenizer); a caller that knows
+which words are one token each on a real engine passes those instead (``vocab``), with any request
+fields it needs (``extra_body``, e.g. ``allowed_token_ids`` so that answers re-tokenize exactly).
+Every conversation draws its own words from a seeded generator: no two conversations share a
+prefix, so a prefix cache only ever helps a conversation with its own history.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
@@ -55,22 +58,33 @@ def vocabulary() -> tuple[str, ...]:
     return tuple(Tokenizer().words)
 
 
-def words(rng: random.Random, n: int) -> str:
-    vocab = vocabulary()
-    return "".join(" " + vocab[rng.randrange(len(vocab))] for _ in range(n))
+def words(rng: random.Random, n: int, vocab: Sequence[str] | None = None) -> str:
+    v = vocab or vocabulary()
+    return "".join(" " + v[rng.randrange(len(v))] for _ in range(n))
 
 
 class Conversation:
-    """One synthetic conversation: its fixed texts, and the history as the server answered it."""
+    """One synthetic conversation: its fixed texts, and the history as the server answered it.
+    ``vocab``: the words to draw from (default: the simulator's); ``extra_body``: more request fields,
+    which win over the workload's."""
 
-    def __init__(self, index: int, spec: WorkloadSpec) -> None:
+    def __init__(
+        self,
+        index: int,
+        spec: WorkloadSpec,
+        *,
+        vocab: Sequence[str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+    ) -> None:
         self.index = index
         self.spec = spec
+        self.vocab = tuple(vocab) if vocab else None
+        self.extra_body = dict(extra_body or {})
         self.rng = random.Random(f"{spec.seed}:{index}")
         self.session_id = f"bench-{spec.seed}-{index}"
         self.messages: list[dict[str, Any]] = []
         if spec.system_tokens:
-            self.messages.append({"role": "system", "content": words(self.rng, spec.system_tokens)})
+            self.messages.append({"role": "system", "content": words(self.rng, spec.system_tokens, self.vocab)})
 
     @property
     def turn(self) -> int:
@@ -79,7 +93,7 @@ class Conversation:
 
     def next_request(self) -> dict[str, Any]:
         """Adds the next user message and returns the request body (the whole history)."""
-        self.messages.append({"role": "user", "content": words(self.rng, self.spec.user_tokens)})
+        self.messages.append({"role": "user", "content": words(self.rng, self.spec.user_tokens, self.vocab)})
         return {
             "model": self.spec.model,
             "messages": self.messages,
@@ -87,6 +101,7 @@ class Conversation:
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **self.extra_body,
         }
 
     def answered(self, content: str, reasoning: str) -> None:

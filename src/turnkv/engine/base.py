@@ -208,6 +208,9 @@ class LoadSample:
     block_size: int | None = None
     capacity_tokens: int | None = None  # its KV cache size in tokens
     transfers: Transfers | None = None
+    # prompt and generated tokens computed, a running total (None: not reported): when it moves, the engine
+    # is working, busy rather than stuck
+    tokens_computed: float | None = None
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ simulator's chat templates and tokenizer (``keep`` or ``strip``, which drops ear
 P and D are instances by URL. A prefill computes the prompt (pulling D's pinned KV when the handle
 says so, failing when D no longer holds it) and leaves it for D; D continues it, or computes the turn
 itself (decode-local), and pins its sequence when it took P's KV (a handle in the answer's last event,
-or in the body). Faults per instance (``faults(url)``): fail, be unreachable, hang, never show a first
-token, drop the stream mid-way, end a stream without its handle, send an error event before output.
+or in the body). Its metrics count the tokens it computed, requests waiting there and its pinned KV.
+Faults per instance (``faults(url)``): fail, be unreachable, hang, never show a first token, drop the
+stream mid-way, end a stream without its handle, send an error event before output.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class Instance:
     faults: Faults = field(default_factory=Faults)
     epoch: float = field(default_factory=time.time)
     running: int = 0
+    waiting: int = 0  # others' requests queued there, as its metrics say
+    kv_usage: float | None = None  # as its metrics say (None: what its pins hold of its capacity)
+    computed: int = 0  # prompt and generated tokens computed, as its metrics say
     prefix_hits: int = 0
     capacity_tokens: int | None = None
     cached: set[int] = field(default_factory=set)  # hashes of the block-aligned prefixes it computed
@@ -222,6 +226,7 @@ class FakeEngine:
         cached = self._cached(p, prompt)
         start = len(pulled)
         kv = pulled + kv_extend(pulled[-1] if pulled else ROOT_KV, prompt[start:], start)
+        p.computed += len(prompt) - max(cached, start)
         self._remember(p, prompt)
         stage = f"stage-{next(self._ids)}"
         p.staged[stage] = kv
@@ -252,6 +257,7 @@ class FakeEngine:
         else:
             kv = kv_extend(ROOT_KV, prompt, 0)  # decode-local: its prefix cache is keyed by tokens, so exact
         g = self._generate(call.body, prompt, kv)
+        d.computed += len(prompt) - cached + (0 if call.stream else len(g.ids))  # a stream's tokens: as it is read
         self._remember(d, prompt + g.ids)
         handle: Handle | None = None
         if call.for_decode and not d.faults.no_handle:  # D pins what it computed, for a next turn
@@ -337,7 +343,9 @@ class FakeEngine:
         return LoadSample(
             epoch=inst.epoch,
             running=inst.running,
-            kv_usage=inst.pinned_tokens / cap if cap else 0.0,
+            waiting=inst.waiting,
+            kv_usage=inst.kv_usage if inst.kv_usage is not None else inst.pinned_tokens / cap if cap else 0.0,
+            tokens_computed=float(inst.computed),
             prefix_cache_hits=float(inst.prefix_hits),
             block_size=self.block_size,
             capacity_tokens=cap,
@@ -541,6 +549,7 @@ class FakeStream(DecodeStream):
             payload, visible, delta, token = self._events.pop(0)
             if token is not None:
                 c.token_ids.append(token)
+                self._d.computed += 1
             if delta is not None:
                 c.answer.delta(_delta(delta))
             if b'"finish_reason":"' in payload:

@@ -47,7 +47,7 @@ from turnkv.routing import Router, build_profile
 from turnkv.state.base import ConversationStore
 from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
-from turnkv.state.redis import RedisStore
+from turnkv.state.redis import RedisStore, TLSOptions
 
 AUDIT_FIRST_WAIT_S = 1.0  # the start-up audit's retries: the first wait, doubling up to the longest
 AUDIT_MAX_WAIT_S = 30.0
@@ -80,9 +80,23 @@ def cost_priors(settings: Settings) -> CostParams:
 
 
 def _store(settings: Settings) -> ConversationStore:
-    if settings.redis_url:
+    s = settings
+    if s.redis_url:
+        tls = TLSOptions(
+            ca_certs=s.redis_tls_ca_certs,
+            certfile=s.redis_tls_certfile,
+            keyfile=s.redis_tls_keyfile,
+            cert_reqs=s.redis_tls_cert_reqs,
+            check_hostname=s.redis_tls_check_hostname,
+        )
         return RedisStore.from_url(
-            settings.redis_url, namespace=settings.redis_namespace, timeout_s=settings.timeouts.redis_s
+            s.redis_url,
+            namespace=s.redis_namespace,
+            command_timeout_s=s.timeouts.redis_s,
+            pool_timeout_s=s.redis_pool_timeout_s,
+            max_connections=s.redis_max_connections,
+            in_flight_ttl_s=s.redis_in_flight_ttl_s,
+            tls=tls,
         )
     return MemoryStore()
 
@@ -204,6 +218,7 @@ def create_app(
             retry_s=settings.store_retry_s,
             on_error=lambda op: metrics.redis_errors.labels(op).inc(),
             on_state=lambda up: metrics.store_up.set(1 if up else 0),
+            on_busy=lambda op: metrics.store_busy.labels(op).inc(),
         )
         async with contextlib.AsyncExitStack() as stack:
             eng = engine if engine is not None else await stack.enter_async_context(open_engine(settings))

@@ -4,6 +4,7 @@ snapshots (``views``, ``view``).
 
 Background probes (``run``) refresh health and version and read the engines' own metrics through the
 engine seam: the process start time (to notice restarts), running and waiting requests and KV usage,
+the tokens it computed (when that total last moved: a first-token deadline waits for a busy engine),
 KV transfer totals (for the link estimate), prefix-cache settings and hits (for what P still holds).
 Turns report what they see as it happens: a failed connection, a missed or met first-token deadline,
 the requests they hold there. Which engine a request goes to is the router's decision
@@ -54,6 +55,8 @@ class _Engine:
     block_size_warned: bool = False
     pinned_tokens: int = 0
     pin_budget_tokens: int | None = None
+    progressed_at: float = 0.0  # monotonic; when its token counters last moved
+    work: float | None = field(default=None, repr=False)  # its tokens computed, as last read
     hits: float | None = field(default=None, repr=False)
     transfers: Transfers | None = field(default=None, repr=False)
     _view: InstanceView | None = field(default=None, repr=False, compare=False)
@@ -85,6 +88,7 @@ class _Engine:
             capacity_tokens=self.capacity_tokens,
             pinned_tokens=self.pinned_tokens,
             pin_budget_tokens=self.pin_budget_tokens,
+            progressed_at=self.progressed_at,
         )
         object.__setattr__(self, "_view", v)
         return v
@@ -225,6 +229,11 @@ class Fleet:
                 log.warning("instance.restarted url=%s", url)
                 self.on_restart(e.view(time.monotonic()))
         e.running, e.waiting, e.kv_usage = sample.running, sample.waiting, sample.kv_usage
+        work = sample.tokens_computed
+        if work is not None:
+            if e.work is not None and work > e.work:
+                e.progressed_at = time.monotonic()  # it computed something since the last reading: busy, not stuck
+            e.work = work
         self._cache_factor(e, sample.prefix_cache_hits)
         self.on_scraped(e.view(time.monotonic()))
         cur = sample.transfers

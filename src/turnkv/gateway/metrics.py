@@ -43,6 +43,12 @@ class GatewayMetrics:
         self.upstream_errors = Counter("turnkv_upstream_errors", "Engine call failures", ["leg", "kind"], registry=r)
         self.retries = Counter("turnkv_retries", "Retried engine calls", ["leg", "reason"], registry=r)
         self.redis_errors = Counter("turnkv_redis_errors", "Conversation store failures", ["op"], registry=r)
+        self.store_busy = Counter(
+            "turnkv_store_busy",
+            "Store calls that found every connection busy (load, not an outage; the turn ran without its record)",
+            ["op"],
+            registry=r,
+        )
         self.store_up = Gauge(
             "turnkv_store_up", "1 when the conversation store answers", registry=r, multiprocess_mode="livemin"
         )
@@ -68,6 +74,12 @@ class GatewayMetrics:
         )
         self.deadline_misses = Counter(
             "turnkv_first_token_deadline_misses", "Engine calls past their first-token deadline", ["leg"], registry=r
+        )
+        self.deadline_renewals = Counter(
+            "turnkv_first_token_deadline_renewals",
+            "First-token deadlines renewed because the engine was busy (its token counters moved), not stuck",
+            ["leg"],
+            registry=r,
         )
         self.template_class = Gauge(
             "turnkv_template_class",

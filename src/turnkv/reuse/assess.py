@@ -25,6 +25,7 @@ class Reason(enum.StrEnum):
     CONCURRENT_TURN = "concurrent_turn"
     CORRUPT_RECORD = "corrupt_record"
     STORE_UNAVAILABLE = "store_unavailable"
+    STORE_BUSY = "store_busy"  # every store connection stayed busy past the pool wait: this turn only
     RENDER_FAILED = "render_failed"
     UNSUPPORTED_REQUEST = "unsupported_request"
     EXPIRED = "expired"
@@ -44,6 +45,7 @@ class Reason(enum.StrEnum):
     NO_HANDLE_IN_STREAM = "no_handle_in_stream"  # D's stream carried no handle (vLLM < 0.33 without the plugin)
     FIRST_TOKEN_DEADLINE = "first_token_deadline"  # an engine missed it; the turn ran another way
     DECODE_FAILED = "decode_failed"  # D failed before its first token; the turn ran again as plain P/D
+    DECODE_BUSY = "decode_busy"  # D's KV is nearly full or requests wait on it: no decode-local turn
 
 
 class TemplateClass(enum.StrEnum):

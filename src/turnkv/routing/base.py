@@ -35,6 +35,7 @@ class InstanceView:
     capacity_tokens: int | None  # its KV cache size
     pinned_tokens: int  # decode KV the gateway's stored handles pin there (as far as it knows)
     pin_budget_tokens: int | None  # what they may pin (None: no budget known)
+    progressed_at: float  # monotonic; when its token counters last moved (it computed something), 0: never seen
 
     @property
     def busy(self) -> int:

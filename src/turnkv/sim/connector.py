@@ -140,6 +140,7 @@ class Connector:
         self.e.release_blocks(seq.block_ids[len(blocks) :])
         tracked = is_p_node or bool(p.get("do_remote_prefill"))
         self.pins[seq.request_id] = Pin(blocks, deadline, decode_side=not is_p_node, tracked=tracked)
+        self.e.metrics.pinned(self.pinned_tokens())
         out: dict[str, Any] = {
             "do_remote_prefill": is_p_node,
             "do_remote_decode": not is_p_node,
@@ -161,6 +162,7 @@ class Connector:
         if pin is None:
             return False
         self.e.release_blocks(pin.block_ids)
+        self.e.metrics.pinned(self.pinned_tokens())
         return True
 
     def notified(self, request_id: str) -> None:
@@ -203,7 +205,9 @@ class Connector:
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def pinned_tokens(self) -> int:
-        return sum(len(p.block_ids) for p in self.pins.values() if p.decode_side) * self.e.cfg.block_size
+        """KV held by decode-side pins; a block two pins share (a prefix-cache hit) counts once."""
+        blocks = {b for p in self.pins.values() if p.decode_side for b in p.block_ids}
+        return len(blocks) * self.e.cfg.block_size
 
     def expire_all(self) -> int:
         n = len(self.pins)

@@ -2,8 +2,9 @@
 
 Decides what vLLM's scheduler would: the local prefix-cache hit (full blocks, capped below the
 prompt length so one token is computed), when a request is admitted (a prompt that does not fit
-in the free blocks waits for blocks to be freed, as in vLLM's waiting queue; a running request that
-cannot get a block for its next token waits too, as a preempted one would), how prefill chunks
+in the free blocks waits for blocks to be freed, as in vLLM's waiting queue; when a running request
+cannot get a block for its next token, the newest running request is preempted: its blocks are
+freed and it is computed again later, so its stream pauses but its answer stays the same), how prefill chunks
 and decode steps share a step (a running prefill stalls decode on the same engine), how long a
 step takes (``costs``), and which KV values each step writes (``oracle``). What a request pulls
 from another engine and what it pins when it finishes is the ``connector``'s decision.
@@ -75,6 +76,7 @@ class Engine:
         self.connector = Connector(self)
         self._waiting: deque[Seq] = deque()
         self._running: list[Seq] = []
+        self._preempted: deque[Seq] = deque()  # waiting for blocks to be computed again
         self._wake = asyncio.Event()
         self._freed = asyncio.Event()
         self.blocked = 0  # requests waiting for free blocks
@@ -104,7 +106,7 @@ class Engine:
     def report_load(self) -> None:
         """Running and waiting requests and KV usage, as vLLM's gauges say them now."""
         self.metrics.running.set(len(self._running))
-        self.metrics.waiting.set(len(self._waiting) + self.blocked + sum(s.stalled for s in self._running))
+        self.metrics.waiting.set(len(self._waiting) + self.blocked + len(self._preempted))
         self.metrics.kv_usage.set(self.pool.usage())
 
     def pinned_tokens(self) -> int:
@@ -116,10 +118,11 @@ class Engine:
 
     def restart(self) -> None:
         """As a process restart: new engine id, empty cache, every request and pin gone."""
-        for seq in [*self._waiting, *self._running]:
+        for seq in [*self._waiting, *self._running, *self._preempted]:
             self._fail(seq, EngineError("engine restarted"))
         self._waiting.clear()
         self._running.clear()
+        self._preempted.clear()
         self.connector.pins.clear()
         self.engine_id = str(uuid.uuid4())
         self.pool = BlockPool(self.cfg.num_blocks, self.cfg.block_size, enable_caching=self.cfg.prefix_caching)
@@ -184,6 +187,8 @@ class Engine:
         while True:
             freed = self._freed
             try:
+                if self._preempted:  # vLLM's waiting queue is first come first served: they go first
+                    raise OutOfBlocks("preempted requests wait")
                 self._admit(seq)
                 return
             except OutOfBlocks:
@@ -200,13 +205,14 @@ class Engine:
 
     def _admit(self, seq: Seq) -> None:
         bs = self.cfg.block_size
-        n = len(seq.prompt)
-        seq.hashes = block_hashes(seq.prompt, bs, seq.cache_root)
+        tokens = seq.prefill_tokens
+        n = len(tokens)
+        seq.hashes = block_hashes(tokens, bs, seq.cache_root)
         hit = self.pool.lookup(seq.hashes[: (n - 1) // bs])
         self.pool.acquire(hit)
         local = len(hit) * bs
         try:
-            external, seq.load = self.connector.external_tokens(seq, local)
+            external, seq.load = (0, False) if seq.preempted else self.connector.external_tokens(seq, local)
             seq.block_ids = hit + self.pool.allocate(-(-n // bs) - len(hit))
         except (EngineError, OutOfBlocks):
             self.pool.release(hit)
@@ -228,7 +234,7 @@ class Engine:
 
     async def _step_loop(self) -> None:
         while True:
-            if not self._waiting and not self._running:
+            if not self._waiting and not self._running and not self._preempted:
                 self._wake.clear()
                 await self._wake.wait()
             self.report_load()
@@ -238,7 +244,7 @@ class Engine:
             for seq in self._waiting:
                 if budget <= 0:
                     break
-                n = min(budget, len(seq.prompt) - seq.num_computed)
+                n = min(budget, len(seq.prefill_tokens) - seq.num_computed)
                 chunks.append((seq, n))
                 budget -= n
             costs = self.cfg.costs
@@ -254,9 +260,12 @@ class Engine:
             for seq, n in chunks:
                 if not seq.done:
                     self._prefill_chunk(seq, n)
-            if decoding and not chunks and all(s.stalled for s in decoding):
-                # nothing could move: wait for blocks to be freed (a release, an expiry), bounded so
-                # that every wait is looked at again
+            if any(s.stalled for s in decoding) and self._running:
+                # as vLLM's scheduler: a request it cannot extend takes the blocks of the newest running one
+                self._preempt(max(self._running, key=lambda s: s.arrival))
+            self._readmit()
+            if self._preempted and not self._waiting and not self._running:
+                # nothing runs and the preempted cannot be admitted: wait for blocks (a release, an expiry)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(freed.wait(), STALL_WAIT_S)
             self.metrics.kv_usage.set(self.pool.usage())
@@ -276,15 +285,45 @@ class Engine:
             pos += take
             i += take
 
+    def _preempt(self, seq: Seq) -> None:
+        """Take a running request's blocks back; it is computed again (prompt and output so far) once
+        blocks are free, and then decodes on: its answer is the same, only later."""
+        self._running.remove(seq)
+        self.release_blocks(seq.block_ids)
+        seq.block_ids, seq.hashes, seq.load_blocks = [], [], []
+        seq.num_computed = seq.num_cached = seq.external = 0
+        seq.stalled, seq.preempted = False, True
+        self._preempted.append(seq)
+        self.metrics.preemptions.inc()
+
+    def _readmit(self) -> None:
+        """Admit preempted requests again, oldest first, once the running ones can still grow: running
+        requests are served first, as vLLM schedules them before its waiting queue."""
+        while self._preempted:
+            seq = self._preempted[0]
+            need = -(-len(seq.prefill_tokens) // self.cfg.block_size)
+            if self.pool.num_free < need + len(self._running):
+                return
+            try:
+                self._admit(seq)
+            except OutOfBlocks:
+                return
+            self._preempted.popleft()
+            self._waiting.append(seq)
+
     def _prefill_chunk(self, seq: Seq, n: int) -> None:
         start = seq.num_computed
-        values = kv_extend(self._prev_kv(seq, start), seq.prompt[start : start + n], start)
+        values = kv_extend(self._prev_kv(seq, start), seq.prefill_tokens[start : start + n], start)
         self._write(seq, start, values)
         seq.num_computed += n
         self.metrics.prompt_tokens.inc(n)
-        if seq.num_computed < len(seq.prompt):
+        if seq.num_computed < len(seq.prefill_tokens):
             return
         self._waiting.remove(seq)
+        if seq.preempted:  # computed again after a preemption: it goes on decoding where it was
+            seq.preempted = False
+            self._running.append(seq)
+            return
         computed = len(seq.prompt) - seq.num_cached
         self.metrics.tokens_local_compute.inc(max(computed, 0))
         self.metrics.tokens_local_cache_hit.inc(seq.num_cached - seq.external)
@@ -352,5 +391,7 @@ class Engine:
             self._waiting.remove(seq)
         if seq in self._running:
             self._running.remove(seq)
+        if seq in self._preempted:
+            self._preempted.remove(seq)
         self.release_blocks(seq.block_ids)
         self.metrics.finished("abort")

@@ -82,7 +82,20 @@ class EngineMetrics:
         )
         self.process_start.set(time.time())
         self.success = Counter("vllm:request_success", "Finished requests", [*labels, "finished_reason"], registry=r)
+        self.preemptions = counter("vllm:num_preemptions", "Preempted requests").labels(**lv)
+        # the simulator's own (no vLLM name): what D-side handles pin now, and the most they ever pinned
+        self.pinned_tokens = Gauge("sim:pinned_tokens", "KV tokens pinned by decode-side handles", registry=r)
+        self.pinned_peak = Gauge(
+            "sim:pinned_tokens_peak", "Most KV tokens decode-side handles pinned at once", registry=r
+        )
+        self._peak = 0
         self._lv = lv
+
+    def pinned(self, tokens: int) -> None:
+        self.pinned_tokens.set(tokens)
+        if tokens > self._peak:
+            self._peak = tokens
+            self.pinned_peak.set(tokens)
 
     def cache_config(self, info: dict[str, str]) -> None:
         """vLLM's ``vllm:cache_config_info``: a gauge set to 1 whose labels are the CacheConfig fields."""

@@ -2,7 +2,11 @@
 
 While the store is down every call raises ``StoreError`` at once, so a turn falls back to plain
 P/D without waiting for a timeout; the first call after ``retry_s`` tries the store again, and a
-success brings it back.
+success brings it back. What counts as down: a failure of the store itself (a connection refused
+or reset, a command timeout, an error answer). ``StoreBusy``, a call that found every connection
+busy past the pool wait, fails that call only and is counted apart (``on_busy``): under load the
+store is slow to reach, not gone, and skipping it for ``retry_s`` would turn a burst into seconds
+of stateless turns and in-flight markers left behind.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from turnkv.errors import StoreError
+from turnkv.errors import StoreBusy, StoreError
 from turnkv.state.base import Claim, ConversationStore, PinEntry, Pinned
 from turnkv.state.record import ConversationRecord
 
@@ -28,12 +32,14 @@ class StoreGuard:
         retry_s: float,
         on_error: Callable[[str], None] = lambda op: None,
         on_state: Callable[[bool], None] = lambda up: None,
+        on_busy: Callable[[str], None] = lambda op: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self._retry_s = retry_s
         self._on_error = on_error
         self._on_state = on_state
+        self._on_busy = on_busy
         self._clock = clock
         self._down_until = 0.0
         self.up = True
@@ -43,6 +49,9 @@ class StoreGuard:
             raise StoreError("store is down; retrying later")
         try:
             result = await fn()
+        except StoreBusy:
+            self._on_busy(op)
+            raise
         except StoreError as exc:
             self._on_error(op)
             self._down_until = self._clock() + self._retry_s

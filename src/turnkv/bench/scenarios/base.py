@@ -27,7 +27,7 @@ from turnkv.bench.records import ConfigResult
 from turnkv.bench.runner import run_load
 from turnkv.bench.workload import WorkloadSpec
 
-ENGINE_METRICS = ("vllm:prompt_tokens_by_source", "vllm:prefix_cache", "vllm:nixl_")
+ENGINE_METRICS = ("vllm:prompt_tokens_by_source", "vllm:prefix_cache", "vllm:nixl_", "sim:")
 GATEWAY_METRICS = (
     "turnkv_reuse_decisions",
     "turnkv_link_",
@@ -36,6 +36,8 @@ GATEWAY_METRICS = (
     "turnkv_upstream_errors",
     "turnkv_render_mismatch",
     "turnkv_tokens",
+    "turnkv_handle_releases",
+    "turnkv_first_token_deadline",
 )
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from turnkv.bench.records import ConfigResult, RunResult
-from turnkv.bench.scenarios import fifth_turn, overhead, smoke
+from turnkv.bench.scenarios import decode_memory, fifth_turn, overhead, smoke
 from turnkv.bench.scenarios.base import Bench, run_bench, with_gateway_workers
 
 Analyzer = Callable[[Sequence[ConfigResult]], tuple[str, dict[str, list[str]]]]
@@ -20,11 +20,13 @@ SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
     "fifth-turn": (fifth_turn.benches, fifth_turn.analyze),
     "overhead": (overhead.benches, overhead.analyze),
     "smoke": (smoke.benches, smoke.analyze),
+    "decode-memory": (decode_memory.benches, decode_memory.analyze),
 }
 TITLES = {
     "fifth-turn": "turnkv bench: fifth-turn TTFT on the simulator",
     "overhead": "turnkv bench: gateway overhead with zero-cost engines",
     "smoke": "turnkv bench: smoke",
+    "decode-memory": "turnkv bench: decode memory under load",
 }
 
 

@@ -1,6 +1,7 @@
 """What vLLM's ``/metrics`` and ``/version`` say, as engine-neutral readings.
 
-Metrics: the process start time (a restart), running and waiting requests, KV usage, prefix-cache
+Metrics: the process start time (a restart), running and waiting requests, KV usage, prompt and
+generated tokens computed (work done: an engine whose totals move is busy, not stuck), prefix-cache
 hits and settings, KV capacity (``vllm:cache_config_info``: num_gpu_blocks x block_size) and the NIXL
 transfer totals (for the link estimate). Versions: from 0.32 a chat request takes the prompt as
 ``kv_transfer_params.prompt_token_ids``; from 0.33 (or with turnkv's plugin, which says so in its
@@ -17,7 +18,9 @@ from turnkv.engine.base import EngineInfo, LoadSample, Transfers
 
 log = logging.getLogger("turnkv.engine.vllm")
 PLUGIN_HEADER = "x-turnkv-plugin"  # set by plugins/vllm-turnkv: "<version>; streams=chat,completions"
+_PROGRESS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")  # work done: moving means busy
 _SUMMED = (
+    *_PROGRESS,
     "process_start_time_seconds",
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
@@ -83,6 +86,7 @@ def load_sample(text: str) -> LoadSample | None:
             values.get("vllm:nixl_xfer_time_seconds_sum", 0.0),
         )
     )
+    work = [values[k] for k in _PROGRESS if k in values]
     return LoadSample(
         epoch=values.get("process_start_time_seconds"),
         running=int(values.get("vllm:num_requests_running", 0)),
@@ -93,4 +97,5 @@ def load_sample(text: str) -> LoadSample | None:
         block_size=block_size,
         capacity_tokens=capacity,
         transfers=transfers,
+        tokens_computed=sum(work) if work else None,
     )

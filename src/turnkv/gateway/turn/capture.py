@@ -120,7 +120,7 @@ def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> bool:
         matched=rec.num_tokens,
         prefill=svc.fleet.view(rec.prefill_url),
         decode=d,
-        decode_holds=d is not None,
+        decode_holds=d is not None and svc.pins.room_for_local(d),
         block_size=bs,
     )
     return svc.policy.keeps_pin(f, svc.estimator.params())

@@ -4,8 +4,8 @@ D gets the client's request and what P left for it (decode-local: nothing, so D 
 to say its prompt's and answer's token ids when the turn belongs to a conversation, so the next turn
 can be checked; an engine that takes the prompt as ids gets them, so it cannot tokenize differently.
 An unreachable or failing D before any output is replaced by the next healthy one; so is one that
-does not start its answer within the first-token deadline (then also relieved of pins and, after a
-few misses in a row, taken out of routing for a while).
+does not start its answer within the first-token deadline, renewed while D is busy (``turn.deadline``;
+then also relieved of pins and, after a few misses in a row, taken out of routing for a while).
 Transition: DECODE → DONE (the answer is then relayed), or None for a decode-local turn no D could
 take (the driver falls back to P).
 """
@@ -19,6 +19,7 @@ from typing import Any
 from turnkv.engine.base import DecodeAnswer, DecodeCall, DecodeStream
 from turnkv.errors import FirstTokenDeadline, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from turnkv.gateway.fleet import Slot
+from turnkv.gateway.turn.deadline import Deadline
 from turnkv.gateway.turn.results import Opened, Prefilled
 from turnkv.gateway.turn.run import Journal, TurnRun
 from turnkv.routing import InstanceView, Router
@@ -59,19 +60,20 @@ def _timeout_s(run: TurnRun) -> float:
 
 async def _open(run: TurnRun, inst: InstanceView, call: DecodeCall, slot: Slot) -> Opened:
     """Send D the turn: a stream is opened (its first token is awaited by the relay, within the same
-    deadline), or a non-streamed answer read whole; either gives way when the turn is aborted."""
+    deadline, counted from when the request went out), or a non-streamed answer read whole; either gives
+    way when the turn is aborted."""
     svc, turn = run.svc, run.turn
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + svc.settings.timeouts.decode_first_token_s
+    deadline = Deadline.decode(svc.settings.timeouts, inst.url)
+    sent = asyncio.get_running_loop().time()
     pending: Awaitable[Any]
     if turn.stream:
         pending = svc.engine.open_decode(inst.url, call, turn.meta)
-        timeout: float | None = deadline - loop.time()
+        wait: Deadline | None = deadline
     else:
         pending = svc.engine.decode_json(inst.url, call, turn.meta, _timeout_s(run))
-        timeout = None
+        wait = None
     try:
-        result = await run.until_aborted(pending, timeout)
+        result = await run.until_aborted(pending, wait, started=sent)
     except UpstreamTimeout as exc:
         if isinstance(exc, FirstTokenDeadline):
             raise
@@ -79,9 +81,9 @@ async def _open(run: TurnRun, inst: InstanceView, call: DecodeCall, slot: Slot) 
             "the decode engine did not answer within its deadline", leg="decode", instance=inst.url
         ) from exc
     if isinstance(result, DecodeStream):
-        return Opened(inst.url, slot, deadline, stream=result)
+        return Opened(inst.url, slot, deadline, sent, stream=result)
     assert isinstance(result, DecodeAnswer), "decode answers a stream or a body"
-    return Opened(inst.url, slot, deadline, answer=result)
+    return Opened(inst.url, slot, deadline, sent, answer=result)
 
 
 async def run(run: TurnRun, prefilled: Prefilled | None) -> Opened | None:

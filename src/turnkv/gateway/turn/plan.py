@@ -2,10 +2,12 @@
 
 The token check (``reuse.assess``) says what may be reused and why not more; the policy says whether
 pulling it pays, or whether the decode engine should prefill the turn itself. A handle that is not
-pulled goes to P to be released, so D frees its blocks at once. ``direct`` is the same planner for a
-turn not rendered at all (``turn.direct``): its prompt's size is estimated, and only a decode-local
-decision stands. ``facts`` is what the policy is told, the same for both and for CAPTURE's question
-whether a new handle is worth keeping.
+pulled goes to P to be released, so D frees its blocks at once. A decode engine short of KV or with a
+queue takes no decode-local turn (``decode_busy``): its idle conversations' freed blocks are the
+first it evicts, so the turn would compute the whole history again there, behind the queue.
+``direct`` is the same planner for a turn not rendered at all (``turn.direct``): its prompt's size is
+estimated, and only a decode-local decision stands. ``facts`` is what the policy is told, the same for
+both and for CAPTURE's question whether a new handle is worth keeping.
 Transition: PLAN → PREFILL, or → DECODE for decode-local.
 """
 
@@ -115,6 +117,9 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         return base
     bs = svc.settings.block_size
     holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
+    # a D short of KV or with a queue takes no decode-local turn (``PinKeeper.room_for_local``)
+    pressed = holds and decode is not None and not svc.pins.room_for_local(decode)
+    holds = holds and not pressed
     f = facts(
         rec,
         prompt_tokens=len(rendered.prompt_ids),
@@ -128,6 +133,8 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
     decision = svc.policy.decide(f, costs)
     if decision.reason is not None:
         reason = decision.reason
+    elif pressed and decision.action is Action.RECOMPUTE:
+        reason = Reason.DECODE_BUSY  # D would have taken it, but is short of KV or has a queue
     elif rec is not None and rec.handle is None and a.full and decision.action is Action.RECOMPUTE:
         reason = unpinned_reason(rec)  # D's KV matched, but its handle was given back
     same_p = rec is not None and prefill is not None and prefill.url == rec.prefill_url
@@ -169,6 +176,8 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
     view = EngineView(d.routable, d.epoch) if d is not None and d.url == rec.decode_url else None
     if d is None or record_unusable(claim, tenant=turn.conversation.tenant, now=time.time(), decode=view) is not None:
         return None
+    if not svc.pins.room_for_local(d):
+        return None  # rendered and planned: the plan says why (decode_busy)
     echoed = cand.echoed
     if echoed.answer_digest != rec.answer_digest or (
         rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest

@@ -2,9 +2,9 @@
 
 With token ids from RENDER, P gets exactly those ids; otherwise the client's request, as plain P/D
 sends it. A failed pull (P answers 5xx: expired handle, restarted D, broken link), or one that stalls
-past the first-token deadline, falls back (``TurnRun.fall_back``) and is tried again on the same P
-without the handle; an unreachable or failing P is replaced by the next healthy one (a single P whose
-connection failed is tried once more).
+past the first-token deadline (renewed while P is busy: ``turn.deadline``), falls back
+(``TurnRun.fall_back``) and is tried again on the same P without the handle; an unreachable or failing
+P is replaced by the next healthy one (a single P whose connection failed is tried once more).
 Transition: PREFILL → DECODE.
 """
 
@@ -14,6 +14,7 @@ import time
 
 from turnkv.engine.base import PrefillCall
 from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
+from turnkv.gateway.turn.deadline import Deadline
 from turnkv.gateway.turn.results import Fallback, Prefilled
 from turnkv.gateway.turn.run import TurnRun
 
@@ -31,14 +32,15 @@ async def run(run: TurnRun) -> Prefilled:
         if inst is None:
             break
         send = run.plan.send
-        call = PrefillCall(
-            turn.path, turn.body, run.rendered.prompt_ids, send, svc.settings.timeouts.prefill_first_token_s
-        )
+        t = svc.settings.timeouts
+        call = PrefillCall(turn.path, turn.body, run.rendered.prompt_ids, send, t.prefill_s)
         t0 = time.perf_counter()
         run.journal.handle_spent = run.journal.handle_spent or send is not None
         try:
             with fleet.busy(inst.url):
-                result = await run.until_aborted(svc.engine.prefill(inst.url, call, turn.meta))
+                result = await run.until_aborted(
+                    svc.engine.prefill(inst.url, call, turn.meta), Deadline.prefill(t, inst.url)
+                )
         except UpstreamError as exc:
             last = exc
             timed_out = isinstance(exc, UpstreamTimeout)

@@ -2,7 +2,7 @@
 
 Both run at once. The engine's own render (or a render service) is the authority for tokenization. A
 render the client caused to fail is the client's error; a render the engine failed (or a store that
-failed) only costs this turn its reuse.
+failed, or was too busy to answer: ``store_busy``) only costs this turn its reuse.
 Where the template keeps history, the record is read first, and a turn the planner sends to D as
 decode-local without a render (``plan.direct``) skips it; so does a first turn (no assistant message)
 with no stored record: there is nothing of D's to check it against.
@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import time
 
-from turnkv.errors import ClientError, StoreError, UpstreamError, UpstreamStatus
+from turnkv.errors import ClientError, StoreBusy, StoreError, UpstreamError, UpstreamStatus
 from turnkv.gateway.answer import last_assistant
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn import direct, plan
@@ -38,12 +38,17 @@ async def _render(svc: Services, turn: Turn) -> list[int]:
     return await svc.engine.render(base, turn.body, turn.meta)
 
 
-async def _claim(svc: Services, turn: Turn) -> Claim | None:
+async def _claim(svc: Services, turn: Turn) -> tuple[Claim | None, Reason]:
+    """The conversation's record, claimed, and why the turn reuses nothing as far as the claim can tell:
+    ``no_session`` when claimed (PLAN says why, from the record); otherwise ``store_busy`` (every store
+    connection stayed busy: load, this call only) or ``store_unavailable`` (the store failed)."""
     assert turn.conversation is not None, "only a conversation's turn claims a record"
     try:
-        return await svc.store.claim(turn.conversation.key, owner=turn.request_id)
+        return await svc.store.claim(turn.conversation.key, owner=turn.request_id), Reason.NO_SESSION
+    except StoreBusy:
+        return None, Reason.STORE_BUSY
     except StoreError:
-        return None
+        return None, Reason.STORE_UNAVAILABLE
 
 
 def _claimed(claim: Claim | None) -> bool:
@@ -62,7 +67,7 @@ async def run(svc: Services, turn: Turn) -> Rendered:
     if first or cand is not None:
         # the record first: a decode-local turn it allows needs no render at all, nor does a
         # conversation's first turn when nothing is stored (nothing of D's to check it against)
-        claim = await _claim(svc, turn)
+        claim, why = await _claim(svc, turn)
         if claim is not None and cand is not None:
             local = plan.direct(svc, turn, claim, cand)
             if local is not None:
@@ -76,7 +81,7 @@ async def run(svc: Services, turn: Turn) -> Rendered:
                 )
         if first and (claim is None or claim.status is ClaimStatus.MISSING):
             # P and D render the messages themselves, as in plain P/D
-            reason = Reason.NO_RECORD if claim is not None else Reason.STORE_UNAVAILABLE
+            reason = Reason.NO_RECORD if claim is not None else why
             return Rendered(Next.PREFILL, reason, claim=claim, claimed=_claimed(claim))
         try:
             rendered = await _render(svc, turn)
@@ -86,7 +91,7 @@ async def run(svc: Services, turn: Turn) -> Rendered:
         rendered, claimed = await asyncio.gather(_render(svc, turn), _claim(svc, turn), return_exceptions=True)
         if isinstance(claimed, BaseException):
             raise claimed
-        claim = claimed
+        claim, why = claimed
     seconds = time.perf_counter() - t0
     failed = Rendered(Next.PLAN, Reason.RENDER_FAILED, claim=claim, claimed=_claimed(claim), seconds=seconds)
     if isinstance(rendered, UpstreamStatus) and 400 <= rendered.upstream_status < 500:
@@ -102,7 +107,6 @@ async def run(svc: Services, turn: Turn) -> Rendered:
     except (TypeError, OverflowError):  # ids that are not integers
         svc.metrics.upstream_errors.labels("render", "protocol").inc()
         return failed
-    reason = Reason.STORE_UNAVAILABLE if claim is None else Reason.NO_SESSION  # PLAN says why, from the record
     return Rendered(
-        Next.PLAN, reason, prompt_ids=rendered, chain=chain, claim=claim, claimed=_claimed(claim), seconds=seconds
+        Next.PLAN, why, prompt_ids=rendered, chain=chain, claim=claim, claimed=_claimed(claim), seconds=seconds
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from turnkv.engine.base import Collected, DecodeAnswer, DecodeStream, HandleUse, PrefillResult
 from turnkv.gateway.fleet import Slot
+from turnkv.gateway.turn.deadline import Deadline
 from turnkv.reuse.assess import Assessment, Reason
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.reuse.cost import Action
@@ -107,7 +108,8 @@ class Opened:
 
     url: str
     slot: Slot  # D's in-flight count, held until the answer is closed
-    first_token_deadline: float  # loop time by which a stream must show output
+    deadline: Deadline  # for a stream's first output (renewed while D is busy)
+    sent: float  # loop time the request went out: the deadline counts from it
     stream: DecodeStream | None = None
     answer: DecodeAnswer | None = None
 

@@ -4,7 +4,7 @@ The steps return their results (``results``); only the driver stores them here, 
 the one place a plan changes once made. The journal is what happened along the way (engine calls
 retried, the claimed handle spent, the first token's time), which steps add to as it happens.
 ``abort`` ends the turn early (a shutdown past its drain): its open answer is closed, and every wait
-``until_aborted`` gives way.
+``until_aborted`` gives way; that wait also keeps the first-token deadlines (``deadline``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from turnkv.engine.base import Collected, DecodeStream, NothingCollected
 from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamError, UpstreamUnavailable, retryable
 from turnkv.gateway.services import Services
+from turnkv.gateway.turn.deadline import Deadline
 from turnkv.gateway.turn.fallback import without_handle
 from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Fallback, Next, Opened, Plan, Prefilled, Rendered
@@ -121,25 +122,47 @@ class TurnRun:
         if self.aborted is not None:
             raise ShuttingDown("the gateway is shutting down; send the turn again")
 
-    async def until_aborted(self, call: Awaitable[T], timeout_s: float | None = None) -> T:
-        """``call``, unless the turn is aborted (``ShuttingDown``) or ``timeout_s`` passes first
-        (``FirstTokenDeadline``); the call is cancelled then (an answer it opened closed)."""
+    async def until_aborted(
+        self, call: Awaitable[T], deadline: Deadline | None = None, *, started: float | None = None
+    ) -> T:
+        """``call``, unless the turn is aborted (``ShuttingDown``) or ``deadline`` passes first, counted from
+        ``started`` (a loop time; default now) and renewed while the engine is busy (``FirstTokenDeadline``).
+        A call given up on, for whatever reason (this turn cancelled too), is cancelled and waited for
+        before this returns, so that nothing else reads what it was reading (an answer it opened is
+        closed)."""
         if self.aborted is not None:
             if inspect.iscoroutine(call):
                 call.close()
             self.check()
+        loop = asyncio.get_running_loop()
+        started = loop.time() if started is None else started
+        until = None if deadline is None else started + deadline.first_s
         task = asyncio.ensure_future(call)
         stop = asyncio.ensure_future(self._abort.wait())
         try:
-            done, _ = await asyncio.wait({task, stop}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                timeout = None if until is None else max(0.0, until - loop.time())
+                done, _ = await asyncio.wait({task, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    return task.result()
+                self.check()  # the abort came first
+                if deadline is None:
+                    continue  # without a deadline only the call or the abort ends the wait
+                now = loop.time()
+                if not deadline.renews(self.svc.fleet.view(deadline.url), started, now):
+                    raise FirstTokenDeadline(
+                        f"the {deadline.leg} engine missed its first-token deadline",
+                        leg=deadline.leg,
+                        instance=deadline.url,
+                    )
+                self.svc.metrics.deadline_renewals.labels(deadline.leg).inc()  # busy, not stuck: wait on
+                until = now + deadline.first_s
         finally:
             stop.cancel()
-        if task in done:
-            return task.result()
-        task.add_done_callback(_close_answer)
-        task.cancel()
-        self.check()
-        raise FirstTokenDeadline("the engine missed its first-token deadline", leg="decode")
+            if not task.done():
+                task.add_done_callback(_close_answer)
+                task.cancel()
+                await asyncio.wait({task})  # stopped before anything else reads what it was reading
 
     def close_answer(self) -> None:
         """Give D's answer up and its in-flight place back: its connection back to the pool when it was read

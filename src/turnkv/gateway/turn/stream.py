@@ -2,18 +2,18 @@
 
 Pull-based: D's answer is read only when the client has taken what came before, so back-pressure
 reaches D. Events before the first one that shows the client output are held back, and that first
-output must come within the first-token deadline. If D fails before it (vLLM 0.26 can end such a
-stream with no error at all) or misses the deadline, the turn is run again through P without the
-handle (on another D when there is one; a D that missed the deadline is relieved of pins first), and
-the client never notices; a second failure becomes an SSE error event. A failure after the first
-output becomes a final SSE error event too. Events that carry only what turnkv asked D for (token
-ids) are not forwarded. Leaving (the client went away, the end, or a shutdown past its drain)
-closes D's answer, so D aborts the request.
+output must come within the first-token deadline (renewed while D is busy: ``turn.deadline``). If D
+fails before it (vLLM 0.26 can end such a stream with no error at all) or misses the deadline, the
+turn is run again through P without the handle (on another D when there is one; a D that missed the
+deadline is relieved of pins first), and the client never notices; a second failure becomes an SSE
+error event. A failure after the first output becomes a final SSE error event too. Events that carry
+only what turnkv asked D for (token ids) are not forwarded. Leaving (the client went away, the end,
+or a shutdown past its drain) closes D's answer, so D aborts the request; a client that leaves while
+the first token is awaited stops that read before anything else (the salvage) reads D's stream.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -22,7 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from turnkv.engine.base import DecodeStream, StreamBroken
-from turnkv.errors import GatewayError, ShuttingDown, UpstreamProtocolError, UpstreamTimeout
+from turnkv.errors import FirstTokenDeadline, GatewayError, ShuttingDown, UpstreamProtocolError, UpstreamTimeout
 from turnkv.gateway.errors import sse_error_event
 from turnkv.gateway.sse import DONE, frame
 from turnkv.gateway.turn import capture
@@ -76,15 +76,15 @@ async def _tail(stream: DecodeStream) -> AsyncIterator[bytes]:
 
 
 async def _await_head(run: TurnRun, opened: Opened, stream: DecodeStream) -> bytes | None:
-    """``_head`` within the first-token deadline (raises ``_Missed``)."""
-    loop = asyncio.get_running_loop()
+    """``_head`` within the first-token deadline, counted from when the request went out and renewed
+    while D is busy (raises ``_Missed``; None when the turn was aborted). Given up on, the read is
+    stopped before anything else reads D's stream."""
     try:
-        async with asyncio.timeout_at(max(opened.first_token_deadline, loop.time())) as scope:
-            return await _head(run, stream)
-    except TimeoutError:
-        if scope.expired():
-            raise _Missed from None
-        raise
+        return await run.until_aborted(_head(run, stream), opened.deadline, started=opened.sent)
+    except FirstTokenDeadline:
+        raise _Missed from None
+    except ShuttingDown:
+        return None
 
 
 def missed_first_token(run: TurnRun, url: str) -> None:

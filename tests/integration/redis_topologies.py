@@ -1,0 +1,387 @@
+"""Real Redis deployments on loopback for the store's tests: a 3-master Cluster, a Sentinel-managed
+master with a replica, a TLS server (certificates made with ``openssl``), and a relay that holds
+commands until the test lets them through. Every wait is bounded; a fixture is skipped only when a
+binary it needs is missing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.conftest import free_port
+
+READY_TIMEOUT_S = 30.0
+POLL_S = 0.05  # between two looks at a server's state while waiting for it (bounded by the timeouts)
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed")
+    return path
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(redis.RedisError, OSError):
+            if check():
+                return
+        time.sleep(POLL_S)
+    raise TimeoutError(f"not within {timeout_s} s: {what}")
+
+
+@dataclass
+class Server:
+    """One redis-server (or Sentinel) process, started with ``args``, stopped at the end."""
+
+    args: list[str]
+    workdir: Path
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log = self.workdir / f"redis-{self.port}.log"
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [_binary("redis-server"), *self.args], stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir
+            )
+        wait_until(lambda: self._died() or self._answers(), f"redis-server on port {self.port} ready")
+
+    def _answers(self) -> bool:
+        if "--tls-port" in self.args:  # a plain client cannot talk to it; the log says when it listens
+            return "Ready to accept connections" in self.log.read_text(errors="replace")
+        c = self.client()
+        try:
+            return bool(c.ping())
+        finally:
+            c.close()
+
+    def _died(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"redis-server on port {self.port} exited: {self.log.read_text()[-2000:]}")
+        return False
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **kwargs)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+
+def _base_args(port: int, workdir: Path) -> list[str]:
+    return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)]
+
+
+@contextlib.contextmanager
+def running(servers: list[Server]) -> Iterator[list[Server]]:
+    try:
+        for s in servers:
+            s.start()
+        yield servers
+    finally:
+        for s in reversed(servers):
+            s.stop()
+
+
+@contextlib.contextmanager
+def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
+    """``masters`` cluster-enabled servers joined into one Cluster; yields its redis+cluster:// URL."""
+    cli = _binary("redis-cli")
+    ports = [free_port() for _ in range(masters)]
+    # the bus port is named: the default (port + 10000) may be taken or past 65535
+    servers = [
+        Server(
+            [
+                *_base_args(p, workdir),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{p}.conf",
+                "--cluster-node-timeout",
+                "5000",
+                "--cluster-port",
+                str(free_port()),
+            ],
+            workdir,
+            p,
+        )
+        for p in ports
+    ]
+    with running(servers):
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in ports),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=READY_TIMEOUT_S,
+        )
+        for s in servers:
+            c = s.client()
+            wait_until(
+                lambda c=c: c.cluster("INFO").get("cluster_state") == "ok",  # type: ignore[misc]
+                f"cluster_state:ok on {s.port}",
+            )
+            c.close()
+        yield "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+
+
+@dataclass
+class SentinelSetup:
+    master: Server
+    replica: Server
+    sentinel: Server
+    service: str = "turnkv-test"
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.sentinel.port}/{self.service}/0"
+
+    def master_port(self) -> int:
+        c = self.sentinel.client()
+        try:
+            addr = c.sentinel_get_master_addr_by_name(self.service)
+        finally:
+            c.close()
+        assert isinstance(addr, tuple), f"Sentinel does not know {self.service}"
+        return int(addr[1])
+
+    def fail_over(self) -> None:
+        """Promote the replica, and wait until the old master serves as its replica."""
+        old, new = self.master, self.replica
+        c = self.sentinel.client()
+        try:
+            c.sentinel_failover(self.service)
+        finally:
+            c.close()
+        wait_until(lambda: self.master_port() == new.port, "Sentinel names the replica as master")
+        wait_until(lambda: _role(new) == "master" and _role(old) == "slave", "old master demoted")
+        self.master, self.replica = new, old
+
+
+def _role(server: Server) -> str:
+    c = server.client()
+    try:
+        return str(c.role()[0].decode())
+    finally:
+        c.close()
+
+
+@contextlib.contextmanager
+def redis_sentinel(workdir: Path) -> Iterator[SentinelSetup]:
+    """A master, a replica and one Sentinel (quorum 1) watching them."""
+    mp, rp, sp = free_port(), free_port(), free_port()
+    master = Server(_base_args(mp, workdir), workdir, mp)
+    replica = Server([*_base_args(rp, workdir), "--replicaof", "127.0.0.1", str(mp)], workdir, rp)
+    conf = workdir / f"sentinel-{sp}.conf"  # Sentinel rewrites its own file
+    conf.write_text(
+        f"port {sp}\nbind 127.0.0.1\ndir {workdir}\n"
+        f"sentinel monitor turnkv-test 127.0.0.1 {mp} 1\n"
+        "sentinel down-after-milliseconds turnkv-test 5000\n"
+        "sentinel failover-timeout turnkv-test 10000\n"
+    )
+    sentinel = Server([str(conf), "--sentinel"], workdir, sp)
+    setup = SentinelSetup(master, replica, sentinel)
+    with running([master, replica, sentinel]):
+        rc = replica.client()
+        wait_until(lambda: rc.info("replication").get("master_link_status") == "up", "replica in sync")
+        rc.close()
+        sc = sentinel.client()
+        wait_until(lambda: setup.master_port() == mp, "Sentinel knows the master")
+        wait_until(lambda: len(sc.sentinel_slaves("turnkv-test")) == 1, "Sentinel knows the replica")
+        sc.close()
+        yield setup
+
+
+@dataclass(frozen=True)
+class Certificates:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_certificates(workdir: Path) -> Certificates:
+    """A throw-away CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
+    openssl = _binary("openssl")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, cwd=workdir, timeout=60)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=turnkv test CA")
+    (workdir / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
+        run("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=turnkv {name}")
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "2",
+            *ext,
+        )
+    return Certificates(
+        workdir / "ca.crt",
+        workdir / "server.crt",
+        workdir / "server.key",
+        workdir / "client.crt",
+        workdir / "client.key",
+    )
+
+
+def redis_has_tls() -> bool:
+    """Whether this redis-server was built with TLS: such a build gets as far as loading the (here
+    missing) certificates; one without refuses the option itself."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return False
+    out = subprocess.run(
+        [exe, "--port", "0", "--tls-port", "1", "--tls-cert-file", "/nonexistent", "--tls-key-file", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return "Failed to configure TLS" in out.stdout + out.stderr
+
+
+@contextlib.contextmanager
+def redis_tls(workdir: Path) -> Iterator[tuple[int, Certificates]]:
+    """A redis-server that speaks TLS only and wants a client certificate signed by the test CA."""
+    certs = make_certificates(workdir)
+    port = free_port()
+    server = Server(
+        [
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--tls-cert-file",
+            str(certs.server_cert),
+            "--tls-key-file",
+            str(certs.server_key),
+            "--tls-ca-cert-file",
+            str(certs.ca),
+            "--tls-auth-clients",
+            "yes",
+        ],
+        workdir,
+        port,
+    )
+    with running([server]):
+        yield port, certs
+
+
+class GatedRelay:
+    """A TCP relay to a Redis port that holds what clients send until ``open()``: commands in flight
+    for as long as a test wants, without a clock. ``senders`` counts connections that sent something
+    (each a store operation holding its connection)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = 0
+        self.senders = 0
+        self._loop = asyncio.new_event_loop()
+        self._gate = asyncio.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._server: asyncio.Server | None = None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        await asyncio.gather(
+            self._pump(reader, up_writer, gated=True),
+            self._pump(up_reader, writer, gated=False),
+            return_exceptions=True,
+        )
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, gated: bool) -> None:
+        counted = False
+        try:
+            while data := await src.read(65536):
+                if gated and not self._gate.is_set():
+                    if not counted:
+                        counted = True
+                        self.senders += 1
+                    await self._gate.wait()
+                dst.write(data)
+                await dst.drain()
+        finally:
+            dst.close()
+
+    def open(self) -> None:
+        self._loop.call_soon_threadsafe(self._gate.set)
+
+    def __enter__(self) -> GatedRelay:
+        self._thread.start()
+        if not self._ready.wait(READY_TIMEOUT_S):
+            raise RuntimeError("relay did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            if self._server is not None:
+                self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(READY_TIMEOUT_S)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(READY_TIMEOUT_S)
+        self._loop.close()

@@ -1,0 +1,203 @@
+"""The store contract on real Redis deployments (one server, a 3-master Cluster, Sentinel, TLS), and
+what the store does when Redis is busy, gone, back, or failed over."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio import RedisCluster
+
+from tests.conftest import RedisServer
+from tests.integration.redis_topologies import (
+    POLL_S,
+    READY_TIMEOUT_S,
+    Certificates,
+    GatedRelay,
+    SentinelSetup,
+    redis_cluster,
+    redis_has_tls,
+    redis_sentinel,
+    redis_tls,
+)
+from tests.store_contract import (
+    D1,
+    LONG_TTL_S,
+    SHORT_MARKER_TTL_S,
+    Backend,
+    RedisContract,
+    StoreContract,
+    rec,
+)
+from turnkv.errors import StoreBusy, StoreError
+from turnkv.state.base import ClaimStatus, Pinned
+from turnkv.state.guard import StoreGuard
+from turnkv.state.redis import RedisStore, TLSOptions
+
+pytestmark = pytest.mark.integration
+
+
+async def _backend(url: str, tls: TLSOptions | None = None) -> AsyncIterator[Backend]:
+    """Three stores on ``url`` under a namespace of the test's own (shared servers need no flush)."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    stores = [
+        RedisStore.from_url(url, namespace=ns, in_flight_ttl_s=ttl, command_timeout_s=5.0, tls=tls)
+        for ttl in (60.0, 60.0, SHORT_MARKER_TTL_S)
+    ]
+    yield Backend(stores[0], stores[1], asyncio.sleep, stores[2], SHORT_MARKER_TTL_S)
+    for s in stores:
+        await s.close()
+
+
+class TestOneServer(StoreContract, RedisContract):
+    @pytest.fixture
+    async def backend(self, redis_url: str) -> AsyncIterator[Backend]:
+        async for b in _backend(redis_url):
+            yield b
+
+
+@pytest.fixture(scope="session")
+def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_cluster(tmp_path_factory.mktemp("cluster")) as url:
+        yield url
+
+
+class TestCluster(StoreContract, RedisContract):
+    @pytest.fixture
+    async def backend(self, cluster_url: str) -> AsyncIterator[Backend]:
+        async for b in _backend(cluster_url):
+            yield b
+
+    async def test_conversations_spread_over_the_masters(self, backend: Backend) -> None:
+        s = backend.store
+        assert isinstance(s, RedisStore)
+        for i in range(30):
+            await s.put(f"conv-{i}", rec(f"p{i}", url=f"http://d{i % 3}:8200"), LONG_TTL_S)
+        cluster = s._redis
+        assert isinstance(cluster, RedisCluster)
+        nodes = {getattr(cluster.get_node_from_key(s.conversation_key(f"conv-{i}")), "name", None) for i in range(30)}
+        assert len(nodes) == 3
+        assert await s.pinned([f"http://d{i}:8200" for i in range(3)]) == {
+            f"http://d{i}:8200": Pinned(10, 200) for i in range(3)
+        }
+
+
+@pytest.fixture(scope="session")
+def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelSetup]:
+    with redis_sentinel(tmp_path_factory.mktemp("sentinel")) as setup:
+        yield setup
+
+
+class TestSentinel(StoreContract, RedisContract):
+    @pytest.fixture
+    async def backend(self, sentinel: SentinelSetup) -> AsyncIterator[Backend]:
+        async for b in _backend(sentinel.url):
+            yield b
+
+
+async def test_a_sentinel_failover_is_followed_by_the_next_call(tmp_path: Path) -> None:
+    with redis_sentinel(tmp_path) as setup:
+        s = RedisStore.from_url(setup.url, command_timeout_s=5.0)
+        await asyncio.gather(*(s.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S) for i in range(8)))  # pooled connections
+        c = setup.master.client()
+        assert c.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]  # the replica has them
+        c.close()
+        setup.fail_over()
+        # the pooled connections still lead to the old master, now a replica: the first call's
+        # write meets READONLY, reconnects through Sentinel and runs on the new master (which
+        # lacks the scripts: NOSCRIPT, load, run)
+        assert (await s.claim("k0", owner="t")).record == rec("p0")
+        got = await asyncio.gather(*(s.claim(f"k{i}", owner="t") for i in range(1, 8)))
+        assert [c.record for c in got] == [rec(f"p{i}") for i in range(1, 8)]
+        await s.close()
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Certificates]]:
+    if not redis_has_tls():
+        pytest.skip("redis-server was built without TLS")
+    with redis_tls(tmp_path_factory.mktemp("tls")) as server:
+        yield server
+
+
+class TestTLS(StoreContract):
+    @pytest.fixture
+    async def backend(self, tls_server: tuple[int, Certificates]) -> AsyncIterator[Backend]:
+        port, certs = tls_server
+        tls = TLSOptions(ca_certs=str(certs.ca), certfile=str(certs.client_cert), keyfile=str(certs.client_key))
+        async for b in _backend(f"rediss://127.0.0.1:{port}/0", tls=tls):
+            yield b
+
+
+async def test_tls_checks_the_server_and_shows_our_certificate(tls_server: tuple[int, Certificates]) -> None:
+    port, certs = tls_server
+    url = f"rediss://127.0.0.1:{port}/0"
+    refused = [
+        TLSOptions(certfile=str(certs.client_cert), keyfile=str(certs.client_key)),  # server's CA unknown
+        TLSOptions(ca_certs=str(certs.ca)),  # no client certificate
+    ]
+    for tls in refused:
+        s = RedisStore.from_url(url, tls=tls, command_timeout_s=5.0)
+        with pytest.raises(StoreError):
+            await s.ping()
+        await s.close()
+    s = RedisStore.from_url(
+        url,
+        tls=TLSOptions(ca_certs=str(certs.ca), certfile=str(certs.client_cert), keyfile=str(certs.client_key)),
+        command_timeout_s=5.0,
+    )
+    await s.ping()
+    await s.close()
+
+
+async def _until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        await asyncio.sleep(POLL_S)
+
+
+async def test_a_full_pool_fails_the_call_only(redis_server: RedisServer, redis_url: str) -> None:
+    with GatedRelay(redis_server.port) as relay:
+        store = RedisStore.from_url(
+            f"redis://127.0.0.1:{relay.port}/0",
+            max_connections=2,
+            pool_timeout_s=0.05,
+            command_timeout_s=READY_TIMEOUT_S,
+        )
+        busy: list[str] = []
+        guard = StoreGuard(store, retry_s=60, on_busy=busy.append)
+        held = [asyncio.create_task(guard.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S)) for i in range(2)]
+        await _until(lambda: relay.senders == 2, "both connections busy")  # held at the relay
+        with pytest.raises(StoreBusy):
+            await guard.claim("k0", owner="t")
+        assert guard.up and busy == ["claim"]
+        relay.open()
+        await asyncio.gather(*held)
+        assert (await guard.claim("k0", owner="t")).record == rec("p0")
+        await store.close()
+
+
+async def test_the_first_call_after_redis_is_back_succeeds(own_redis: RedisServer) -> None:
+    now = [0.0]
+    store = RedisStore.from_url(own_redis.url, command_timeout_s=5.0)
+    guard = StoreGuard(store, retry_s=2.0, clock=lambda: now[0])
+    await asyncio.gather(*(guard.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S) for i in range(16)))  # 16 pooled connections
+    own_redis.stop()
+    with pytest.raises(StoreError):
+        await guard.claim("k0", owner="t")
+    assert not guard.up
+    own_redis.start()  # empty: nothing was saved
+    now[0] += 3.0
+    # every pooled connection is one Redis closed; each call reconnects on its one retry
+    assert (await guard.claim("k0", owner="t")).status is ClaimStatus.MISSING and guard.up
+    got = await asyncio.gather(*(guard.claim(f"k{i}", owner="t") for i in range(1, 16)))
+    assert {c.status for c in got} == {ClaimStatus.MISSING}
+    await guard.put("k0", rec("p0"), LONG_TTL_S)
+    assert await guard.pinned([D1]) == {D1: Pinned(1, 20)}
+    await store.close()
