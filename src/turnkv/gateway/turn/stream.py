@@ -15,7 +15,7 @@ the first token is awaited stops that read before anything else (the salvage) re
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -107,7 +107,7 @@ def _failure(run: TurnRun, missed: bool) -> GatewayError:
     return UpstreamProtocolError(str(msg or "decode failed"), leg="decode")
 
 
-async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> AsyncIterator[bytes]:
+async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> AsyncGenerator[bytes, None]:
     """The client's stream: D's answer (run again once, invisibly, when D fails before its first output),
     then ``[DONE]`` once the next turn's record is stored."""
     svc = run.svc
@@ -180,12 +180,15 @@ async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> 
 
 
 class RelayResponse(StreamingResponse):
-    """A streaming answer that cleans up even when the client left before the relay began."""
+    """A streaming answer that cleans up when the response ends, however it ends: a relay the client left
+    mid-way is closed then (its own clean-up runs at once, not whenever the generator is collected), and
+    one the client left before it began is settled here."""
 
     def __init__(self, run: TurnRun, restart: Restart, headers: dict[str, str]) -> None:
         self._run = run
         self._started = False
-        super().__init__(relay(run, restart, self._start), media_type="text/event-stream", headers=headers)
+        self._relay = relay(run, restart, self._start)
+        super().__init__(self._relay, media_type="text/event-stream", headers=headers)
 
     def _start(self) -> None:
         self._started = True
@@ -194,6 +197,9 @@ class RelayResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self._started:
+            if self._started:
+                with anyio.CancelScope(shield=True):
+                    await self._relay.aclose()  # bounded: its clean-up is (salvage, capture)
+            else:
                 self._run.close_answer()
                 await capture.end(self._run, ok=False)
