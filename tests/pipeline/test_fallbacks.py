@@ -78,13 +78,13 @@ async def test_a_single_prefill_engine_whose_connection_failed_is_tried_once_mor
         calls: list[str] = []
         real = gw.engine._enter
 
-        async def flaky(base: str, leg: str, timeout_s: float | None = None) -> Any:
+        async def flaky(base: str, leg: str, timeout_s: float | None = None, *, stream: bool = False) -> Any:
             calls.append(leg)
             if leg == "prefill" and calls.count("prefill") == 1:
                 from turnkv.errors import UpstreamUnavailable
 
                 raise UpstreamUnavailable("prefill engine unreachable: ConnectionResetError", leg=leg, instance=base)
-            return await real(base, leg, timeout_s)
+            return await real(base, leg, timeout_s, stream=stream)
 
         gw.engine._enter = flaky  # type: ignore[method-assign]  # one connection reset, then fine
         a = await Chat(gw).say("hello")

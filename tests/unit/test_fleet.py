@@ -73,6 +73,30 @@ def test_metrics_restart_and_load() -> None:
     assert restarts == [("http://p0", 200.0)] and view(f).epoch == 200.0
 
 
+PROGRESS = """# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{{engine="0",model_name="m"}} {prompt}
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{{engine="0",model_name="m"}} {generated}
+"""
+
+
+def test_an_engine_whose_token_counters_moved_has_progressed() -> None:
+    # what tells a busy engine from a stuck one (a first-token deadline is renewed for the busy)
+    f = fleet()
+    apply(f, "http://p0", text() + PROGRESS.format(prompt=100, generated=0))
+    apply(f, "http://p0", text() + PROGRESS.format(prompt=100, generated=0))
+    assert view(f).progressed_at == 0.0  # a first reading, then nothing computed since
+    before = time.monotonic()
+    apply(f, "http://p0", text() + PROGRESS.format(prompt=100, generated=5))
+    moved = view(f).progressed_at
+    assert moved >= before
+    apply(f, "http://p0", text() + PROGRESS.format(prompt=100, generated=5))
+    assert view(f).progressed_at == moved
+    for _ in range(2):  # an engine that does not report them never shows progress
+        apply(f, "http://p1", text())
+    assert view(f, "http://p1").progressed_at == 0.0
+
+
 @pytest.mark.parametrize(("in_flight", "busy"), [(0, 3), (3, 3), (7, 7)])
 def test_busy_is_the_engines_count_or_the_gateways_own_when_more(in_flight: int, busy: int) -> None:
     f = fleet()

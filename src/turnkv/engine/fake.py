@@ -10,13 +10,16 @@ P and D are instances by URL. A prefill computes the prompt (pulling D's pinned 
 says so, failing when D no longer holds it) and leaves it for D; D continues it, or computes the turn
 itself (decode-local), and pins its sequence when it took P's KV (a handle in the answer's last event,
 or in the body). Its metrics count the tokens it computed, requests waiting there and its pinned KV.
-Faults per instance (``faults(url)``): fail, be unreachable, hang, never show a first token, drop the
-stream mid-way, end a stream without its handle, send an error event before output.
+Faults per instance (``faults(url)``): fail, be unreachable, hang (stuck: computing nothing), wait behind
+other work until ``free(url)`` (busy: its token count moves at every reading meanwhile), never show a
+first token, drop the stream mid-way, end a stream without its handle, send an error event before
+output. As with a real connection, a stream read while another read of it is pending raises.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -61,6 +64,7 @@ class Faults:
 
     fail: int = 0  # the next calls answer HTTP 500
     hang: int = 0  # the next calls never answer: a deadline or an abort must end them
+    busy: int = 0  # the next calls (a stream: its first output) wait behind other work until ``free(url)``
     leg: str | None = None  # the calls ``fail`` and ``hang`` apply to (render, prefill, decode...): None, all
     unreachable: bool = False  # calls cannot connect (and health checks fail)
     stall: int = 0  # the next streams open, then never show output
@@ -76,6 +80,7 @@ class Faults:
 @dataclass(frozen=True)
 class StreamFaults:
     stall: bool = False
+    busy: bool = False
     drop_after: int | None = None
     error: bool = False
 
@@ -96,6 +101,8 @@ class Instance:
     waiting: int = 0  # others' requests queued there, as its metrics say
     kv_usage: float | None = None  # as its metrics say (None: what its pins hold of its capacity)
     computed: int = 0  # prompt and generated tokens computed, as its metrics say
+    behind: int = 0  # calls of ours waiting behind other work (``Faults.busy``)
+    freed: asyncio.Event = field(default_factory=asyncio.Event)  # the other work is done (``free``)
     prefix_hits: int = 0
     capacity_tokens: int | None = None
     cached: set[int] = field(default_factory=set)  # hashes of the block-aligned prefixes it computed
@@ -162,6 +169,10 @@ class FakeEngine:
         inst.faults = dataclasses.replace(inst.faults, **changes)
         return inst.faults
 
+    def free(self, url: str) -> None:
+        """The other work on ``url`` is done: calls waiting behind it go on."""
+        self.instances[url].freed.set()
+
     def restart(self, url: str) -> None:
         """A new process: a new epoch, and nothing cached, staged or pinned."""
         inst = self.instances[url]
@@ -177,7 +188,7 @@ class FakeEngine:
         return _message(g)
 
     # -- calls -------------------------------------------------------------------------------------
-    async def _enter(self, base: str, leg: str, timeout_s: float | None = None) -> Instance:
+    async def _enter(self, base: str, leg: str, timeout_s: float | None = None, *, stream: bool = False) -> Instance:
         inst = self.instances.get(base)
         if inst is None or inst.faults.unreachable:
             raise UpstreamUnavailable(f"{leg} engine unreachable: ConnectionRefusedError", leg=leg, instance=base)
@@ -191,6 +202,9 @@ class FakeEngine:
                 await asyncio.wait_for(asyncio.Event().wait(), min(timeout_s or NEVER_S, NEVER_S))
             except TimeoutError:
                 raise UpstreamTimeout(f"{leg} engine timed out", leg=leg, instance=base) from None
+        if f.busy > 0 and not (leg == "decode" and stream):
+            f.busy -= 1
+            await _behind(inst, leg, timeout_s)
         if f.fail > 0:
             f.fail -= 1
             raise UpstreamStatus(500, {"error": {"message": "fake engine failure"}}, leg=leg, instance=base)
@@ -245,7 +259,7 @@ class FakeEngine:
     async def _decode(
         self, base: str, call: DecodeCall, timeout_s: float | None
     ) -> tuple[Instance, Generated, int, Handle | None]:
-        d = await self._enter(base, "decode", timeout_s)
+        d = await self._enter(base, "decode", timeout_s, stream=call.stream)
         prompt = self._prompt(call.body, call.prompt_ids)
         cached = self._cached(d, prompt)
         if call.for_decode:
@@ -274,8 +288,13 @@ class FakeEngine:
         f = d.faults
         if f.no_handle_in_stream:
             handle = None
-        faults = StreamFaults(stall=f.stall > 0, drop_after=f.drop_after if f.drop > 0 else None, error=f.error > 0)
-        f.stall, f.drop, f.error = max(f.stall - 1, 0), max(f.drop - 1, 0), max(f.error - 1, 0)
+        faults = StreamFaults(
+            stall=f.stall > 0,
+            busy=f.busy > 0,
+            drop_after=f.drop_after if f.drop > 0 else None,
+            error=f.error > 0,
+        )
+        f.stall, f.busy, f.drop, f.error = (max(n - 1, 0) for n in (f.stall, f.busy, f.drop, f.error))
         return FakeStream(d, call, g, collected, handle, _usage(len(prompt), g, cached, call), faults)
 
     async def decode_json(self, base: str, call: DecodeCall, meta: CallMeta, timeout_s: float) -> DecodeAnswer:
@@ -340,10 +359,12 @@ class FakeEngine:
         if inst is None or inst.faults.unreachable:
             return None
         cap = inst.capacity_tokens
+        if inst.behind:
+            inst.computed += 1  # the work they wait behind goes on
         return LoadSample(
             epoch=inst.epoch,
             running=inst.running,
-            waiting=inst.waiting,
+            waiting=inst.waiting + inst.behind,
             kv_usage=inst.kv_usage if inst.kv_usage is not None else inst.pinned_tokens / cap if cap else 0.0,
             tokens_computed=float(inst.computed),
             prefix_cache_hits=float(inst.prefix_hits),
@@ -444,6 +465,17 @@ class FakeEngine:
         return Generated(ids, deltas, finish, kv[:-1], parser.reasoning, parser.final_content(), calls)
 
 
+async def _behind(inst: Instance, leg: str, timeout_s: float | None) -> None:
+    """Wait behind the instance's other work until it is done (``FakeEngine.free``), or ``timeout_s``."""
+    inst.behind += 1
+    try:
+        await asyncio.wait_for(inst.freed.wait(), min(timeout_s or NEVER_S, NEVER_S))
+    except TimeoutError:
+        raise UpstreamTimeout(f"{leg} engine timed out", leg=leg, instance=inst.url) from None
+    finally:
+        inst.behind -= 1
+
+
 def _broken(handle: Handle, how: str | None) -> Handle:
     if how == HandleProblem.NOT_A_DECODE_HANDLE:
         return {k: v for k, v in handle.items() if k != "tokens"}
@@ -502,6 +534,8 @@ class FakeStream(DecodeStream):
         self._events = self._plan(g, call, usage)
         self._shown = 0
         self._dropped = False
+        self._reading = False
+        self._queued = faults.busy  # its first output is still behind the engine's other work
         self._closing = asyncio.Event()
         self.closed = False
         self.aborted = False
@@ -529,6 +563,15 @@ class FakeStream(DecodeStream):
         return self._collected
 
     async def read(self) -> list[Piece] | None:
+        if self._reading:  # as aiohttp's readany(): one reader at a time
+            raise RuntimeError("read() called while another coroutine is already waiting for incoming data")
+        self._reading = True
+        try:
+            return await self._read()
+        finally:
+            self._reading = False
+
+    async def _read(self) -> list[Piece] | None:
         f, c = self._faults, self._collected
         if self.done or self.closed or self._dropped:
             return None
@@ -538,6 +581,14 @@ class FakeStream(DecodeStream):
             except TimeoutError:
                 raise StreamBroken("TimeoutError") from None
             return None
+        if self._queued:
+            try:
+                await _behind(self._d, "decode", None)
+            except UpstreamTimeout:
+                raise StreamBroken("TimeoutError") from None
+            self._queued = False
+            if self.closed:
+                return None
         if f.error and c.error is None:
             c.error = {"message": "fake engine error before output"}
             return [(json.dumps({"error": c.error}).encode(), False, True)]
@@ -565,14 +616,19 @@ class FakeStream(DecodeStream):
         return None
 
     async def salvage(self, timeout_s: float) -> None:
-        while not self._faults.stall and await self.read() is not None:
-            pass
+        with contextlib.suppress(TimeoutError, StreamBroken):
+            async with asyncio.timeout(timeout_s):
+                while await self.read() is not None:
+                    pass
 
     def close(self) -> None:
         self._closing.set()
         if not self.closed:
             self.closed = True
             self._d.running -= 1
+            if not self.done and self._handle is not None and self._collected.handle is None:
+                # aborted before its end: D frees the request's blocks, nothing stays pinned for it
+                self._d.pins.pop(str(self._handle.get("remote_request_id")), None)
 
     def abort(self) -> None:
         self.aborted = True

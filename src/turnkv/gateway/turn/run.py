@@ -15,6 +15,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import anyio
+
 from turnkv.engine.base import Collected, DecodeStream, NothingCollected
 from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamError, UpstreamUnavailable, retryable
 from turnkv.gateway.services import Services
@@ -26,6 +28,7 @@ from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
 
 T = TypeVar("T")
+STOP_WAIT_S = 1.0  # how long a call given up on may take to stop (it was cancelled)
 
 
 @dataclass
@@ -162,7 +165,10 @@ class TurnRun:
             if not task.done():
                 task.add_done_callback(_close_answer)
                 task.cancel()
-                await asyncio.wait({task})  # stopped before anything else reads what it was reading
+                # shielded: a turn cancelled by its cancel scope (the client left) is cancelled again at
+                # every wait within it, and this wait must still end first
+                with anyio.move_on_after(STOP_WAIT_S, shield=True):
+                    await asyncio.wait({task})
 
     def close_answer(self) -> None:
         """Give D's answer up and its in-flight place back: its connection back to the pool when it was read
