@@ -481,11 +481,14 @@ def run_mode(
     t0 = time.perf_counter()
     out: dict[str, Any] = {"mode": mode.name, "at_start": settle(d), "waves": []}
     gw_name = f"gw-{mode.name}"
-    settings = {
+    settings: dict[str, Any] = {
         "health_interval_s": 1.0,
         "scrape_interval_s": 1.0,
         "policy": {"name": mode.policy, "params": dict(mode.params)},
     }
+    if not mode.session:
+        # plain P/D: no conversation at all (the gateway would otherwise find each one from its history)
+        settings["conversation_from_history"] = False
     log0 = log_size(gw_name)
     with contextlib.ExitStack() as stack:
         gw: str | None = None
