@@ -45,8 +45,14 @@ import devlib
 import engines
 
 M = devlib.MODEL_NAME
-P_ONLY = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-          "remote_block_ids": None, "remote_host": None, "remote_port": None}
+P_ONLY = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 LOGPROB_TOL = 0.1  # nats, for the first token's logprob (bf16 KV from decode vs recompute)
 GATEWAY_PORT = 8900
 
@@ -95,17 +101,28 @@ class Words:
     def text(self, rng: random.Random, n: int) -> str:
         return " ".join(rng.choice(self.words) for _ in range(n))
 
-    def conversation(self, rng: random.Random, turns: int, history: int, user: int, reasoning: int
-                     ) -> Conversation:
-        return Conversation(self.text(rng, history),
-                            [Turn(self.text(rng, user), self.text(rng, reasoning)) for _ in range(turns)])
+    def conversation(self, rng: random.Random, turns: int, history: int, user: int, reasoning: int) -> Conversation:
+        return Conversation(
+            self.text(rng, history), [Turn(self.text(rng, user), self.text(rng, reasoning)) for _ in range(turns)]
+        )
 
 
-def body(msgs: list[dict[str, Any]], words: Words, answer_tokens: int, target: Target, **extra: Any
-         ) -> dict[str, Any]:
-    return {"model": M, "messages": msgs, "continue_final_message": True, "add_generation_prompt": False,
-            "max_tokens": answer_tokens, "temperature": 0, "ignore_eos": True, "allowed_token_ids": words.allowed,
-            "logprobs": True, "top_logprobs": 5, "return_token_ids": True, **target.extra, **extra}
+def body(msgs: list[dict[str, Any]], words: Words, answer_tokens: int, target: Target, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": M,
+        "messages": msgs,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": answer_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "allowed_token_ids": words.allowed,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "return_token_ids": True,
+        **target.extra,
+        **extra,
+    }
 
 
 @dataclass
@@ -135,23 +152,30 @@ def parse(rep: devlib.Reply) -> Answer:
             for ch in c.get("choices") or []:
                 text += (ch.get("delta") or {}).get("content") or ""
                 ids += ch.get("token_ids") or []
-                lp = ((ch.get("logprobs") or {}).get("content") or [])
+                lp = (ch.get("logprobs") or {}).get("content") or []
                 if first is None and lp:
                     first = lp[0]
         return Answer(text, ids, first, prompt, hdr, kv, rep.status, rep.seconds)
     j = rep.json or {}
     ch = (j.get("choices") or [{}])[0]
-    lp = ((ch.get("logprobs") or {}).get("content") or [])
-    return Answer((ch.get("message") or {}).get("content") or "", ch.get("token_ids") or [], lp[0] if lp else None,
-                  j.get("prompt_token_ids"), hdr, j.get("kv_transfer_params"), rep.status, rep.seconds)
+    lp = (ch.get("logprobs") or {}).get("content") or []
+    return Answer(
+        (ch.get("message") or {}).get("content") or "",
+        ch.get("token_ids") or [],
+        lp[0] if lp else None,
+        j.get("prompt_token_ids"),
+        hdr,
+        j.get("kv_transfer_params"),
+        rep.status,
+        rep.seconds,
+    )
 
 
 def compare(a: Answer, b: Answer) -> dict[str, Any]:
     """a (reuse or turnkv) against b (recomputed)."""
     out: dict[str, Any] = {"ids_equal": a.ids == b.ids and bool(a.ids), "status": [a.status, b.status]}
     if a.ids != b.ids:
-        n = next((i for i, (x, y) in enumerate(zip(a.ids, b.ids, strict=False)) if x != y), min(len(a.ids),
-                                                                                                 len(b.ids)))
+        n = next((i for i, (x, y) in enumerate(zip(a.ids, b.ids, strict=False)) if x != y), min(len(a.ids), len(b.ids)))
         out["first_difference_at"] = n
     fa, fb = a.first or {}, b.first or {}
     out["first_token_equal"] = bool(a.ids and b.ids and a.ids[0] == b.ids[0])
@@ -171,8 +195,17 @@ def recompute(msgs: list[dict[str, Any]], words: Words, n: int, target: Target, 
     return parse(devlib.post(target.d_plain, "/v1/chat/completions", body(msgs, words, n, target, cache_salt=salt)))
 
 
-def pd(msgs: list[dict[str, Any]], words: Words, n: int, target: Target, *, handle: dict[str, Any] | None,
-       salt: str, decode: str, stream: bool = False) -> tuple[Answer, dict[str, Any]]:
+def pd(
+    msgs: list[dict[str, Any]],
+    words: Words,
+    n: int,
+    target: Target,
+    *,
+    handle: dict[str, Any] | None,
+    salt: str,
+    decode: str,
+    stream: bool = False,
+) -> tuple[Answer, dict[str, Any]]:
     """One turn through P and D as vLLM's proxies send it; with ``handle``, P gets D's handle blindly."""
     b = body(msgs, words, n, target, cache_salt=salt)
     pb = {k: v for k, v in b.items() if k not in ("logprobs", "top_logprobs", "return_token_ids")}
@@ -188,6 +221,7 @@ def pd(msgs: list[dict[str, Any]], words: Words, n: int, target: Target, *, hand
 
 
 # -- parts ---------------------------------------------------------------------------------------
+
 
 def part_weights(words: Words, target: Target, rng: random.Random) -> dict[str, Any]:
     if devlib.backend() != "vllm":
@@ -208,9 +242,16 @@ def part_weights(words: Words, target: Target, rng: random.Random) -> dict[str, 
         allowed = np.asarray(words.allowed)
         ref = int(allowed[int(np.argmax(logits[allowed]))])
         lse = float(np.log(np.sum(np.exp(logits - logits.max()))) + logits.max())
-        rows.append({"prompt_tokens": len(ans.prompt_ids), "vllm_first": ans.ids[0], "numpy_first": ref,
-                     "equal": ans.ids[0] == ref,
-                     "vllm_logprob": (ans.first or {}).get("logprob"), "numpy_logprob": float(logits[ref] - lse)})
+        rows.append(
+            {
+                "prompt_tokens": len(ans.prompt_ids),
+                "vllm_first": ans.ids[0],
+                "numpy_first": ref,
+                "equal": ans.ids[0] == ref,
+                "vllm_logprob": (ans.first or {}).get("logprob"),
+                "numpy_logprob": float(logits[ref] - lse),
+            }
+        )
     return {"rows": rows, "all_equal": all(r.get("equal") for r in rows)}
 
 
@@ -232,14 +273,12 @@ def part_sensitivity(words: Words, target: Target, rng: random.Random, trials: i
     return {"trials": trials, "first_token_changed": changed_first, "answer_changed": changed_any, "rows": rows}
 
 
-def part_planted(words: Words, target: Target, rng: random.Random, trials: int, n: int, args: Any
-                 ) -> dict[str, Any]:
+def part_planted(words: Words, target: Target, rng: random.Random, trials: int, n: int, args: Any) -> dict[str, Any]:
     rows = []
     for _ in range(trials):
         conv = words.conversation(rng, 2, args.history_words, args.user_words, args.reasoning_words)
         salt = uuid.uuid4().hex
-        t1, _ = pd(conv.messages(0), words, n, target, handle=None, salt=salt + "-t1",
-                   decode=target.d_plugin)
+        t1, _ = pd(conv.messages(0), words, n, target, handle=None, salt=salt + "-t1", decode=target.d_plugin)
         if t1.status != 200 or not t1.kv:
             rows.append({"error": f"turn 1: {t1.status} {t1.text[:200]}"})
             continue
@@ -248,15 +287,20 @@ def part_planted(words: Words, target: Target, rng: random.Random, trials: int, 
         ref = recompute(msgs2, words, n, target, salt=salt + "-ref")
         blind, pulled = pd(msgs2, words, n, target, handle=t1.kv, salt=salt + "-blind", decode=target.d_plugin)
         row = compare(blind, ref)
-        row.update(handle_tokens=t1.kv.get("remote_num_tokens"), prompt_tokens=len(ref.prompt_ids or []),
-                   pulled=pulled, blind_status=blind.status)
+        row.update(
+            handle_tokens=t1.kv.get("remote_num_tokens"),
+            prompt_tokens=len(ref.prompt_ids or []),
+            pulled=pulled,
+            blind_status=blind.status,
+        )
         rows.append(row)
     differ = sum(1 for r in rows if "ids_equal" in r and not r["ids_equal"])
     return {"trials": trials, "answers_differ": differ, "rows": rows}
 
 
-def part_turnkv(words: Words, target: Target, rng: random.Random, args: Any, *, gateway: str, stream: bool,
-                turns: int, label: str) -> dict[str, Any]:
+def part_turnkv(
+    words: Words, target: Target, rng: random.Random, args: Any, *, gateway: str, stream: bool, turns: int, label: str
+) -> dict[str, Any]:
     conv = words.conversation(rng, turns, args.history_words, args.user_words, args.reasoning_words)
     session = f"{label}-{uuid.uuid4().hex[:8]}"
     rows = []
@@ -271,10 +315,13 @@ def part_turnkv(words: Words, target: Target, rng: random.Random, args: Any, *, 
             break
         conv.turns[k].answer = "Answer:" + got.text
     ok = [r for r in rows if r["status"] == [200, 200]]
-    return {"turns": len(rows), "ids_equal": sum(r["ids_equal"] for r in ok),
-            "within_tolerance": sum(r["within_tolerance"] for r in ok),
-            "reused_turns": sum(1 for r in ok if int(r["turnkv"].get("x-turnkv-pulled-tokens", "0") or 0) > 0),
-            "rows": rows}
+    return {
+        "turns": len(rows),
+        "ids_equal": sum(r["ids_equal"] for r in ok),
+        "within_tolerance": sum(r["within_tolerance"] for r in ok),
+        "reused_turns": sum(1 for r in ok if int(r["turnkv"].get("x-turnkv-pulled-tokens", "0") or 0) > 0),
+        "rows": rows,
+    }
 
 
 def gateway_settings() -> dict[str, Any]:
@@ -313,8 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     (keep, strip), note = targets()
     words = Words(devlib.words_for(keep.p, 1200), 400)
     rng = random.Random(a.seed)
-    res: dict[str, Any] = {"backend": devlib.backend(), "args": vars(a), "allowed_words": len(words.allowed),
-                           "trio": note}
+    res: dict[str, Any] = {
+        "backend": devlib.backend(),
+        "args": vars(a),
+        "allowed_words": len(words.allowed),
+        "trio": note,
+    }
     if not note.get("history_sensitive", True):
         res["warning"] = "the history-sensitive model did not load: dummy weights, equal answers prove nothing"
         parts -= {"weights"}
@@ -330,28 +381,36 @@ def main(argv: list[str] | None = None) -> int:
     if "sensitivity" in parts:
         timed("sensitivity", lambda: part_sensitivity(words, keep, rng, a.sensitivity_trials, a.answer_tokens))
     if "planted" in parts:
-        timed("planted", lambda: {t.template: part_planted(words, t, rng, a.trials, a.answer_tokens, a)
-                                  for t in (strip, keep)})
+        timed(
+            "planted",
+            lambda: {t.template: part_planted(words, t, rng, a.trials, a.answer_tokens, a) for t in (strip, keep)},
+        )
     if "turnkv" in parts:
         out: dict[str, Any] = {}
         for t in (keep, strip):
-            with devlib.gateway("gw", GATEWAY_PORT, [t.p], [t.d_plugin], policy="always-pull",
-                                settings=gateway_settings()) as gw:
+            with devlib.gateway(
+                "gw", GATEWAY_PORT, [t.p], [t.d_plugin], policy="always-pull", settings=gateway_settings()
+            ) as gw:
                 for stream in (False, True):
                     key = f"{t.template}_{'stream' if stream else 'json'}"
                     out[key] = part_turnkv(words, t, rng, a, gateway=gw, stream=stream, turns=a.turns, label=key)
-                    devlib.log(f"turnkv {key}: {out[key]['ids_equal']}/{out[key]['turns']} equal, "
-                               f"{out[key]['reused_turns']} reused")
+                    devlib.log(
+                        f"turnkv {key}: {out[key]['ids_equal']}/{out[key]['turns']} equal, "
+                        f"{out[key]['reused_turns']} reused"
+                    )
         res["turnkv"] = out
     if "plugin_effect" in parts:
         eff: dict[str, Any] = {}
         for label, d in (("without_plugin", keep.d_plain), ("with_plugin", keep.d_plugin)):
-            with devlib.gateway("gw", GATEWAY_PORT, [keep.p], [d], policy="always-pull",
-                                settings=gateway_settings()) as gw:
+            with devlib.gateway(
+                "gw", GATEWAY_PORT, [keep.p], [d], policy="always-pull", settings=gateway_settings()
+            ) as gw:
                 r = part_turnkv(words, keep, rng, a, gateway=gw, stream=True, turns=3, label=label)
-                eff[label] = {"outcomes": [row["turnkv"].get("x-turnkv-outcome") for row in r["rows"]],
-                              "reasons": [row["turnkv"].get("x-turnkv-reason") for row in r["rows"]],
-                              "reused_turns": r["reused_turns"]}
+                eff[label] = {
+                    "outcomes": [row["turnkv"].get("x-turnkv-outcome") for row in r["rows"]],
+                    "reasons": [row["turnkv"].get("x-turnkv-reason") for row in r["rows"]],
+                    "reused_turns": r["reused_turns"],
+                }
         res["plugin_effect"] = eff
     res["seconds"] = round(time.perf_counter() - t_start, 1)
     devlib.write_json(devlib.out_dir() / "correctness.json", res)
@@ -369,11 +428,17 @@ def summary(res: dict[str, Any]) -> dict[str, Any]:
     if "planted" in res:
         s["planted_answers_differ"] = {k: f"{v['answers_differ']}/{v['trials']}" for k, v in res["planted"].items()}
     if "turnkv" in res:
-        s["turnkv_vs_recompute"] = {k: f"ids equal {v['ids_equal']}/{v['turns']}, within tolerance "
-                                       f"{v['within_tolerance']}/{v['turns']}, reused {v['reused_turns']}"
-                                    for k, v in res["turnkv"].items()}
-        deltas = [r.get("first_logprob_delta") for v in res["turnkv"].values() for r in v["rows"]
-                  if r.get("first_logprob_delta") is not None]
+        s["turnkv_vs_recompute"] = {
+            k: f"ids equal {v['ids_equal']}/{v['turns']}, within tolerance "
+            f"{v['within_tolerance']}/{v['turns']}, reused {v['reused_turns']}"
+            for k, v in res["turnkv"].items()
+        }
+        deltas = [
+            r.get("first_logprob_delta")
+            for v in res["turnkv"].values()
+            for r in v["rows"]
+            if r.get("first_logprob_delta") is not None
+        ]
         s["max_first_logprob_delta"] = max(deltas, default=None)
     if "plugin_effect" in res:
         s["plugin_effect"] = res["plugin_effect"]

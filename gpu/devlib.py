@@ -50,6 +50,7 @@ def log(msg: str) -> None:
 
 # -- HTTP ---------------------------------------------------------------------------------------
 
+
 @dataclass
 class Reply:
     status: int
@@ -64,7 +65,7 @@ class Reply:
 
 def _conn(url: str, timeout: float) -> http.client.HTTPConnection:
     assert url.startswith(f"http://{HOST}:") or url.startswith("http://localhost:"), url
-    hostport = url[len("http://"):].rstrip("/")
+    hostport = url[len("http://") :].rstrip("/")
     return http.client.HTTPConnection(hostport, timeout=timeout)
 
 
@@ -75,14 +76,26 @@ def _has_token(payload: str) -> bool:
         return False
     for c in obj.get("choices") or [] if isinstance(obj, dict) else []:
         d = c.get("delta") or {}
-        if c.get("text") or d.get("content") or d.get("reasoning") or d.get("reasoning_content") \
-                or d.get("tool_calls") or c.get("token_ids"):
+        if (
+            c.get("text")
+            or d.get("content")
+            or d.get("reasoning")
+            or d.get("reasoning_content")
+            or d.get("tool_calls")
+            or c.get("token_ids")
+        ):
             return True
     return False
 
 
-def request(url: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
-            timeout: float = HTTP_TIMEOUT_S) -> Reply:
+def request(
+    url: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = HTTP_TIMEOUT_S,
+) -> Reply:
     """One HTTP request; an SSE answer is read event by event, timing the first token."""
     conn = _conn(url, timeout)
     data = None if body is None else json.dumps(body).encode()
@@ -125,12 +138,20 @@ def _read_sse(resp: http.client.HTTPResponse, headers: dict[str, str], t0: float
             first_event = first_event if first_event is not None else now
             if first_token is None and _has_token(payload):
                 first_token = now
-    return Reply(resp.status, headers, "".join(raw), time.perf_counter() - t0, events=events,
-                 first_event_s=first_event, first_token_s=first_token)
+    return Reply(
+        resp.status,
+        headers,
+        "".join(raw),
+        time.perf_counter() - t0,
+        events=events,
+        first_event_s=first_event,
+        first_token_s=first_token,
+    )
 
 
-def post(url: str, path: str, body: Any, headers: dict[str, str] | None = None,
-         timeout: float = HTTP_TIMEOUT_S) -> Reply:
+def post(
+    url: str, path: str, body: Any, headers: dict[str, str] | None = None, timeout: float = HTTP_TIMEOUT_S
+) -> Reply:
     return request(url, "POST", path, body, headers, timeout)
 
 
@@ -191,11 +212,18 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-NIXL_KEYS = ("vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count",
-             "vllm:nixl_bytes_transferred_sum", "vllm:nixl_post_time_seconds_sum",
-             "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
-             "vllm:prompt_tokens_by_source_total", "vllm:prefix_cache_hits_total",
-             "vllm:prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total")
+NIXL_KEYS = (
+    "vllm:nixl_xfer_time_seconds_sum",
+    "vllm:nixl_xfer_time_seconds_count",
+    "vllm:nixl_bytes_transferred_sum",
+    "vllm:nixl_post_time_seconds_sum",
+    "vllm:nixl_num_failed_transfers_total",
+    "vllm:nixl_num_kv_expired_reqs_total",
+    "vllm:prompt_tokens_by_source_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+)
 
 
 def nixl_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -204,12 +232,18 @@ def nixl_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     count = d["vllm:nixl_xfer_time_seconds_count"]
     secs = d["vllm:nixl_xfer_time_seconds_sum"]
     nbytes = d["vllm:nixl_bytes_transferred_sum"]
-    return {"transfers": count, "bytes": nbytes, "xfer_s": secs,
-            "gb_per_s": (nbytes / secs / 1e9) if secs > 0 else None,
-            "failed": d["vllm:nixl_num_failed_transfers_total"], "expired": d["vllm:nixl_num_kv_expired_reqs_total"]}
+    return {
+        "transfers": count,
+        "bytes": nbytes,
+        "xfer_s": secs,
+        "gb_per_s": (nbytes / secs / 1e9) if secs > 0 else None,
+        "failed": d["vllm:nixl_num_failed_transfers_total"],
+        "expired": d["vllm:nixl_num_kv_expired_reqs_total"],
+    }
 
 
 # -- engines --------------------------------------------------------------------------------------
+
 
 @dataclass
 class EngineSpec:
@@ -237,35 +271,82 @@ class EngineSpec:
 
 def kv_config(spec: EngineSpec) -> str:
     extra = {"bidirectional_kv_xfer": spec.bidirectional, **spec.kv_extra}
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra},
-                      separators=(",", ":"))
+    return json.dumps(
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra},
+        separators=(",", ":"),
+    )
 
 
 def vllm_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
-    cmd = ["python3", "-m", "vllm.entrypoints.cli.main", "serve", spec.model, "--served-model-name", MODEL_NAME,
-           "--host", HOST, "--port", str(spec.port), "--gpu-memory-utilization", str(spec.mem), "--enforce-eager",
-           "--max-model-len", str(spec.max_model_len), "--kv-transfer-config", kv_config(spec)]
+    cmd = [
+        "python3",
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        spec.model,
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        HOST,
+        "--port",
+        str(spec.port),
+        "--gpu-memory-utilization",
+        str(spec.mem),
+        "--enforce-eager",
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--kv-transfer-config",
+        kv_config(spec),
+    ]
     if spec.dummy:
         cmd += ["--load-format", "dummy"]
     cmd += spec.flags
     path = VLLM_SITE + (os.pathsep + PLUGIN_SITE if spec.plugin else "")
-    env = {"PYTHONPATH": path, "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
-           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_port), **spec.env}
+    env = {
+        "PYTHONPATH": path,
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_port),
+        **spec.env,
+    }
     if not spec.plugin:
         env["VLLM_TURNKV_PLUGIN"] = "0"  # in case it was installed next to vLLM after all
     return cmd, env
 
 
-SIM_FLAGS = {"--no-enable-prefix-caching": ["--no-prefix-caching"], "--enable-prefix-caching": ["--prefix-caching"],
-             "--trust-request-chat-template": [], "--enable-prompt-tokens-details": ["--enable-prompt-tokens-details"]}
+SIM_FLAGS = {
+    "--no-enable-prefix-caching": ["--no-prefix-caching"],
+    "--enable-prefix-caching": ["--prefix-caching"],
+    "--trust-request-chat-template": [],
+    "--enable-prompt-tokens-details": ["--enable-prompt-tokens-details"],
+}
 
 
 def sim_command(spec: EngineSpec, time_scale: float) -> tuple[list[str], dict[str, str]]:
     """The simulator standing in for ``spec`` (compat 0.33 where the real engine has the plugin)."""
-    cmd = [sys.executable, "-m", "turnkv", "sim", "--role", spec.role, "--host", HOST, "--port", str(spec.port),
-           "--model", MODEL_NAME, "--vllm-compat", "0.33" if spec.plugin else "0.26",
-           "--side-channel-port", str(spec.side_port), "--time-scale", str(time_scale),
-           "--max-model-len", str(spec.max_model_len), "--no-thinking"]  # vLLM runs without a reasoning parser
+    cmd = [
+        sys.executable,
+        "-m",
+        "turnkv",
+        "sim",
+        "--role",
+        spec.role,
+        "--host",
+        HOST,
+        "--port",
+        str(spec.port),
+        "--model",
+        MODEL_NAME,
+        "--vllm-compat",
+        "0.33" if spec.plugin else "0.26",
+        "--side-channel-port",
+        str(spec.side_port),
+        "--time-scale",
+        str(time_scale),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--no-thinking",
+    ]  # vLLM runs without a reasoning parser
     if not spec.bidirectional:
         cmd.append("--no-bidirectional")
     for k, v in spec.kv_extra.items():
@@ -391,10 +472,24 @@ def _spawn(name: str, cmd: list[str], env: dict[str, str], url: str, timeout_s: 
     with open(logf, "ab") as out:
         out.write(f"\n==== {time.strftime('%H:%M:%S')} {shlex.join(cmd)}\n".encode())
         out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-                                start_new_session=True, cwd=str(ROOT))
-    rec = {"name": name, "pid": proc.pid, "started": _start_time(proc.pid), "cmd": cmd, "env": env, "url": url,
-           "log": str(logf)}
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            start_new_session=True,
+            cwd=str(ROOT),
+        )
+    rec = {
+        "name": name,
+        "pid": proc.pid,
+        "started": _start_time(proc.pid),
+        "cmd": cmd,
+        "env": env,
+        "url": url,
+        "log": str(logf),
+    }
     rec_file.write_text(json.dumps(rec))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -418,8 +513,7 @@ def tail(path: Path, n: int = 25) -> str:
         return ""
 
 
-def start_engine(spec: EngineSpec, *, time_scale: float = 0.05, timeout_s: float = HEALTH_TIMEOUT_S
-                 ) -> dict[str, Any]:
+def start_engine(spec: EngineSpec, *, time_scale: float = 0.05, timeout_s: float = HEALTH_TIMEOUT_S) -> dict[str, Any]:
     """Start (or reuse) one engine and wait until it answers /health. One at a time: two vLLM
     engines profiling GPU memory at once on one GPU can misread each other (kit README)."""
     cmd, env = vllm_command(spec) if backend() == "vllm" else sim_command(spec, time_scale)
@@ -430,16 +524,32 @@ def start_engine(spec: EngineSpec, *, time_scale: float = 0.05, timeout_s: float
 
 # -- the gateway ------------------------------------------------------------------------------------
 
+
 def gateway_env() -> dict[str, str]:
     parts = [str(ROOT / "src"), GATEWAY_SITE, VLLM_SITE] if backend() == "vllm" else [str(ROOT / "src")]
     return {"PYTHONPATH": os.pathsep.join(parts)}
 
 
-def start_gateway(name: str, port: int, prefill: list[str], decode: list[str], *, policy: str,
-                  settings: dict[str, Any] | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
+def start_gateway(
+    name: str,
+    port: int,
+    prefill: list[str],
+    decode: list[str],
+    *,
+    policy: str,
+    settings: dict[str, Any] | None = None,
+    timeout_s: float = 60.0,
+) -> dict[str, Any]:
     """``turnkv serve`` on ``port`` with a YAML config (written as JSON, which YAML reads)."""
-    cfg = {"prefill": prefill, "decode": decode, "host": HOST, "port": port, "policy": {"name": policy},
-           "log_level": "info", **(settings or {})}
+    cfg = {
+        "prefill": prefill,
+        "decode": decode,
+        "host": HOST,
+        "port": port,
+        "policy": {"name": policy},
+        "log_level": "info",
+        **(settings or {}),
+    }
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     cfg_file = STATE_DIR / f"{name}.yaml"
     cfg_file.write_text(json.dumps(cfg, indent=1))
@@ -450,8 +560,9 @@ def start_gateway(name: str, port: int, prefill: list[str], decode: list[str], *
 
 
 @contextlib.contextmanager
-def gateway(name: str, port: int, prefill: list[str], decode: list[str], *, policy: str,
-            settings: dict[str, Any] | None = None) -> Iterator[str]:
+def gateway(
+    name: str, port: int, prefill: list[str], decode: list[str], *, policy: str, settings: dict[str, Any] | None = None
+) -> Iterator[str]:
     rec = start_gateway(name, port, prefill, decode, policy=policy, settings=settings)
     try:
         yield str(rec["url"])
@@ -461,13 +572,14 @@ def gateway(name: str, port: int, prefill: list[str], decode: list[str], *, poli
 
 # -- prompts made of one-token words ----------------------------------------------------------------
 
+
 def word_vocabulary(url: str, candidates: list[str], want: int) -> list[tuple[str, int]]:
     """Words that are exactly one token with a leading space on this engine's tokenizer, and stay one
     token next to each other (checked with /tokenize), so generated text re-tokenizes to the same ids."""
     out: list[tuple[str, int]] = []
     seen: set[int] = set()
     for i in range(0, len(candidates), 256):
-        batch = candidates[i:i + 256]
+        batch = candidates[i : i + 256]
         text = "".join(" " + w for w in batch)
         rep = post(url, "/tokenize", {"model": MODEL_NAME, "prompt": text, "add_special_tokens": False})
         toks = (rep.json or {}).get("tokens") or []

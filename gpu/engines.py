@@ -28,8 +28,7 @@ from devlib import EngineSpec
 SHARP = "/root/models/sharp"
 
 
-def trio(model: str = SHARP, *, template: str = "keep", base_port: int = 8100, dummy: bool = False
-         ) -> list[EngineSpec]:
+def trio(model: str = SHARP, *, template: str = "keep", base_port: int = 8100, dummy: bool = False) -> list[EngineSpec]:
     """P without prefix caching (as after an eviction: P pulls every block D holds that matches, so the
     reuse path is exercised on every turn), D0 and D1 with it. ``template`` and ``base_port`` matter
     for the simulator only (vLLM gets the strip template per request)."""
@@ -37,12 +36,18 @@ def trio(model: str = SHARP, *, template: str = "keep", base_port: int = 8100, d
     trust = ["--trust-request-chat-template"]
     b = base_port
     return [
-        EngineSpec("p" + ("" if b == 8100 else str(b)), "prefill", b, 5600 + b - 8100,
-                   flags=[*trust, "--no-enable-prefix-caching"], **common),  # type: ignore[arg-type]
-        EngineSpec("d0" + ("" if b == 8100 else str(b)), "decode", b + 100, 5601 + b - 8100, flags=trust,
-                   **common),  # type: ignore[arg-type]
-        EngineSpec("d1" + ("" if b == 8100 else str(b)), "decode", b + 200, 5602 + b - 8100, plugin=True,
-                   flags=trust, **common),  # type: ignore[arg-type]
+        EngineSpec(
+            "p" + ("" if b == 8100 else str(b)),
+            "prefill",
+            b,
+            5600 + b - 8100,
+            flags=[*trust, "--no-enable-prefix-caching"],
+            **common,
+        ),  # type: ignore[arg-type]
+        EngineSpec("d0" + ("" if b == 8100 else str(b)), "decode", b + 100, 5601 + b - 8100, flags=trust, **common),  # type: ignore[arg-type]
+        EngineSpec(
+            "d1" + ("" if b == 8100 else str(b)), "decode", b + 200, 5602 + b - 8100, plugin=True, flags=trust, **common
+        ),  # type: ignore[arg-type]
     ]
 
 
@@ -81,17 +86,32 @@ def start_trio(*, start: bool = True) -> tuple[list[EngineSpec], dict[str, objec
     raise RuntimeError("no trio could be started: " + json.dumps(note["failures"])[-3000:])
 
 
-def pair(size: str, *, p_flags: list[str] | None = None, d_flags: list[str] | None = None,
-         env: dict[str, str] | None = None, kv_extra: dict[str, object] | None = None, mem: float = 0.42,
-         p_sim_extra: list[str] | None = None, d_sim_extra: list[str] | None = None) -> list[EngineSpec]:
+def pair(
+    size: str,
+    *,
+    p_flags: list[str] | None = None,
+    d_flags: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    kv_extra: dict[str, object] | None = None,
+    mem: float = 0.42,
+    p_sim_extra: list[str] | None = None,
+    d_sim_extra: list[str] | None = None,
+) -> list[EngineSpec]:
     """``*_sim_extra``: flags for the simulator only (e.g. a small ``--num-gpu-blocks`` on D)."""
     model = str(devlib.KIT / f"model-{size}-keep")
     common = {"model": model, "mem": mem, "env": dict(env or {}), "kv_extra": dict(kv_extra or {})}
     return [
-        EngineSpec("p", "prefill", 8100, 5600, flags=list(p_flags or []), sim_extra=list(p_sim_extra or []),
-                   **common),  # type: ignore[arg-type]
-        EngineSpec("d", "decode", 8200, 5601, plugin=True, flags=list(d_flags or []),
-                   sim_extra=list(d_sim_extra or []), **common),  # type: ignore[arg-type]
+        EngineSpec("p", "prefill", 8100, 5600, flags=list(p_flags or []), sim_extra=list(p_sim_extra or []), **common),  # type: ignore[arg-type]
+        EngineSpec(
+            "d",
+            "decode",
+            8200,
+            5601,
+            plugin=True,
+            flags=list(d_flags or []),
+            sim_extra=list(d_sim_extra or []),
+            **common,
+        ),  # type: ignore[arg-type]
     ]
 
 

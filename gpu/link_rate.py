@@ -44,16 +44,28 @@ import devlib
 import engines
 
 M = devlib.MODEL_NAME
-P_ONLY = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-          "remote_block_ids": None, "remote_host": None, "remote_port": None}
+P_ONLY = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 GET_ZCOPY = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 VARIANTS: dict[str, dict[str, Any]] = {
     "baseline": {},
     "get_zcopy": {"env": GET_ZCOPY},
     "get_zcopy_sm": {"env": {**GET_ZCOPY, "UCX_TLS": "cuda_ipc,cuda_copy,sm,self"}},
     "get_zcopy_no_emul": {"env": {**GET_ZCOPY, "UCX_PROTO_EMULATION_ENABLE": "n"}},
-    "tcp_segments": {"env": {"UCX_TCP_TX_SEG_SIZE": "8M", "UCX_TCP_RX_SEG_SIZE": "8M", "UCX_TCP_SNDBUF": "8M",
-                             "UCX_TCP_RCVBUF": "8M"}},
+    "tcp_segments": {
+        "env": {
+            "UCX_TCP_TX_SEG_SIZE": "8M",
+            "UCX_TCP_RX_SEG_SIZE": "8M",
+            "UCX_TCP_SNDBUF": "8M",
+            "UCX_TCP_RCVBUF": "8M",
+        }
+    },
     "cross_layers": {"env": {"VLLM_KV_CACHE_LAYOUT": "HND"}, "kv_extra": {"enable_cross_layers_blocks": "True"}},
     "block64": {"flags": ["--block-size", "64"]},
     "threads16": {"kv_extra": {"num_threads": 16}},
@@ -61,11 +73,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
 LANE = re.compile(r"(intra-node cfg.*|KV Transfer metrics: .*|UCX +(WARN|ERROR).*|no active messages.*)")
 
 
-def measure(p: str, d: str, words: list[str], allowed: list[int], rng: random.Random, tokens: int
-            ) -> dict[str, Any]:
+def measure(p: str, d: str, words: list[str], allowed: list[int], rng: random.Random, tokens: int) -> dict[str, Any]:
     msgs = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(tokens))}]
-    body = {"model": M, "messages": msgs, "max_tokens": 16, "ignore_eos": True, "temperature": 0,
-            "allowed_token_ids": allowed}
+    body = {
+        "model": M,
+        "messages": msgs,
+        "max_tokens": 16,
+        "ignore_eos": True,
+        "temperature": 0,
+        "allowed_token_ids": allowed,
+    }
     t0 = time.perf_counter()
     prep = devlib.post(p, "/v1/chat/completions", {**body, "max_tokens": 1, "kv_transfer_params": P_ONLY})
     if prep.status != 200:
@@ -80,12 +97,22 @@ def measure(p: str, d: str, words: list[str], allowed: list[int], rng: random.Ra
     msgs2 = [*msgs, {"role": "assistant", "content": answer}, {"role": "user", "content": "again"}]
     before_p = devlib.metrics(p)
     t2 = time.perf_counter()
-    back = devlib.post(p, "/v1/chat/completions", {**body, "messages": msgs2, "max_tokens": 1,
-                                                   "kv_transfer_params": dec.json["kv_transfer_params"]})
-    d_to_p = {**devlib.nixl_delta(before_p, devlib.metrics(p)), "request_s": round(time.perf_counter() - t2, 3),
-              "status": back.status}
-    return {"prompt_tokens": (dec.json.get("usage") or {}).get("prompt_tokens"), "p_to_d": p_to_d, "d_to_p": d_to_p,
-            "total_s": round(time.perf_counter() - t0, 2)}
+    back = devlib.post(
+        p,
+        "/v1/chat/completions",
+        {**body, "messages": msgs2, "max_tokens": 1, "kv_transfer_params": dec.json["kv_transfer_params"]},
+    )
+    d_to_p = {
+        **devlib.nixl_delta(before_p, devlib.metrics(p)),
+        "request_s": round(time.perf_counter() - t2, 3),
+        "status": back.status,
+    }
+    return {
+        "prompt_tokens": (dec.json.get("usage") or {}).get("prompt_tokens"),
+        "p_to_d": p_to_d,
+        "d_to_p": d_to_p,
+        "total_s": round(time.perf_counter() - t0, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,8 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         v = VARIANTS[name]
         env = {"UCX_LOG_LEVEL": "info", **v.get("env", {})}
         flags = list(v.get("flags", []))
-        specs = engines.pair(a.size, p_flags=["--no-enable-prefix-caching", *flags], d_flags=flags, env=env,
-                             kv_extra=v.get("kv_extra"), mem=a.mem)
+        specs = engines.pair(
+            a.size,
+            p_flags=["--no-enable-prefix-caching", *flags],
+            d_flags=flags,
+            env=env,
+            kv_extra=v.get("kv_extra"),
+            mem=a.mem,
+        )
         devlib.stop_all()  # both sides restart with the variant's settings
         row: dict[str, Any] = {"env": env, "flags": flags, "kv_extra": v.get("kv_extra", {})}
         try:
@@ -141,9 +174,20 @@ def main(argv: list[str] | None = None) -> int:
         devlib.stop_all()
     res["seconds"] = round(time.perf_counter() - t_start, 1)
     devlib.write_json(out, res)
-    print(json.dumps({k: [(x.get("p_to_d", {}).get("gb_per_s"), x.get("d_to_p", {}).get("gb_per_s"))
-                          for x in v.get("pulls", [])] or v.get("skipped") or "failed"
-                      for k, v in res["variants"].items()}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: [
+                    (x.get("p_to_d", {}).get("gb_per_s"), x.get("d_to_p", {}).get("gb_per_s"))
+                    for x in v.get("pulls", [])
+                ]
+                or v.get("skipped")
+                or "failed"
+                for k, v in res["variants"].items()
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -71,14 +71,26 @@ from turnkv.bench.workload import Conversation, WorkloadSpec
 
 GATEWAY_PORT = 8902
 DEFAULT_MODES = "plain,adaptive,adaptive-pull,colocated"
-D_SERIES = {"d_kv": "vllm:kv_cache_usage_perc", "d_run": "vllm:num_requests_running",
-            "d_wait": "vllm:num_requests_waiting"}
+D_SERIES = {
+    "d_kv": "vllm:kv_cache_usage_perc",
+    "d_run": "vllm:num_requests_running",
+    "d_wait": "vllm:num_requests_waiting",
+}
 P_SERIES = {"p_kv": "vllm:kv_cache_usage_perc", "p_wait": "vllm:num_requests_waiting"}
-GW_SERIES = {"pinned": "turnkv_pinned_kv_bytes", "budget": "turnkv_pinned_kv_budget_bytes",
-             "capacity": "turnkv_pinned_kv_capacity_bytes", "handles": "turnkv_pinned_handles"}
-GW_COUNTERS = ("turnkv_handle_releases_total", "turnkv_first_token_deadline_misses_total",
-               "turnkv_handle_captures_total", "turnkv_reuse_decisions_total", "turnkv_upstream_errors_total",
-               "turnkv_retries_total")
+GW_SERIES = {
+    "pinned": "turnkv_pinned_kv_bytes",
+    "budget": "turnkv_pinned_kv_budget_bytes",
+    "capacity": "turnkv_pinned_kv_capacity_bytes",
+    "handles": "turnkv_pinned_handles",
+}
+GW_COUNTERS = (
+    "turnkv_handle_releases_total",
+    "turnkv_first_token_deadline_misses_total",
+    "turnkv_handle_captures_total",
+    "turnkv_reuse_decisions_total",
+    "turnkv_upstream_errors_total",
+    "turnkv_retries_total",
+)
 MAX_TIMELINE_POINTS = 1500  # per mode, after downsampling
 MAX_REQUEST_ROWS = 3000  # per mode
 
@@ -103,6 +115,7 @@ MODES = {
 
 # -- the workload's expected duration ------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Shape:
     """The figures the estimate uses (the 8b shape on the H200, P and D sharing it)."""
@@ -114,8 +127,18 @@ class Shape:
     pull_bytes_per_s: float = 20e9  # D -> P over CUDA IPC GET (5-34 GB/s measured)
 
 
-def estimate_wave_s(n: int, turns: int, system: int, user: int, answer: int, think: float, *, mode: str,
-                    p_cache: bool, shape: Shape = Shape()) -> float:
+def estimate_wave_s(
+    n: int,
+    turns: int,
+    system: int,
+    user: int,
+    answer: int,
+    think: float,
+    *,
+    mode: str,
+    p_cache: bool,
+    shape: Shape = Shape(),
+) -> float:
     """One wave: each turn's prefill (all N conversations queue on one engine: the whole prompt, or only
     the new part where a cache or a pull holds the rest and the N contexts fit an engine's KV), then
     its answer (in rounds where N contexts do not fit D at once), then the think time. adaptive-pull
@@ -135,6 +158,7 @@ def estimate_wave_s(n: int, turns: int, system: int, user: int, answer: int, thi
 
 
 # -- /metrics sampling -------------------------------------------------------------------------------
+
 
 def _sums(url: str, series: dict[str, str], timeout: float = 2.0) -> dict[str, float]:
     try:
@@ -191,7 +215,7 @@ def timeline(samples: list[dict[str, float]], max_points: int = MAX_TIMELINE_POI
     for key in keys:
         cols[key] = []
     for i in range(0, len(samples), k):
-        bucket = samples[i:i + k]
+        bucket = samples[i : i + k]
         cols["t"].append(bucket[0]["t"])
         for key in keys:
             vals = [s[key] for s in bucket if key in s]
@@ -200,6 +224,7 @@ def timeline(samples: list[dict[str, float]], max_points: int = MAX_TIMELINE_POI
 
 
 # -- the gateway's counters and log -------------------------------------------------------------------
+
 
 def gateway_counters(url: str) -> dict[str, dict[str, float]]:
     """The gateway's counters of interest, per family and label set (``k=v,k=v``)."""
@@ -216,8 +241,9 @@ def gateway_counters(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-                  ) -> dict[str, dict[str, float]]:
+def counter_delta(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for fam, vals in after.items():
         d = {k: v - before.get(fam, {}).get(k, 0.0) for k, v in vals.items()}
@@ -261,19 +287,28 @@ def gateway_log_summary(name: str, start: int, max_bytes: int = 64 * 1024 * 1024
             by_group[f"{group}: {ev.get('outcome')}/{ev.get('reason')}/{ev.get('capture')}"] += 1
         elif ev.get("level") in ("warning", "error", "critical"):
             warnings[str(ev.get("event"))[:80]] += 1
-    return {"turn_events": turns, **{k: dict(c.most_common()) for k, c in counts.items()},
-            "by_turn_group": dict(by_group.most_common(40)), "warnings": dict(warnings.most_common(40))}
+    return {
+        "turn_events": turns,
+        **{k: dict(c.most_common()) for k, c in counts.items()},
+        "by_turn_group": dict(by_group.most_common(40)),
+        "warnings": dict(warnings.most_common(40)),
+    }
 
 
 # -- one wave --------------------------------------------------------------------------------------
+
 
 def _ms(x: float) -> float | None:
     return None if math.isnan(x) else round(x, 1)
 
 
 def _pcts(values: list[float]) -> dict[str, Any]:
-    return {"n": len(values), "p50": _ms(percentile(values, 50)), "p99": _ms(percentile(values, 99)),
-            "max": _ms(max(values)) if values else None}
+    return {
+        "n": len(values),
+        "p50": _ms(percentile(values, 50)),
+        "p99": _ms(percentile(values, 99)),
+        "max": _ms(max(values)) if values else None,
+    }
 
 
 def deadline_miss(r: RequestRecord) -> bool:
@@ -281,38 +316,63 @@ def deadline_miss(r: RequestRecord) -> bool:
     return r.error is not None and "Timeout" in r.error.split(":", 1)[0]
 
 
-def wave_summary(records: list[RequestRecord], convs: list[Conversation], spec: WorkloadSpec, *,
-                 cut: bool, offset_s: float) -> tuple[dict[str, Any], list[list[Any]]]:
+def wave_summary(
+    records: list[RequestRecord], convs: list[Conversation], spec: WorkloadSpec, *, cut: bool, offset_s: float
+) -> tuple[dict[str, Any], list[list[Any]]]:
     """The wave's numbers, and a compact row per request (start is from the mode's start)."""
     ok = [r for r in records if r.ok]
     hung = [r for r in records if deadline_miss(r)]
     failed = [r for r in records if not r.ok and not deadline_miss(r)]
     sent = sum(1 for c in convs for m in c.messages if m["role"] == "user")
-    ttft = {"turn 1": [r.ttft_ms for r in ok if r.turn == 1 and r.ttft_ms is not None],
-            "later turns": [r.ttft_ms for r in ok if r.turn > 1 and r.ttft_ms is not None]}
-    by_turn = {str(t): _pcts([r.ttft_ms for r in ok if r.turn == t and r.ttft_ms is not None])
-               for t in sorted({r.turn for r in records})}
-    decisions = Counter(f"{'turn 1' if r.turn == 1 else 'later turns'}: {r.decision.get('outcome')}/"
-                        f"{r.decision.get('action')}/{r.decision.get('reason')}" for r in records if r.decision)
+    ttft = {
+        "turn 1": [r.ttft_ms for r in ok if r.turn == 1 and r.ttft_ms is not None],
+        "later turns": [r.ttft_ms for r in ok if r.turn > 1 and r.ttft_ms is not None],
+    }
+    by_turn = {
+        str(t): _pcts([r.ttft_ms for r in ok if r.turn == t and r.ttft_ms is not None])
+        for t in sorted({r.turn for r in records})
+    }
+    decisions = Counter(
+        f"{'turn 1' if r.turn == 1 else 'later turns'}: {r.decision.get('outcome')}/"
+        f"{r.decision.get('action')}/{r.decision.get('reason')}"
+        for r in records
+        if r.decision
+    )
     errors = Counter((r.error or "")[:120] for r in records if not r.ok)
     summary = {
-        "requests_expected": spec.conversations * spec.turns, "sent": sent, "answered": len(records),
-        "ok": len(ok), "hung": len(hung), "failed": len(failed), "in_flight_at_cut": sent - len(records),
-        "not_sent": spec.conversations * spec.turns - sent, "cut": cut,
-        "ttft_ms": {k: _pcts(v) for k, v in ttft.items()}, "ttft_ms_by_turn": by_turn,
+        "requests_expected": spec.conversations * spec.turns,
+        "sent": sent,
+        "answered": len(records),
+        "ok": len(ok),
+        "hung": len(hung),
+        "failed": len(failed),
+        "in_flight_at_cut": sent - len(records),
+        "not_sent": spec.conversations * spec.turns - sent,
+        "cut": cut,
+        "ttft_ms": {k: _pcts(v) for k, v in ttft.items()},
+        "ttft_ms_by_turn": by_turn,
         "itl_ms": _pcts([x for r in ok for x in r.itl_ms]),
         "latency_ms": _pcts([r.latency_ms for r in ok if r.latency_ms is not None]),
         "completion_tokens": sum(r.completion_tokens or 0 for r in ok),
-        "decisions": dict(decisions.most_common()), "errors": dict(errors.most_common(8)),
+        "decisions": dict(decisions.most_common()),
+        "errors": dict(errors.most_common(8)),
     }
-    rows = [[round(r.start_s + offset_s, 2), r.turn, None if r.ttft_ms is None else round(r.ttft_ms, 1),
-             None if r.latency_ms is None else round(r.latency_ms, 1), 0 if r.ok else 1 if deadline_miss(r) else 2]
-            for r in records]
+    rows = [
+        [
+            round(r.start_s + offset_s, 2),
+            r.turn,
+            None if r.ttft_ms is None else round(r.ttft_ms, 1),
+            None if r.latency_ms is None else round(r.latency_ms, 1),
+            0 if r.ok else 1 if deadline_miss(r) else 2,
+        ]
+        for r in records
+    ]
     return summary, rows
 
 
-def run_wave(spec: WorkloadSpec, target: Target, vocab: list[str], allowed: list[int], end: float
-             ) -> tuple[list[RequestRecord], list[Conversation], bool]:
+def run_wave(
+    spec: WorkloadSpec, target: Target, vocab: list[str], allowed: list[int], end: float
+) -> tuple[list[RequestRecord], list[Conversation], bool]:
     """The wave, cut at ``end`` (perf_counter) if still running: its finished requests, its
     conversations (what each sent), and whether it was cut."""
     convs: list[Conversation] = []
@@ -326,8 +386,10 @@ def run_wave(spec: WorkloadSpec, target: Target, vocab: list[str], allowed: list
 
     async def go() -> bool:
         try:
-            await asyncio.wait_for(run_load(spec, target, show_progress=False, conversation=conversation,
-                                            records=records), timeout=max(1.0, end - time.perf_counter()))
+            await asyncio.wait_for(
+                run_load(spec, target, show_progress=False, conversation=conversation, records=records),
+                timeout=max(1.0, end - time.perf_counter()),
+            )
         except TimeoutError:
             return True
         return False
@@ -338,6 +400,7 @@ def run_wave(spec: WorkloadSpec, target: Target, vocab: list[str], allowed: list
 
 
 # -- the run ----------------------------------------------------------------------------------------
+
 
 def write(res: dict[str, Any], label: str) -> Path:
     path = devlib.out_dir() / f"load_{label}.json"
@@ -389,8 +452,9 @@ def start_engines(a: argparse.Namespace, res: dict[str, Any]) -> list[devlib.Eng
     for kv_extra in extras:
         specs = engines.pair(a.size, p_flags=p_flags, env=env, kv_extra=kv_extra, d_sim_extra=d_sim)
         try:
-            res["engine_start_s"] = {s.name: devlib.start_engine(s, time_scale=a.sim_time_scale).get("start_s")
-                                     for s in specs}
+            res["engine_start_s"] = {
+                s.name: devlib.start_engine(s, time_scale=a.sim_time_scale).get("start_s") for s in specs
+            }
         except RuntimeError as exc:
             res.setdefault("engine_failures", []).append({"kv_extra": kv_extra, "error": str(exc)[-2000:]})
             devlib.log(f"engines did not start with {kv_extra}: {str(exc)[-300:]}")
@@ -403,13 +467,25 @@ def start_engines(a: argparse.Namespace, res: dict[str, Any]) -> list[devlib.Eng
     raise RuntimeError("the engines did not start")
 
 
-def run_mode(a: argparse.Namespace, mode: Mode, p: str, d: str, vocab: list[str], allowed: list[int],
-             end: float, res: dict[str, Any], rows: list[list[Any]]) -> dict[str, Any]:
+def run_mode(
+    a: argparse.Namespace,
+    mode: Mode,
+    p: str,
+    d: str,
+    vocab: list[str],
+    allowed: list[int],
+    end: float,
+    res: dict[str, Any],
+    rows: list[list[Any]],
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     out: dict[str, Any] = {"mode": mode.name, "at_start": settle(d), "waves": []}
     gw_name = f"gw-{mode.name}"
-    settings: dict[str, Any] = {"health_interval_s": 1.0, "scrape_interval_s": 1.0,
-                                "policy": {"name": mode.policy, "params": dict(mode.params)}}
+    settings: dict[str, Any] = {
+        "health_interval_s": 1.0,
+        "scrape_interval_s": 1.0,
+        "policy": {"name": mode.policy, "params": dict(mode.params)},
+    }
     if not mode.session:
         # plain P/D: no conversation at all (the gateway would otherwise find each one from its history)
         settings["conversation_from_history"] = False
@@ -417,8 +493,9 @@ def run_mode(a: argparse.Namespace, mode: Mode, p: str, d: str, vocab: list[str]
     with contextlib.ExitStack() as stack:
         gw: str | None = None
         if mode.gateway:
-            gw = stack.enter_context(devlib.gateway(gw_name, GATEWAY_PORT, [p], [d], policy=mode.policy,
-                                                    settings=settings))
+            gw = stack.enter_context(
+                devlib.gateway(gw_name, GATEWAY_PORT, [p], [d], policy=mode.policy, settings=settings)
+            )
             out["gateway_settings"] = settings
             target = Target(url=gw)
         elif mode.name == "pd-direct":
@@ -433,33 +510,51 @@ def run_mode(a: argparse.Namespace, mode: Mode, p: str, d: str, vocab: list[str]
             if now >= end - 5:
                 out["waves"].append({"wave": wave, "skipped": "time budget"})
                 break
-            spec = WorkloadSpec(conversations=a.conversations, turns=a.turns, system_tokens=a.system_tokens,
-                                user_tokens=a.user_tokens, answer_tokens=a.answer_tokens, think_time_s=a.think_time_s,
-                                rate=0, concurrency=a.conversations, session_header=mode.session,
-                                model=devlib.MODEL_NAME, seed=seed_for(a.label, mode.name, wave),
-                                duration_s=max(1.0, end - now), request_timeout_s=a.request_timeout_s)
+            spec = WorkloadSpec(
+                conversations=a.conversations,
+                turns=a.turns,
+                system_tokens=a.system_tokens,
+                user_tokens=a.user_tokens,
+                answer_tokens=a.answer_tokens,
+                think_time_s=a.think_time_s,
+                rate=0,
+                concurrency=a.conversations,
+                session_header=mode.session,
+                model=devlib.MODEL_NAME,
+                seed=seed_for(a.label, mode.name, wave),
+                duration_s=max(1.0, end - now),
+                request_timeout_s=a.request_timeout_s,
+            )
             before = {"p": devlib.metrics(p), "d": devlib.metrics(d)}
             w0 = time.perf_counter()
             records, convs, cut = run_wave(spec, target, vocab, allowed, end)
             w1 = time.perf_counter()
             summary, wave_rows = wave_summary(records, convs, spec, cut=cut, offset_s=w0 - t0)
             after = {"p": devlib.metrics(p), "d": devlib.metrics(d)}
-            summary.update(wave=wave, seed=spec.seed, start_s=round(w0 - t0, 2), end_s=round(w1 - t0, 2),
-                           wall_s=round(w1 - w0, 2), nixl_p_reads=devlib.nixl_delta(before["p"], after["p"]),
-                           nixl_d_reads=devlib.nixl_delta(before["d"], after["d"]))
+            summary.update(
+                wave=wave,
+                seed=spec.seed,
+                start_s=round(w0 - t0, 2),
+                end_s=round(w1 - t0, 2),
+                wall_s=round(w1 - w0, 2),
+                nixl_p_reads=devlib.nixl_delta(before["p"], after["p"]),
+                nixl_d_reads=devlib.nixl_delta(before["d"], after["d"]),
+            )
             if gw:
                 counters.append(gateway_counters(gw))
                 summary["gateway_counters"] = counter_delta(counters[-2], counters[-1])
             out["waves"].append(summary)
             for r in wave_rows:
                 r.insert(0, wave)
-            rows.extend(wave_rows[:max(0, MAX_REQUEST_ROWS - len(rows))])
+            rows.extend(wave_rows[: max(0, MAX_REQUEST_ROWS - len(rows))])
             t = summary["ttft_ms"]
-            devlib.log(f"{a.label} {mode.name} wave {wave}: {summary['answered']}/{summary['requests_expected']} "
-                       f"answered, {summary['hung']} hung, {summary['failed']} failed, {summary['not_sent']} not "
-                       f"sent{' (CUT)' if cut else ''}; TTFT p50/p99 ms turn 1 {t['turn 1']['p50']}/"
-                       f"{t['turn 1']['p99']}, later {t['later turns']['p50']}/{t['later turns']['p99']}; ITL "
-                       f"p50/p99 {summary['itl_ms']['p50']}/{summary['itl_ms']['p99']}; {w1 - w0:.1f} s")
+            devlib.log(
+                f"{a.label} {mode.name} wave {wave}: {summary['answered']}/{summary['requests_expected']} "
+                f"answered, {summary['hung']} hung, {summary['failed']} failed, {summary['not_sent']} not "
+                f"sent{' (CUT)' if cut else ''}; TTFT p50/p99 ms turn 1 {t['turn 1']['p50']}/"
+                f"{t['turn 1']['p99']}, later {t['later turns']['p50']}/{t['later turns']['p99']}; ITL "
+                f"p50/p99 {summary['itl_ms']['p50']}/{summary['itl_ms']['p99']}; {w1 - w0:.1f} s"
+            )
             res["modes"][-1] = {**out, "timeline": timeline(list(sampler.samples))}
             write(res, a.label)
         # after the waves, before the gateway stops: what stays pinned at rest
@@ -489,23 +584,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--think-time-s", type=float, default=0.5, help="mean of an exponential")
     ap.add_argument("--request-timeout-s", type=float, default=120.0, help="client deadline per request")
     ap.add_argument("--sample-s", type=float, default=0.5)
-    ap.add_argument("--ucx", action="append", default=[], metavar="NAME=VALUE",
-                    help="environment for both engines, e.g. UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y")
-    ap.add_argument("--kv-lease-s", type=int, default=180,
-                    help="kv_lease_duration on both engines (README, Decode memory); 0 leaves vLLM's 30 s")
-    ap.add_argument("--time-budget-s", type=float, default=480.0,
-                    help="nothing runs past this many seconds from the start (engine start included)")
-    ap.add_argument("--restart-d-above", type=float, default=0.5,
-                    help="restart D between modes if its KV usage is above this at rest (a leak)")
+    ap.add_argument(
+        "--ucx",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment for both engines, e.g. UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y",
+    )
+    ap.add_argument(
+        "--kv-lease-s",
+        type=int,
+        default=180,
+        help="kv_lease_duration on both engines (README, Decode memory); 0 leaves vLLM's 30 s",
+    )
+    ap.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=480.0,
+        help="nothing runs past this many seconds from the start (engine start included)",
+    )
+    ap.add_argument(
+        "--restart-d-above",
+        type=float,
+        default=0.5,
+        help="restart D between modes if its KV usage is above this at rest (a leak)",
+    )
     ap.add_argument("--sim-d-blocks", type=int, default=0, help="simulator only: D's --num-gpu-blocks")
     ap.add_argument("--sim-time-scale", type=float, default=1.0, help="simulator only")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     end = t_start + a.time_budget_s
     modes = [MODES[m] for m in a.modes.split(",") if m]
-    res: dict[str, Any] = {"backend": devlib.backend(), "label": a.label, "args": vars(a), "modes": [],
-                           "skipped": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                           "think_time": "exponential"}  # turnkv bench's: mean --think-time-s
+    res: dict[str, Any] = {
+        "backend": devlib.backend(),
+        "label": a.label,
+        "args": vars(a),
+        "modes": [],
+        "skipped": [],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "think_time": "exponential",
+    }  # turnkv bench's: mean --think-time-s
     try:
         specs = start_engines(a, res)
         p, d = specs[0].url, specs[1].url
@@ -513,13 +631,27 @@ def main(argv: list[str] | None = None) -> int:
         vocab = [w for w, _ in pairs]
         allowed = [i for _, i in pairs[:400]]
         res["vocabulary"] = {"words": len(vocab), "allowed_token_ids": len(allowed)}
-        res["request_columns"] = ["wave", "start_s", "turn", "ttft_ms", "latency_ms",
-                                  "status (0 ok, 1 deadline, 2 failed)"]
+        res["request_columns"] = [
+            "wave",
+            "start_s",
+            "turn",
+            "ttft_ms",
+            "latency_ms",
+            "status (0 ok, 1 deadline, 2 failed)",
+        ]
         res["requests"] = {}
         ratio: list[float] = []  # measured / estimated, per finished wave
         for mode in modes:
-            est1 = estimate_wave_s(a.conversations, a.turns, a.system_tokens, a.user_tokens, a.answer_tokens,
-                                   a.think_time_s, mode=mode.name, p_cache=a.p_cache == "on")
+            est1 = estimate_wave_s(
+                a.conversations,
+                a.turns,
+                a.system_tokens,
+                a.user_tokens,
+                a.answer_tokens,
+                a.think_time_s,
+                mode=mode.name,
+                p_cache=a.p_cache == "on",
+            )
             scale = (sum(ratio) / len(ratio)) if ratio else 1.0
             need = 2 * est1 * scale + (15.0 if mode.gateway else 5.0)
             left = end - time.perf_counter()
@@ -546,15 +678,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def brief(res: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"label": res["label"], "skipped": res["skipped"], "seconds": res.get("seconds"),
-                           "error": res.get("error")}
+    out: dict[str, Any] = {
+        "label": res["label"],
+        "skipped": res["skipped"],
+        "seconds": res.get("seconds"),
+        "error": res.get("error"),
+    }
     for m in res["modes"]:
         for w in m.get("waves", []):
             if "ttft_ms" in w:
                 t = w["ttft_ms"]
                 out[f"{m['mode']} wave {w['wave']}"] = {
                     **{k: w[k] for k in ("answered", "hung", "failed", "not_sent", "cut")},
-                    "ttft_p99_turn1": t["turn 1"]["p99"], "ttft_p99_later": t["later turns"]["p99"]}
+                    "ttft_p99_turn1": t["turn 1"]["p99"],
+                    "ttft_p99_later": t["later turns"]["p99"],
+                }
     return out
 
 

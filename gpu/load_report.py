@@ -46,8 +46,11 @@ def _pair(p: dict[str, Any] | None) -> str:
 def _peak(tl: dict[str, list[Any]], key: str, w: dict[str, Any] | None = None) -> float | None:
     """The largest value of a series (within a wave's span where given)."""
     ts, vals = tl.get("t", []), tl.get(key, [])
-    sel = [v for t, v in zip(ts, vals, strict=False) if v is not None
-           and (w is None or w.get("start_s", 0) <= t <= w.get("end_s", math.inf))]
+    sel = [
+        v
+        for t, v in zip(ts, vals, strict=False)
+        if v is not None and (w is None or w.get("start_s", 0) <= t <= w.get("end_s", math.inf))
+    ]
     return max(sel) if sel else None
 
 
@@ -86,24 +89,32 @@ def waves(res: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
 def part_title(res: dict[str, Any]) -> str:
     a = res.get("args", {})
     sim = " — SIMULATOR, not GPU numbers" if res.get("backend") == "sim" else ""
-    return (f"{res.get('label')}: {a.get('conversations')} conversations x {a.get('turns')} turns, P's prefix "
-            f"cache {a.get('p_cache')}{sim}")
+    return (
+        f"{res.get('label')}: {a.get('conversations')} conversations x {a.get('turns')} turns, P's prefix "
+        f"cache {a.get('p_cache')}{sim}"
+    )
 
 
 def part_markdown(res: dict[str, Any], images: dict[str, str]) -> str:
     a = res.get("args", {})
     out = [f"## {part_title(res)}", ""]
     engines = f"{res.get('kv_extra') or 'vLLM defaults'} in kv_connector_extra_config, " + (
-        ", ".join(a.get("ucx") or []) or "no UCX settings")
-    out.append(f"Workload per wave: {a.get('conversations')} conversations started at once, each its own "
-               f"{a.get('system_tokens')}-token system prompt, {a.get('turns')} turns of {a.get('user_tokens')} "
-               f"new tokens and {a.get('answer_tokens')}-token answers (ignore_eos), think time exponential with "
-               f"mean {a.get('think_time_s')} s; wave 2 started as wave 1 ended; client deadline "
-               f"{a.get('request_timeout_s')} s per request. Engines: {engines}; engine start "
-               f"{res.get('engine_start_s')} s. Backend: {res.get('backend')}; {res.get('seconds')} s in all.")
+        ", ".join(a.get("ucx") or []) or "no UCX settings"
+    )
+    out.append(
+        f"Workload per wave: {a.get('conversations')} conversations started at once, each its own "
+        f"{a.get('system_tokens')}-token system prompt, {a.get('turns')} turns of {a.get('user_tokens')} "
+        f"new tokens and {a.get('answer_tokens')}-token answers (ignore_eos), think time exponential with "
+        f"mean {a.get('think_time_s')} s; wave 2 started as wave 1 ended; client deadline "
+        f"{a.get('request_timeout_s')} s per request. Engines: {engines}; engine start "
+        f"{res.get('engine_start_s')} s. Backend: {res.get('backend')}; {res.get('seconds')} s in all."
+    )
     if res.get("skipped"):
-        out += ["", "Not run (time budget): " + "; ".join(
-            f"{s['mode']} (needed ~{s['needed_s']} s, {s['left_s']} s left)" for s in res["skipped"])]
+        out += [
+            "",
+            "Not run (time budget): "
+            + "; ".join(f"{s['mode']} (needed ~{s['needed_s']} s, {s['left_s']} s left)" for s in res["skipped"]),
+        ]
     if res.get("error"):
         out += ["", f"**The script stopped with an error:** `{res['error'][-400:]}`"]
     for f in res.get("engine_failures", []):
@@ -111,16 +122,49 @@ def part_markdown(res: dict[str, Any], images: dict[str, str]) -> str:
     rows = []
     for m, w in waves(res):
         t = w["ttft_ms"]
-        rows.append([m["mode"], w["wave"], f"{w['answered']}/{w['requests_expected']}", w["hung"], w["failed"],
-                     w["not_sent"] + w.get("in_flight_at_cut", 0), "yes" if w.get("cut") else "",
-                     _pair(t.get("turn 1")), _pair(t.get("later turns")), _f((t.get("later turns") or {}).get("max")),
-                     _pair(w.get("itl_ms")), _f(w.get("wall_s"), 1)])
-    out += ["", "### Turns", "", "Answered of expected; hung = the client's deadline passed; failed = an error "
-            "answer; not answered = turns a conversation did not reach after a failed turn, or cut at the time budget "
-            "(sent or not). "
-            "Times in ms, client-side.", "",
-            md_table(["mode", "wave", "answered", "hung", "failed", "not answered", "cut", "TTFT p50 / p99 turn 1",
-                      "TTFT p50 / p99 later turns", "TTFT max later", "ITL p50 / p99", "wave s"], rows)]
+        rows.append(
+            [
+                m["mode"],
+                w["wave"],
+                f"{w['answered']}/{w['requests_expected']}",
+                w["hung"],
+                w["failed"],
+                w["not_sent"] + w.get("in_flight_at_cut", 0),
+                "yes" if w.get("cut") else "",
+                _pair(t.get("turn 1")),
+                _pair(t.get("later turns")),
+                _f((t.get("later turns") or {}).get("max")),
+                _pair(w.get("itl_ms")),
+                _f(w.get("wall_s"), 1),
+            ]
+        )
+    out += [
+        "",
+        "### Turns",
+        "",
+        "Answered of expected; hung = the client's deadline passed; failed = an error "
+        "answer; not answered = turns a conversation did not reach after a failed turn, or cut at the time budget "
+        "(sent or not). "
+        "Times in ms, client-side.",
+        "",
+        md_table(
+            [
+                "mode",
+                "wave",
+                "answered",
+                "hung",
+                "failed",
+                "not answered",
+                "cut",
+                "TTFT p50 / p99 turn 1",
+                "TTFT p50 / p99 later turns",
+                "TTFT max later",
+                "ITL p50 / p99",
+                "wave s",
+            ],
+            rows,
+        ),
+    ]
     turns = sorted({int(k) for _, w in waves(res) for k in w.get("ttft_ms_by_turn", {})})
     rows = [[m["mode"], w["wave"], *[_pair(w["ttft_ms_by_turn"].get(str(k))) for k in turns]] for m, w in waves(res)]
     out += ["", "### TTFT p50 / p99 by turn (ms)", "", md_table(["mode", "wave", *[f"turn {k}" for k in turns]], rows)]
@@ -129,51 +173,123 @@ def part_markdown(res: dict[str, Any], images: dict[str, str]) -> str:
         tl = m.get("timeline", {})
         cap = _peak(tl, "capacity")
         gc = w.get("gateway_counters")
-        rows.append([m["mode"], w["wave"], _f(100 * (_peak(tl, "d_kv", w) or 0)) + "%",
-                     _f(_peak(tl, "d_run", w)), _f(_peak(tl, "d_wait", w)),
-                     f"{_gb(_peak(tl, 'pinned', w))} ({_share(_peak(tl, 'pinned', w), cap)})" if cap else "-",
-                     f"{_gb(_peak(tl, 'budget', w))} ({_share(_peak(tl, 'budget', w), cap)})" if cap else "-",
-                     _top(_family(gc, "turnkv_handle_releases_total", "why")),
-                     _top(_family(gc, "turnkv_first_token_deadline_misses_total", "leg"))])
-    out += ["", "### Decode memory", "", "Peaks within the wave, from D's /metrics read every "
-            f"{a.get('sample_s')} s (`vllm:kv_cache_usage_perc`, running, waiting) and the gateway's "
-            "(`turnkv_pinned_kv_bytes`, `turnkv_pinned_kv_budget_bytes`, as GB and as a share of D's KV capacity "
-            "`turnkv_pinned_kv_capacity_bytes`); releases and first-token deadline misses are the gateway's "
-            "counters over the wave. The gateway refreshes its pinned gauges at each janitor pass "
-            "(`decode_memory.janitor_interval_s`, 5 s), D its usage at every scheduler step.", "",
-            md_table(["mode", "wave", "D KV peak", "D running peak", "D waiting peak", "pinned peak GB",
-                      "budget GB", "releases (why)", "deadline misses"], rows)]
+        rows.append(
+            [
+                m["mode"],
+                w["wave"],
+                _f(100 * (_peak(tl, "d_kv", w) or 0)) + "%",
+                _f(_peak(tl, "d_run", w)),
+                _f(_peak(tl, "d_wait", w)),
+                f"{_gb(_peak(tl, 'pinned', w))} ({_share(_peak(tl, 'pinned', w), cap)})" if cap else "-",
+                f"{_gb(_peak(tl, 'budget', w))} ({_share(_peak(tl, 'budget', w), cap)})" if cap else "-",
+                _top(_family(gc, "turnkv_handle_releases_total", "why")),
+                _top(_family(gc, "turnkv_first_token_deadline_misses_total", "leg")),
+            ]
+        )
+    out += [
+        "",
+        "### Decode memory",
+        "",
+        "Peaks within the wave, from D's /metrics read every "
+        f"{a.get('sample_s')} s (`vllm:kv_cache_usage_perc`, running, waiting) and the gateway's "
+        "(`turnkv_pinned_kv_bytes`, `turnkv_pinned_kv_budget_bytes`, as GB and as a share of D's KV capacity "
+        "`turnkv_pinned_kv_capacity_bytes`); releases and first-token deadline misses are the gateway's "
+        "counters over the wave. The gateway refreshes its pinned gauges at each janitor pass "
+        "(`decode_memory.janitor_interval_s`, 5 s), D its usage at every scheduler step.",
+        "",
+        md_table(
+            [
+                "mode",
+                "wave",
+                "D KV peak",
+                "D running peak",
+                "D waiting peak",
+                "pinned peak GB",
+                "budget GB",
+                "releases (why)",
+                "deadline misses",
+            ],
+            rows,
+        ),
+    ]
     rows = []
     for m in res.get("modes", []):
         rest = m.get("gateway_at_rest") or {}
-        rows.append([m["mode"], _f(100 * ((m.get("at_start") or {}).get("d_kv") or 0)) + "%",
-                     f"{_gb(rest.get('pinned'))} in {_f(rest.get('handles'))} handles" if rest else "-",
-                     _f(100 * ((m.get("after_stop") or {}).get("d_kv") or 0)) + "%",
-                     "yes" if (m.get("d_restarted_before") or {}).get("restarted") else "",
-                     _f(m.get("seconds"), 1)])
-    out += ["", "### At rest", "", "D's KV usage before the mode, the pins left when both waves had ended (before "
-            "the gateway stopped), and D's KV usage after the gateway stopped (its shutdown releases its pins).", "",
-            md_table(["mode", "D KV before", "pinned after the waves", "D KV after the gateway stopped",
-                      "D restarted before (leak)", "mode s"], rows)]
+        rows.append(
+            [
+                m["mode"],
+                _f(100 * ((m.get("at_start") or {}).get("d_kv") or 0)) + "%",
+                f"{_gb(rest.get('pinned'))} in {_f(rest.get('handles'))} handles" if rest else "-",
+                _f(100 * ((m.get("after_stop") or {}).get("d_kv") or 0)) + "%",
+                "yes" if (m.get("d_restarted_before") or {}).get("restarted") else "",
+                _f(m.get("seconds"), 1),
+            ]
+        )
+    out += [
+        "",
+        "### At rest",
+        "",
+        "D's KV usage before the mode, the pins left when both waves had ended (before "
+        "the gateway stopped), and D's KV usage after the gateway stopped (its shutdown releases its pins).",
+        "",
+        md_table(
+            [
+                "mode",
+                "D KV before",
+                "pinned after the waves",
+                "D KV after the gateway stopped",
+                "D restarted before (leak)",
+                "mode s",
+            ],
+            rows,
+        ),
+    ]
+
     def decided(w: dict[str, Any], group: str) -> dict[str, Any]:
         return {k.split(": ", 1)[1]: v for k, v in w.get("decisions", {}).items() if k.startswith(group + ": ")}
 
-    rows = [[m["mode"], w["wave"], _top(decided(w, "turn 1"), 2), _top(decided(w, "later turns"), 4),
-             _top(_family(w.get("gateway_counters"), "turnkv_handle_captures_total", "result"), 4),
-             _top(w.get("errors"), 3)] for m, w in waves(res)]
-    out += ["", "### turnkv's decisions", "", "From the response headers (outcome/action/reason) and the gateway's "
-            "capture counter.", "",
-            md_table(["mode", "wave", "turn 1", "later turns", "captures", "errors"], rows)]
+    rows = [
+        [
+            m["mode"],
+            w["wave"],
+            _top(decided(w, "turn 1"), 2),
+            _top(decided(w, "later turns"), 4),
+            _top(_family(w.get("gateway_counters"), "turnkv_handle_captures_total", "result"), 4),
+            _top(w.get("errors"), 3),
+        ]
+        for m, w in waves(res)
+    ]
+    out += [
+        "",
+        "### turnkv's decisions",
+        "",
+        "From the response headers (outcome/action/reason) and the gateway's capture counter.",
+        "",
+        md_table(["mode", "wave", "turn 1", "later turns", "captures", "errors"], rows),
+    ]
     rows = []
     for m in res.get("modes", []):
         g = m.get("gateway_log")
         if g:
-            rows.append([m["mode"], g.get("turn_events"), _top(g.get("outcome")), _top(g.get("reason")),
-                         _top(g.get("capture")), _top(g.get("warnings"), 6)])
+            rows.append(
+                [
+                    m["mode"],
+                    g.get("turn_events"),
+                    _top(g.get("outcome")),
+                    _top(g.get("reason")),
+                    _top(g.get("capture")),
+                    _top(g.get("warnings"), 6),
+                ]
+            )
     if rows:
-        out += ["", "### The gateway's log", "", "Its `turn` events over both waves, and its other events at "
-                "warning level or above.", "",
-                md_table(["mode", "turns", "outcome", "reason", "capture", "warnings"], rows)]
+        out += [
+            "",
+            "### The gateway's log",
+            "",
+            "Its `turn` events over both waves, and its other events at warning level or above.",
+            "",
+            md_table(["mode", "turns", "outcome", "reason", "capture", "warnings"], rows),
+        ]
     for name, rel in images.items():
         out += ["", f"![{name}]({rel})"]
     return "\n".join(out) + "\n"
@@ -195,8 +311,9 @@ def plot_timeline(res: dict[str, Any], path: Path) -> None:
         def pct(key: str, tl: dict[str, list[Any]] = tl, cap: float | None = cap) -> list[float]:
             vals = tl.get(key, [])
             if key in ("pinned", "budget"):  # a budget of 0: the gateway has not read D's capacity yet
-                return [math.nan if v is None or not cap or (key == "budget" and not v) else 100 * v / cap
-                        for v in vals]
+                return [
+                    math.nan if v is None or not cap or (key == "budget" and not v) else 100 * v / cap for v in vals
+                ]
             return [math.nan if v is None else 100 * v for v in vals]
 
         for w in m.get("waves", []):
@@ -248,8 +365,14 @@ def plot_ttft(res: dict[str, Any], path: Path) -> None:
         for status, marker in ((1, "x"), (2, "v")):
             pts = [b for b in bad if b[2] == status]
             if pts:
-                ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=18, marker=marker, color="C3",
-                           label=f"{STATUS[status]} ({len(pts)})")
+                ax.scatter(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    s=18,
+                    marker=marker,
+                    color="C3",
+                    label=f"{STATUS[status]} ({len(pts)})",
+                )
         ax.set_yscale("log")
         ax.set_title(mode, fontsize=9)
         ax.set_xlabel("sent, s since the mode started")
@@ -266,19 +389,42 @@ def benchmark_rows(results: Sequence[dict[str, Any]]) -> str:
     rows = []
     for res in results:
         a = res.get("args", {})
-        part = (f"{a.get('conversations')} conv x {a.get('turns')} turns, P cache {a.get('p_cache')}"
-                + (" (SIMULATOR)" if res.get("backend") == "sim" else ""))
+        part = f"{a.get('conversations')} conv x {a.get('turns')} turns, P cache {a.get('p_cache')}" + (
+            " (SIMULATOR)" if res.get("backend") == "sim" else ""
+        )
         for m, w in waves(res):
             tl = m.get("timeline", {})
             cap = _peak(tl, "capacity")
             t = w["ttft_ms"]
-            rows.append([part, m["mode"], w["wave"], f"{w['answered']}/{w['requests_expected']}",
-                         f"{w['hung']} / {w['failed']}", _pair(t.get("turn 1")), _pair(t.get("later turns")),
-                         _pair(w.get("itl_ms")), _f(100 * (_peak(tl, "d_kv", w) or 0)) + "%",
-                         _share(_peak(tl, "pinned", w), cap) if cap else "-"])
-    return md_table(["load (one H200, P and D sharing it)", "mode", "wave", "answered", "hung / failed",
-                     "TTFT p50 / p99 turn 1 ms", "TTFT p50 / p99 later ms", "ITL p50 / p99 ms", "D KV peak",
-                     "pinned peak (of D's KV)"], rows)
+            rows.append(
+                [
+                    part,
+                    m["mode"],
+                    w["wave"],
+                    f"{w['answered']}/{w['requests_expected']}",
+                    f"{w['hung']} / {w['failed']}",
+                    _pair(t.get("turn 1")),
+                    _pair(t.get("later turns")),
+                    _pair(w.get("itl_ms")),
+                    _f(100 * (_peak(tl, "d_kv", w) or 0)) + "%",
+                    _share(_peak(tl, "pinned", w), cap) if cap else "-",
+                ]
+            )
+    return md_table(
+        [
+            "load (one H200, P and D sharing it)",
+            "mode",
+            "wave",
+            "answered",
+            "hung / failed",
+            "TTFT p50 / p99 turn 1 ms",
+            "TTFT p50 / p99 later ms",
+            "ITL p50 / p99 ms",
+            "D KV peak",
+            "pinned peak (of D's KV)",
+        ],
+        rows,
+    )
 
 
 INTRO = """# Load on one H200: many conversations, two waves (issue 9)

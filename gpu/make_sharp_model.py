@@ -59,13 +59,28 @@ class Scales:
 
 def qwen3_config(shape: Shape) -> dict[str, object]:
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": shape.hidden,
-        "intermediate_size": shape.inter, "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": False, "vocab_size": shape.vocab, "bos_token_id": 0, "eos_token_id": 2,
-        "torch_dtype": "bfloat16", "attention_bias": False, "attention_dropout": 0.0,
-        "use_sliding_window": False, "initializer_range": 0.02, "use_cache": True,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.inter,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": shape.vocab,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
     }
 
 
@@ -83,18 +98,18 @@ def make_weights(shape: Shape, scales: Scales) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
         w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
-        w[p + "self_attn.q_proj.weight"] = normal(q_out, h, h ** -0.5)
-        w[p + "self_attn.k_proj.weight"] = normal(kv_out, h, h ** -0.5)
-        w[p + "self_attn.v_proj.weight"] = normal(kv_out, h, h ** -0.5)
-        w[p + "self_attn.o_proj.weight"] = normal(h, q_out, q_out ** -0.5)
+        w[p + "self_attn.q_proj.weight"] = normal(q_out, h, h**-0.5)
+        w[p + "self_attn.k_proj.weight"] = normal(kv_out, h, h**-0.5)
+        w[p + "self_attn.v_proj.weight"] = normal(kv_out, h, h**-0.5)
+        w[p + "self_attn.o_proj.weight"] = normal(h, q_out, q_out**-0.5)
         w[p + "self_attn.q_norm.weight"] = np.full(hd, scales.qk_gain, np.float32)
         w[p + "self_attn.k_norm.weight"] = np.full(hd, scales.qk_gain, np.float32)
-        w[p + "mlp.gate_proj.weight"] = normal(shape.inter, h, h ** -0.5)
-        w[p + "mlp.up_proj.weight"] = normal(shape.inter, h, h ** -0.5)
+        w[p + "mlp.gate_proj.weight"] = normal(shape.inter, h, h**-0.5)
+        w[p + "mlp.up_proj.weight"] = normal(shape.inter, h, h**-0.5)
         # silu(g)*u has a standard deviation of about 0.6 for unit-variance g and u
-        w[p + "mlp.down_proj.weight"] = normal(h, shape.inter, scales.mlp_gain / (0.6 * shape.inter ** 0.5))
+        w[p + "mlp.down_proj.weight"] = normal(h, shape.inter, scales.mlp_gain / (0.6 * shape.inter**0.5))
     w["model.norm.weight"] = np.ones(h, np.float32)
-    w["lm_head.weight"] = normal(shape.vocab, h, scales.logit_std * h ** -0.5)
+    w["lm_head.weight"] = normal(shape.vocab, h, scales.logit_std * h**-0.5)
     return w
 
 
@@ -130,19 +145,20 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Read back a bf16 file written by ``write_safetensors`` (as float32)."""
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     base = 8 + n
     out: dict[str, np.ndarray] = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
         a, b = meta["data_offsets"]
-        bits = np.frombuffer(data[base + a:base + b], dtype=np.uint16).reshape(meta["shape"])
+        bits = np.frombuffer(data[base + a : base + b], dtype=np.uint16).reshape(meta["shape"])
         out[name] = from_bf16(bits)
     return out
 
 
 # -- numpy reference forward ------------------------------------------------------------------
+
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
@@ -154,7 +170,7 @@ def _rope(x: np.ndarray, pos: np.ndarray, theta: float = 1e6) -> np.ndarray:
     inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
     ang = pos[:, None].astype(np.float64) * inv[None, :]
     cos, sin = np.cos(ang).astype(np.float32)[:, None, :], np.sin(ang).astype(np.float32)[:, None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
@@ -175,7 +191,7 @@ def forward(w: dict[str, np.ndarray], shape: Shape, ids: list[int]) -> np.ndarra
         k = _rope(_rms(k, w[p + "self_attn.k_norm.weight"]), pos)
         rep = nh // nkv
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-        s = np.einsum("thd,shd->hts", q, k) / np.float32(hd ** 0.5) + mask
+        s = np.einsum("thd,shd->hts", q, k) / np.float32(hd**0.5) + mask
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         a = np.einsum("hts,shd->thd", s, v).reshape(t, nh * hd)
@@ -194,8 +210,9 @@ def load(folder: Path) -> tuple[dict[str, np.ndarray], Shape]:
     return read_safetensors(folder / "model.safetensors"), Shape(**meta["shape"])
 
 
-def sensitivity(w: dict[str, np.ndarray], shape: Shape, *, trials: int, length: int, seed: int,
-                allowed: list[int] | None = None) -> dict[str, float]:
+def sensitivity(
+    w: dict[str, np.ndarray], shape: Shape, *, trials: int, length: int, seed: int, allowed: list[int] | None = None
+) -> dict[str, float]:
     """How often changing one early history token changes the greedy next token (restricted to
     ``allowed`` when given), and the median gap between the two best logits."""
     rng = np.random.default_rng(seed)
@@ -216,16 +233,23 @@ def sensitivity(w: dict[str, np.ndarray], shape: Shape, *, trials: int, length: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--tokenizer-from", type=Path, required=True,
-                    help="a make_model.py folder (tokenizer.json, tokenizer_config.json, generation_config.json)")
+    ap.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        required=True,
+        help="a make_model.py folder (tokenizer.json, tokenizer_config.json, generation_config.json)",
+    )
     for f in Shape.__dataclass_fields__:
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(Shape(), f))
     ap.add_argument("--qk-gain", type=float, default=Scales.qk_gain)
     ap.add_argument("--logit-std", type=float, default=Scales.logit_std)
     ap.add_argument("--mlp-gain", type=float, default=Scales.mlp_gain)
     ap.add_argument("--seed", type=int, default=Scales.seed)
-    ap.add_argument("--check", action="store_true",
-                    help="read the file back and measure history sensitivity with the numpy reference")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="read the file back and measure history sensitivity with the numpy reference",
+    )
     a = ap.parse_args(argv)
     shape = Shape(**{f: getattr(a, f) for f in Shape.__dataclass_fields__})
     scales = Scales(qk_gain=a.qk_gain, logit_std=a.logit_std, mlp_gain=a.mlp_gain, seed=a.seed)
@@ -238,12 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     for f in TOKENIZER_FILES:
         shutil.copyfile(a.tokenizer_from / f, a.out / f)
     (a.out / "config.json").write_text(json.dumps(qwen3_config(shape), indent=1))
-    (a.out / "turnkv_sharp.json").write_text(json.dumps({"shape": asdict(shape), "scales": asdict(scales)},
-                                                        indent=1))
+    (a.out / "turnkv_sharp.json").write_text(json.dumps({"shape": asdict(shape), "scales": asdict(scales)}, indent=1))
     size = write_safetensors(a.out / "model.safetensors", make_weights(shape, scales))
     kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
-    print(f"wrote {a.out}: {size / 2**20:.0f} MiB of bf16 weights, KV {kv // 1024} KiB per token, "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"wrote {a.out}: {size / 2**20:.0f} MiB of bf16 weights, KV {kv // 1024} KiB per token, "
+        f"{time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     if a.check:
         w, _ = load(a.out)
         print(json.dumps(sensitivity(w, shape, trials=20, length=200, seed=1)))

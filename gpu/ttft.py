@@ -45,22 +45,46 @@ GATEWAY_PORT = 8901
 XFER_LINE = re.compile(r"KV Transfer metrics: .*")
 
 
-def conversation_turns(url: str, words: list[str], allowed: list[int], rng: random.Random, *, history: int,
-                       turns: int, user: int, answer: int, session: str | None) -> list[dict[str, Any]]:
+def conversation_turns(
+    url: str,
+    words: list[str],
+    allowed: list[int],
+    rng: random.Random,
+    *,
+    history: int,
+    turns: int,
+    user: int,
+    answer: int,
+    session: str | None,
+) -> list[dict[str, Any]]:
     """One conversation against ``url`` (the gateway, or D itself); a row per turn."""
     msgs: list[dict[str, Any]] = [{"role": "system", "content": " ".join(rng.choice(words) for _ in range(history))}]
     rows = []
     for k in range(turns):
         msgs.append({"role": "user", "content": " ".join(rng.choice(words) for _ in range(user))})
-        body = {"model": M, "messages": msgs, "max_tokens": answer, "ignore_eos": True, "temperature": 0,
-                "allowed_token_ids": allowed, "stream": True}
+        body = {
+            "model": M,
+            "messages": msgs,
+            "max_tokens": answer,
+            "ignore_eos": True,
+            "temperature": 0,
+            "allowed_token_ids": allowed,
+            "stream": True,
+        }
         hdrs = {"x-session-id": session} if session else {}
         rep = devlib.post(url, "/v1/chat/completions", body, headers=hdrs)
-        text = "".join(((c.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
-                       for c in devlib.chunks(rep) if isinstance(c, dict) and c.get("choices"))
-        row = {"turn": k + 1, "status": rep.status, "ttft_ms": None if rep.first_token_s is None
-               else round(rep.first_token_s * 1e3, 1), "total_ms": round(rep.seconds * 1e3, 1),
-               **{h[len("x-turnkv-"):]: v for h, v in rep.headers.items() if h.startswith("x-turnkv-")}}
+        text = "".join(
+            ((c.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
+            for c in devlib.chunks(rep)
+            if isinstance(c, dict) and c.get("choices")
+        )
+        row = {
+            "turn": k + 1,
+            "status": rep.status,
+            "ttft_ms": None if rep.first_token_s is None else round(rep.first_token_s * 1e3, 1),
+            "total_ms": round(rep.seconds * 1e3, 1),
+            **{h[len("x-turnkv-") :]: v for h, v in rep.headers.items() if h.startswith("x-turnkv-")},
+        }
         rows.append(row)
         if rep.status != 200:
             row["error"] = rep.raw[:300]
@@ -98,10 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=100)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--ucx", action="append", default=[], metavar="NAME=VALUE",
-                    help="environment for both engines, e.g. UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y")
-    ap.add_argument("--time-budget-s", type=float, default=480.0,
-                    help="start no conversation after this many seconds (engine start included)")
+    ap.add_argument(
+        "--ucx",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment for both engines, e.g. UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y",
+    )
+    ap.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=480.0,
+        help="start no conversation after this many seconds (engine start included)",
+    )
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     p_flags = [] if a.p_cache == "on" else ["--no-enable-prefix-caching"]
@@ -113,9 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     allowed = [i for _, i in pairs[:400]]
     rng = random.Random(a.seed)
     logs0 = {s.name: log_size(s.name) for s in specs}
-    res: dict[str, Any] = {"backend": devlib.backend(), "label": a.label, "args": vars(a), "engine_start_s": starts,
-                           "engines": {s.name: devlib.vllm_command(s)[0] for s in specs}, "runs": [],
-                           "skipped": []}
+    res: dict[str, Any] = {
+        "backend": devlib.backend(),
+        "label": a.label,
+        "args": vars(a),
+        "engine_start_s": starts,
+        "engines": {s.name: devlib.vllm_command(s)[0] for s in specs},
+        "runs": [],
+        "skipped": [],
+    }
     settings = {"health_interval_s": 1.0, "scrape_interval_s": 2.0}
     if a.size == "1b":
         settings["kv_bytes_per_token"] = 2 * 28 * 8 * 128 * 2
@@ -138,14 +177,22 @@ def main(argv: list[str] | None = None) -> int:
                         session = None if mode == "plain" else f"{mode}-{history}-{uuid.uuid4().hex[:8]}"
                         rows = conversation_turns(gw, words, allowed, rng, session=session, **kw)
                 after = {"p": devlib.metrics(p), "d": devlib.metrics(d)}
-                run = {"history": history, "mode": mode, "rep": rep, "p_cache": a.p_cache, "turns": rows,
-                       "seconds": round(time.perf_counter() - t0, 1),
-                       "nixl_p_reads": devlib.nixl_delta(before["p"], after["p"]),
-                       "nixl_d_reads": devlib.nixl_delta(before["d"], after["d"])}
+                run = {
+                    "history": history,
+                    "mode": mode,
+                    "rep": rep,
+                    "p_cache": a.p_cache,
+                    "turns": rows,
+                    "seconds": round(time.perf_counter() - t0, 1),
+                    "nixl_p_reads": devlib.nixl_delta(before["p"], after["p"]),
+                    "nixl_d_reads": devlib.nixl_delta(before["d"], after["d"]),
+                }
                 res["runs"].append(run)
-                devlib.log(f"{a.label} h={history} {mode}: TTFT ms by turn {[r['ttft_ms'] for r in rows]} "
-                           f"(P pulled {run['nixl_p_reads']['bytes'] / 1e6:.0f} MB at "
-                           f"{run['nixl_p_reads']['gb_per_s'] or 0:.2f} GB/s)")
+                devlib.log(
+                    f"{a.label} h={history} {mode}: TTFT ms by turn {[r['ttft_ms'] for r in rows]} "
+                    f"(P pulled {run['nixl_p_reads']['bytes'] / 1e6:.0f} MB at "
+                    f"{run['nixl_p_reads']['gb_per_s'] or 0:.2f} GB/s)"
+                )
                 devlib.write_json(devlib.out_dir() / f"ttft_{a.label}.json", res)
     res["kv_transfer_log_lines"] = {s.name: engine_lines(s.name, logs0[s.name])[-40:] for s in specs}
     res["seconds"] = round(time.perf_counter() - t_start, 1)
@@ -156,10 +203,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary(res: dict[str, Any]) -> dict[str, Any]:
     table = {f"{r['history']} {r['mode']}": [t["ttft_ms"] for t in r["turns"]] for r in res["runs"]}
-    rates = [r[k]["gb_per_s"] for r in res["runs"] for k in ("nixl_p_reads", "nixl_d_reads")
-             if r[k]["gb_per_s"] and r[k]["bytes"] > 10e6]
-    return {"label": res["label"], "ttft_ms_by_turn": table, "nixl_gb_per_s": sorted(round(x, 3) for x in rates),
-            "skipped": res["skipped"], "seconds": res.get("seconds")}
+    rates = [
+        r[k]["gb_per_s"]
+        for r in res["runs"]
+        for k in ("nixl_p_reads", "nixl_d_reads")
+        if r[k]["gb_per_s"] and r[k]["bytes"] > 10e6
+    ]
+    return {
+        "label": res["label"],
+        "ttft_ms_by_turn": table,
+        "nixl_gb_per_s": sorted(round(x, 3) for x in rates),
+        "skipped": res["skipped"],
+        "seconds": res.get("seconds"),
+    }
 
 
 if __name__ == "__main__":

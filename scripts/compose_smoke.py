@@ -31,8 +31,14 @@ DEGRADED = {"store_unavailable", "no_record"}
 UP_TIMEOUT_S = 300
 HEALTHY_TIMEOUT_S = 120
 RECOVER_TIMEOUT_S = 60
-HOST_PORTS = {"GATEWAY_PORT": 8000, "PREFILL_PORT": 8100, "DECODE_PORT": 8200, "REDIS_PORT": 6379,
-              "PREFILL_SIDE_PORT": 5600, "DECODE_SIDE_PORT": 5601}
+HOST_PORTS = {
+    "GATEWAY_PORT": 8000,
+    "PREFILL_PORT": 8100,
+    "DECODE_PORT": 8200,
+    "REDIS_PORT": 6379,
+    "PREFILL_SIDE_PORT": 5600,
+    "DECODE_SIDE_PORT": 5601,
+}
 
 
 class SmokeFailed(RuntimeError):
@@ -82,8 +88,9 @@ class Compose:
         cid = self.container(service)
         if not cid:
             return "absent"
-        out = subprocess.run(["docker", "inspect", "-f", "{{.State.Health.Status}}", cid], capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run(
+            ["docker", "inspect", "-f", "{{.State.Health.Status}}", cid], capture_output=True, text=True, timeout=30
+        )
         return out.stdout.strip()
 
     def wait_healthy(self, service: str, timeout_s: float = HEALTHY_TIMEOUT_S) -> None:
@@ -115,13 +122,20 @@ class Conversation:
 
     def __init__(self, url: str) -> None:
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="smoke", max_retries=0, timeout=60)
-        self.messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful agent."},
-                                               {"role": "user", "content": "Plan a short trip."}]
+        self.messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a helpful agent."},
+            {"role": "user", "content": "Plan a short trip."},
+        ]
         self.turns = 0
 
     def turn(self) -> dict[str, str]:
-        request: dict[str, Any] = {"model": "model", "messages": self.messages, "max_tokens": 60, "stream": True,
-                                   "extra_headers": {"X-Session-ID": "compose-smoke"}}
+        request: dict[str, Any] = {
+            "model": "model",
+            "messages": self.messages,
+            "max_tokens": 60,
+            "stream": True,
+            "extra_headers": {"X-Session-ID": "compose-smoke"},
+        }
         raw = self.client.chat.completions.with_raw_response.create(**request)
         content, reasoning = "", ""
         for chunk in cast(openai.Stream[ChatCompletionChunk], raw.parse()):
@@ -132,12 +146,16 @@ class Conversation:
         if not (content or reasoning):
             raise SmokeFailed(f"turn {self.turns + 1}: empty answer")
         self.turns += 1
-        self.messages += [{"role": "assistant", "content": content, "reasoning": reasoning},
-                          {"role": "user", "content": f"Thanks. Now step {self.turns}, please."}]
+        self.messages += [
+            {"role": "assistant", "content": content, "reasoning": reasoning},
+            {"role": "user", "content": f"Thanks. Now step {self.turns}, please."},
+        ]
         h = {k: v for k, v in raw.headers.items() if k.startswith("x-turnkv-")}
-        log(f"turn {self.turns}: outcome={h.get('x-turnkv-outcome')} reason={h.get('x-turnkv-reason')} "
+        log(
+            f"turn {self.turns}: outcome={h.get('x-turnkv-outcome')} reason={h.get('x-turnkv-reason')} "
             f"action={h.get('x-turnkv-action')} matched={h.get('x-turnkv-matched-tokens', '-')} "
-            f"prompt={h.get('x-turnkv-prompt-tokens', '-')}")
+            f"prompt={h.get('x-turnkv-prompt-tokens', '-')}"
+        )
         return h
 
 
@@ -154,8 +172,12 @@ def smoke(compose: Compose, url: str) -> None:
     log("up --wait (healthchecks: redis, prefill-sim, decode-sim, then turnkv-sim)")
     compose.run("up", "-d", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), timeout_s=UP_TIMEOUT_S + 30)
     print(compose.run("ps"), flush=True)
-    images = {subprocess.run(["docker", "inspect", "-f", "{{.Image}}", compose.container(s)], capture_output=True,
-                             text=True, timeout=30).stdout.strip() for s in ("prefill-sim", "decode-sim", "turnkv-sim")}
+    images = {
+        subprocess.run(
+            ["docker", "inspect", "-f", "{{.Image}}", compose.container(s)], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+        for s in ("prefill-sim", "decode-sim", "turnkv-sim")
+    }
     expect(len(images) == 1, f"the gateway and both engines run one image ({', '.join(i[:19] for i in images)})")
     with urllib.request.urlopen(url + "/ready", timeout=10) as r:
         ready = json.loads(r.read())
@@ -174,8 +196,10 @@ def smoke(compose: Compose, url: str) -> None:
     log("stop Redis (docker compose stop redis)")
     compose.run("stop", "redis", timeout_s=60)
     h = conv.turn()
-    expect(h.get("x-turnkv-reason") in DEGRADED,
-           f"with Redis down the turn is answered, plain P/D ({h.get('x-turnkv-outcome')}/{h.get('x-turnkv-reason')})")
+    expect(
+        h.get("x-turnkv-reason") in DEGRADED,
+        f"with Redis down the turn is answered, plain P/D ({h.get('x-turnkv-outcome')}/{h.get('x-turnkv-reason')})",
+    )
     expect(metric(url, "turnkv_store_up") == 0, "turnkv_store_up is 0")
 
     log("start Redis again (docker compose start redis)")

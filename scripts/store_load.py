@@ -52,20 +52,41 @@ ROOT = Path(__file__).resolve().parent.parent
 def record(key: str, turn: int) -> ConversationRecord:
     now = time.time()
     return ConversationRecord(
-        tenant="t", decode_url=f"http://d{hash(key) % 4}:8200", prefill_url=None,
-        handle={"remote_request_id": f"{key}-{turn}", "remote_engine_id": "e", "remote_block_ids": list(range(64)),
-                "remote_num_tokens": 1024, "do_remote_prefill": True},
-        engine_id="e", engine_epoch=None, num_tokens=1024, chain=chain_of(list(range(1024)), 16), block_size=16,
-        prompt_tokens=900, answer_digest="a", reasoning_digest=None, turn=turn, created_at=now,
-        expires_at=now + 460.0)
+        tenant="t",
+        decode_url=f"http://d{hash(key) % 4}:8200",
+        prefill_url=None,
+        handle={
+            "remote_request_id": f"{key}-{turn}",
+            "remote_engine_id": "e",
+            "remote_block_ids": list(range(64)),
+            "remote_num_tokens": 1024,
+            "do_remote_prefill": True,
+        },
+        engine_id="e",
+        engine_epoch=None,
+        num_tokens=1024,
+        chain=chain_of(list(range(1024)), 16),
+        block_size=16,
+        prompt_tokens=900,
+        answer_digest="a",
+        reasoning_digest=None,
+        turn=turn,
+        created_at=now,
+        expires_at=now + 460.0,
+    )
 
 
 class OldStore:
     """The store before this change, on the old contract (claim(key), release(key)), from git."""
 
     def __init__(self, url: str, timeout_s: float) -> None:
-        src = subprocess.run(["git", "show", f"{OLD_COMMIT}:src/turnkv/state/redis.py"], cwd=ROOT, check=True,
-                             capture_output=True, text=True).stdout
+        src = subprocess.run(
+            ["git", "show", f"{OLD_COMMIT}:src/turnkv/state/redis.py"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         path = Path(tempfile.mkdtemp()) / "old_redis_store.py"
         path.write_text(src)
         spec = importlib.util.spec_from_file_location("old_redis_store", path)
@@ -108,8 +129,7 @@ def busy_work(ms: float) -> None:
         pass
 
 
-async def conversation(i: int, guard: StoreGuard, args: argparse.Namespace, tally: Tally,
-                       back_at: list[float]) -> None:
+async def conversation(i: int, guard: StoreGuard, args: argparse.Namespace, tally: Tally, back_at: list[float]) -> None:
     key = f"conv-{i}"
     rng = random.Random(i)
     for turn in range(args.turns):
@@ -157,9 +177,23 @@ class Server:
     def start(self) -> None:
         exe = shutil.which("redis-server")
         assert exe, "redis-server is needed"
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             with contextlib.suppress(redis.RedisError, OSError):
@@ -185,12 +219,22 @@ async def run(kind: str, server: Server, args: argparse.Namespace) -> dict[str, 
     if args.count_round_trips:  # a relay thread in this process: it slows the client, so only on request
         relay.start()
     url = relay.url if args.count_round_trips else f"redis://127.0.0.1:{server.port}/0"
-    store: Any = OldStore(url, args.redis_timeout_s) if kind == "old" else RedisStore.from_url(
-        url, command_timeout_s=args.redis_timeout_s, max_connections=args.max_connections,
-        pool_timeout_s=args.pool_timeout_s)
+    store: Any = (
+        OldStore(url, args.redis_timeout_s)
+        if kind == "old"
+        else RedisStore.from_url(
+            url,
+            command_timeout_s=args.redis_timeout_s,
+            max_connections=args.max_connections,
+            pool_timeout_s=args.pool_timeout_s,
+        )
+    )
     tally = Tally()
-    guard = StoreGuard(store, retry_s=args.store_retry_s,
-                       on_state=lambda up: setattr(tally, "guard_opened", tally.guard_opened + (not up)))
+    guard = StoreGuard(
+        store,
+        retry_s=args.store_retry_s,
+        on_state=lambda up: setattr(tally, "guard_opened", tally.guard_opened + (not up)),
+    )
     back_at: list[float] = []
 
     async def outage() -> None:
@@ -213,15 +257,24 @@ async def run(kind: str, server: Server, args: argparse.Namespace) -> dict[str, 
         relay.stop()
     name = "old" if kind == "old" else f"new pool={args.max_connections} wait={args.pool_timeout_s}s"
     out: dict[str, Any] = {
-        "store": name, "turns": tally.turns, "stateless": tally.stateless,
-        "stateless_pct": round(100 * tally.stateless / max(1, tally.turns), 1), "claims_found": tally.found,
-        "claims_in_flight": tally.in_flight, "store_busy": tally.errors["busy"], "store_errors": tally.errors["error"],
-        "guard_opened": tally.guard_opened, "wall_s": round(wall, 1), "redis_cpu_pct": round(100 * cpu / wall, 1),
+        "store": name,
+        "turns": tally.turns,
+        "stateless": tally.stateless,
+        "stateless_pct": round(100 * tally.stateless / max(1, tally.turns), 1),
+        "claims_found": tally.found,
+        "claims_in_flight": tally.in_flight,
+        "store_busy": tally.errors["busy"],
+        "store_errors": tally.errors["error"],
+        "guard_opened": tally.guard_opened,
+        "wall_s": round(wall, 1),
+        "redis_cpu_pct": round(100 * cpu / wall, 1),
         "why": dict(tally.why.most_common(4)),
     }
     if args.count_round_trips:
-        out.update(round_trips_per_turn=round(relay.round_trips / max(1, tally.turns), 2),
-                   round_trips_by_command=dict(relay.by_command))
+        out.update(
+            round_trips_per_turn=round(relay.round_trips / max(1, tally.turns), 2),
+            round_trips_by_command=dict(relay.by_command),
+        )
     if args.outage_at:
         out.update(turns_after_back=tally.after_outage, stateless_after_back=tally.after_outage_stateless)
     return out
@@ -231,8 +284,11 @@ async def restart_probe(kind: str, server: Server, args: argparse.Namespace) -> 
     """``n`` pooled connections, Redis restarted, then ``n`` calls at once: how many fail."""
     n = args.restart_probe
     url = f"redis://127.0.0.1:{server.port}/0"
-    store: Any = OldStore(url, args.redis_timeout_s) if kind == "old" else RedisStore.from_url(
-        url, command_timeout_s=args.redis_timeout_s)
+    store: Any = (
+        OldStore(url, args.redis_timeout_s)
+        if kind == "old"
+        else RedisStore.from_url(url, command_timeout_s=args.redis_timeout_s)
+    )
     await asyncio.gather(*(store.put(f"k{i}", record(f"k{i}", 0), 600.0) for i in range(n)))
     server.stop()
     await asyncio.to_thread(server.start)

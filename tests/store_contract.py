@@ -24,16 +24,48 @@ SHORT_MARKER_TTL_S = 0.05
 CONCURRENT = 200
 
 
-def rec(pin: str | None = "p1", *, url: str = D1, tokens: int = 20, stored_at: float = 1.0,
-        expires_at: float = 1e12, epoch: float | None = None, turn: int = 2, unpinned: str | None = None,
-        ) -> ConversationRecord:
-    handle = None if pin is None else {"remote_request_id": pin, "remote_engine_id": "e", "remote_block_ids": [1, 2],
-                                       "remote_num_tokens": tokens, "do_remote_prefill": True}
+def rec(
+    pin: str | None = "p1",
+    *,
+    url: str = D1,
+    tokens: int = 20,
+    stored_at: float = 1.0,
+    expires_at: float = 1e12,
+    epoch: float | None = None,
+    turn: int = 2,
+    unpinned: str | None = None,
+) -> ConversationRecord:
+    handle = (
+        None
+        if pin is None
+        else {
+            "remote_request_id": pin,
+            "remote_engine_id": "e",
+            "remote_block_ids": [1, 2],
+            "remote_num_tokens": tokens,
+            "do_remote_prefill": True,
+        }
+    )
     return ConversationRecord(
-        tenant="t", decode_url=url, prefill_url=None, handle=handle, engine_id="e", engine_epoch=epoch,
-        num_tokens=tokens, chain=chain_of(list(range(tokens)), 16), block_size=16, prompt_tokens=10,
-        answer_digest="a", reasoning_digest=None, turn=turn, created_at=stored_at, expires_at=expires_at,
-        history_digest="h", bytes_per_token=3.5, unpinned=unpinned if pin is None else None)
+        tenant="t",
+        decode_url=url,
+        prefill_url=None,
+        handle=handle,
+        engine_id="e",
+        engine_epoch=epoch,
+        num_tokens=tokens,
+        chain=chain_of(list(range(tokens)), 16),
+        block_size=16,
+        prompt_tokens=10,
+        answer_digest="a",
+        reasoning_digest=None,
+        turn=turn,
+        created_at=stored_at,
+        expires_at=expires_at,
+        history_digest="h",
+        bytes_per_token=3.5,
+        unpinned=unpinned if pin is None else None,
+    )
 
 
 @dataclass
@@ -138,14 +170,18 @@ class StoreContract:
 
     async def test_evict_takes_the_idle_longest_first_and_strips_only_the_handle(self, backend: Backend) -> None:
         s = backend.store
-        records = {"new": rec("p-new", tokens=10, stored_at=3.0), "old": rec("p-old", tokens=10, stored_at=1.0),
-                   "mid": rec("p-mid", tokens=10, stored_at=2.0)}
+        records = {
+            "new": rec("p-new", tokens=10, stored_at=3.0),
+            "old": rec("p-old", tokens=10, stored_at=1.0),
+            "mid": rec("p-mid", tokens=10, stored_at=2.0),
+        }
         for k, r in records.items():
             await s.put(k, r, LONG_TTL_S)
         out = await s.evict(D1, keep_tokens=15, why="budget")
         assert keys(out) == ["old", "mid"]
         assert [(e.decode_url, e.tokens, e.handle, e.stored_at, e.expires_at, e.engine_epoch) for e in out] == [
-            (D1, 10, records[k].handle, records[k].created_at, records[k].expires_at, None) for k in ("old", "mid")]
+            (D1, 10, records[k].handle, records[k].created_at, records[k].expires_at, None) for k in ("old", "mid")
+        ]
         assert await s.pinned([D1]) == {D1: Pinned(1, 10)}
         for k in ("old", "mid"):
             got = await backend.other.claim(k, owner="t")

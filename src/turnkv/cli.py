@@ -24,9 +24,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         settings = load_settings(
-            args.config, prefill=args.prefill, decode=args.decode, render=args.render, redis_url=args.redis_url,
-            host=args.host, port=args.port, policy={"name": args.policy} if args.policy else None,
-            log_level=args.log_level, workers=args.workers,
+            args.config,
+            prefill=args.prefill,
+            decode=args.decode,
+            render=args.render,
+            redis_url=args.redis_url,
+            host=args.host,
+            port=args.port,
+            policy={"name": args.policy} if args.policy else None,
+            log_level=args.log_level,
+            workers=args.workers,
         )
     except ConfigError as exc:
         print(f"turnkv serve: {exc}", file=sys.stderr)
@@ -74,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", default=None, help="redis://host:port/db (default: in-process store)")
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
-    serve.add_argument("--workers", type=int, default=None,
-                       help="gateway processes on one port (default 1; more needs --redis-url)")
+    serve.add_argument(
+        "--workers", type=int, default=None, help="gateway processes on one port (default 1; more needs --redis-url)"
+    )
     serve.add_argument("--policy", default=None, help="adaptive | always-pull | never-pull | decode-local")
     serve.add_argument("--config", default=None, help="YAML settings file")
     serve.add_argument("--log-level", default=None)

@@ -38,33 +38,78 @@ class Timeouts(BaseModel):
     # TTFT p99 seen on the H200 at 32 concurrent conversations (plain P/D, 3.9 s).
     prefill_first_token_s: float = Field(30.0, gt=0, description="a prefill call (max_tokens 1, pull included)")
     decode_first_token_s: float = Field(30.0, gt=0, description="from sending D the turn to its first token")
-    decode_per_token_s: float = Field(1.0, gt=0, description="non-streamed turns: allowance per requested token "
-                                      "on top of decode_first_token_s (D answers them only at the end)")
+    decode_per_token_s: float = Field(
+        1.0,
+        gt=0,
+        description="non-streamed turns: allowance per requested token "
+        "on top of decode_first_token_s (D answers them only at the end)",
+    )
 
 
 class DecodeMemory(BaseModel):
     """How much decode KV stored handles may pin, and when they are given back (README: Decode memory)."""
 
     model_config = ConfigDict(frozen=True)
-    pin_budget_share: float = Field(0.5, gt=0, le=1, description="share of each decode engine's KV capacity that "
-                                    "stored handles may pin; above it the pins idle longest are released")
-    capacity_tokens: int | None = Field(None, ge=1, description="a decode engine's KV capacity in tokens when its "
-                                        "/metrics does not say (vllm:cache_config_info num_gpu_blocks x block_size)")
+    pin_budget_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="share of each decode engine's KV capacity that "
+        "stored handles may pin; above it the pins idle longest are released",
+    )
+    capacity_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="a decode engine's KV capacity in tokens when its "
+        "/metrics does not say (vllm:cache_config_info num_gpu_blocks x block_size)",
+    )
     pressure_kv_usage: float = Field(0.9, gt=0, le=1.01, description="D's KV usage at which pins are released")
-    pressure_keep_share: float = Field(0.1, ge=0, le=1, description="under pressure, pins are released down to "
-                                       "this share of capacity")
-    pin: str = Field("auto", pattern="^(auto|always)$", description="auto: keep a conversation's handle pinned "
-                     "only when the policy would pull it on the next turn; always: keep every handle")
-    janitor_interval_s: float = Field(5.0, gt=0, description="how often pins are checked against budget, "
-                                      "pressure, expiry and engine restarts")
-    release_on_shutdown: bool = Field(True, description="with the in-process store, release every pin on "
-                                      "shutdown (nobody else can use them)")
+    pressure_keep_share: float = Field(
+        0.1, ge=0, le=1, description="under pressure, pins are released down to this share of capacity"
+    )
+    pin: str = Field(
+        "auto",
+        pattern="^(auto|always)$",
+        description="auto: keep a conversation's handle pinned "
+        "only when the policy would pull it on the next turn; always: keep every handle",
+    )
+    janitor_interval_s: float = Field(
+        5.0, gt=0, description="how often pins are checked against budget, pressure, expiry and engine restarts"
+    )
+    release_on_shutdown: bool = Field(
+        True, description="with the in-process store, release every pin on shutdown (nobody else can use them)"
+    )
 
 
 class PolicySettings(BaseModel):
     model_config = ConfigDict(frozen=True)
     name: str = Field("adaptive", description="adaptive | always-pull | never-pull | decode-local")
     params: dict[str, Any] = Field(default_factory=dict, description="the policy's own parameters")
+
+
+class RoutingPlugin(BaseModel):
+    """One routing plugin in a profile: its registered type, its weight (scorers) and its parameters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    type: str = Field(
+        description="the plugin's name (turnkv.routing.plugins: filters not-tried, not-avoided, "
+        "routable; scorers load, affinity, pin-headroom; picker max-score)"
+    )
+    weight: float = Field(1.0, ge=0, description="scorers: how much its score counts")
+    params: dict[str, Any] = Field(default_factory=dict, description="the plugin's own parameters")
+
+
+def _default_filters() -> list[RoutingPlugin]:
+    return [RoutingPlugin(type="not-tried"), RoutingPlugin(type="not-avoided"), RoutingPlugin(type="routable")]
+
+
+class RoutingProfile(BaseModel):
+    """How a request's engine is chosen: filters, then weighted scorers, then a picker (README: Routing)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    filters: list[RoutingPlugin] = Field(default_factory=_default_filters)
+    scorers: list[RoutingPlugin] = Field(default_factory=list)
+    picker: RoutingPlugin = Field(default_factory=lambda: RoutingPlugin(type="max-score"))
 
 
 class CostPriors(BaseModel):
@@ -87,22 +132,48 @@ class Limits(BaseModel):
     body at link speed; these bound what a stalled or trickling one costs (README, "Security and limits")."""
 
     model_config = ConfigDict(frozen=True)
-    header_timeout_s: float = Field(10.0, gt=0, description="from a connection's start (or a kept-alive "
-                                    "connection's first byte of its next request) until the request's headers "
-                                    "are complete; past it the connection is closed")
-    body_timeout_s: float = Field(30.0, gt=0, description="reading a whole request body (16 MiB at 4.5 Mbit/s); "
-                                  "past it a 408 and the connection is closed")
-    send_timeout_s: float = Field(60.0, gt=0, description="longest a client may leave its answer unread while the "
-                                  "gateway's send buffer is full; then the connection is dropped (and D's stream "
-                                  "with it): a client that stops reading cannot hold a turn for ever")
-    max_client_connections: int = Field(8192, ge=1, description="open client connections; more are answered "
-                                        "503 and closed at once. Lowered at start to fit the open-file limit")
-    max_connections_per_ip: int | None = Field(None, ge=1, description="open connections from one peer address; "
-                                               "none: no limit (behind a load balancer every peer is the balancer)")
-    max_inflight: int = Field(1024, ge=1, description="requests to the engines (turns, tokenize) in flight at once; "
-                              "more get 503 with Retry-After")
-    max_inflight_per_tenant: int = Field(256, ge=1, description="the same per tenant, when clients are "
-                                         "authenticated (API keys or a trusted proxy); more get 429 with Retry-After")
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="from a connection's start (or a kept-alive "
+        "connection's first byte of its next request) until the request's headers "
+        "are complete; past it the connection is closed",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="reading a whole request body (16 MiB at 4.5 Mbit/s); past it a 408 and the connection is closed",
+    )
+    send_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="longest a client may leave its answer unread while the "
+        "gateway's send buffer is full; then the connection is dropped (and D's stream "
+        "with it): a client that stops reading cannot hold a turn for ever",
+    )
+    max_client_connections: int = Field(
+        8192,
+        ge=1,
+        description="open client connections; more are answered "
+        "503 and closed at once. Lowered at start to fit the open-file limit",
+    )
+    max_connections_per_ip: int | None = Field(
+        None,
+        ge=1,
+        description="open connections from one peer address; "
+        "none: no limit (behind a load balancer every peer is the balancer)",
+    )
+    max_inflight: int = Field(
+        1024,
+        ge=1,
+        description="requests to the engines (turns, tokenize) in flight at once; more get 503 with Retry-After",
+    )
+    max_inflight_per_tenant: int = Field(
+        256,
+        ge=1,
+        description="the same per tenant, when clients are "
+        "authenticated (API keys or a trusted proxy); more get 429 with Retry-After",
+    )
     retry_after_s: int = Field(1, ge=1, description="Retry-After on a 429 or 503 overload answer")
     max_json_depth: int = Field(64, ge=4, le=512, description="nesting depth of a request body")
     raise_fd_limit: bool = Field(True, description="raise the open-file soft limit to the hard limit at start")
@@ -112,9 +183,10 @@ class Cors(BaseModel):
     """Browser access (Starlette's CORSMiddleware); off while ``allow_origins`` is empty."""
 
     model_config = ConfigDict(frozen=True)
-    allow_origins: list[str] = Field(default_factory=list, description="origins allowed, or [\"*\"]")
-    allow_headers: list[str] = Field(default_factory=lambda: ["authorization", "content-type", "x-session-id",
-                                                              "x-request-id"])
+    allow_origins: list[str] = Field(default_factory=list, description='origins allowed, or ["*"]')
+    allow_headers: list[str] = Field(
+        default_factory=lambda: ["authorization", "content-type", "x-session-id", "x-request-id"]
+    )
     allow_credentials: bool = False
     max_age_s: int = Field(600, ge=0)
 
@@ -122,78 +194,142 @@ class Cors(BaseModel):
 class Settings(BaseSettings):
     """Everything ``turnkv serve`` needs. See README.md for each field's meaning."""
 
-    model_config = SettingsConfigDict(env_prefix="TURNKV_", env_nested_delimiter="__", frozen=True,
-                                      extra="forbid", hide_input_in_errors=True)  # inputs hold secrets
+    model_config = SettingsConfigDict(
+        env_prefix="TURNKV_", env_nested_delimiter="__", frozen=True, extra="forbid", hide_input_in_errors=True
+    )  # inputs hold secrets
 
     prefill: list[str] = Field(default_factory=list, description="prefill engine base URLs")
     decode: list[str] = Field(default_factory=list, description="decode engine base URLs")
     render: str | None = Field(None, description="render service URL; default: a prefill engine")
-    redis_url: str | None = Field(None, description="redis://host:port/db, rediss:// (TLS), unix://, "
-                                  "redis+sentinel://host:port[,host:port]/service[/db], "
-                                  "redis+cluster://host:port[,host:port]; none: in-process store")
+    engine: str = Field("vllm", description="the engines' family, as turnkv.engine.ENGINES names it")
+    redis_url: str | None = Field(
+        None,
+        description="redis://host:port/db, rediss:// (TLS), unix://, "
+        "redis+sentinel://host:port[,host:port]/service[/db], "
+        "redis+cluster://host:port[,host:port]; none: in-process store",
+    )
     redis_namespace: str = Field("turnkv", pattern=r"^[^{}]+$", description="prefix of every key turnkv writes")
-    redis_max_connections: int = Field(256, ge=1, le=10_000, description="store operations in flight at once "
-                                       "per gateway process (each holds one connection per Redis node)")
-    redis_pool_timeout_s: float = Field(0.5, gt=0, description="longest wait for a free connection; past it "
-                                        "that call runs without state (Redis is not marked down)")
-    redis_in_flight_ttl_s: float = Field(60.0, gt=0, description="how long a claimed conversation stays "
-                                         "in flight if its turn never stores or releases (a crashed gateway)")
+    redis_max_connections: int = Field(
+        256,
+        ge=1,
+        le=10_000,
+        description="store operations in flight at once per gateway process (each holds one connection per Redis node)",
+    )
+    redis_pool_timeout_s: float = Field(
+        0.5,
+        gt=0,
+        description="longest wait for a free connection; past it "
+        "that call runs without state (Redis is not marked down)",
+    )
+    redis_in_flight_ttl_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long a claimed conversation stays "
+        "in flight if its turn never stores or releases (a crashed gateway)",
+    )
     redis_tls_ca_certs: str | None = Field(None, description="CA bundle for rediss:// (default: the system's)")
     redis_tls_certfile: str | None = Field(None, description="client certificate for rediss://")
     redis_tls_keyfile: str | None = Field(None, description="client key for rediss://")
-    redis_tls_cert_reqs: str = Field("required", pattern="^(required|optional|none)$",
-                                     description="verification of the server's certificate")
+    redis_tls_cert_reqs: str = Field(
+        "required", pattern="^(required|optional|none)$", description="verification of the server's certificate"
+    )
     redis_tls_check_hostname: bool = Field(True, description="check the server certificate's host name")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    workers: int = Field(1, ge=1, le=256, description="gateway processes sharing the port; more than one "
-                         "needs redis_url, where they share conversation state")
+    workers: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="gateway processes sharing the port; more than one "
+        "needs redis_url, where they share conversation state",
+    )
     models: list[str] = Field(default_factory=list, description="served model names; empty: ask the engines")
-    session_headers: list[str] = Field(default_factory=lambda: ["x-session-id"],
-                                       description="headers that carry a conversation id, first wins")
-    tenant_header: str | None = Field(None, description="header naming the tenant, honoured only from a trusted "
-                                      "proxy (trusted_proxy_secret); default: the API key's tenant")
+    session_headers: list[str] = Field(
+        default_factory=lambda: ["x-session-id"], description="headers that carry a conversation id, first wins"
+    )
+    tenant_header: str | None = Field(
+        None,
+        description="header naming the tenant, honoured only from a trusted "
+        "proxy (trusted_proxy_secret); default: the API key's tenant",
+    )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
-        default_factory=list, description="gateway API keys, as key-file lines (TURNKV_API_KEYS: separated by "
-        "commas or newlines); with any key or key file, every request needs one")
-    api_keys_file: str | None = Field(None, description="file of gateway API keys: one 'sha256:<hex> <tenant>' or "
-                                      "'<plain key> [tenant]' a line, '#' comments; read at start")
-    admin_tenants: list[str] = Field(default_factory=lambda: ["admin"], description="tenants whose keys may read "
-                                     "/metrics and /ready's engine details when keys are configured")
-    trusted_proxy_secret: SecretStr | None = Field(None, description="a proxy that sends this secret in "
-                                                   "trusted_proxy_header is trusted to name the tenant")
+        default_factory=list,
+        description="gateway API keys, as key-file lines (TURNKV_API_KEYS: separated by "
+        "commas or newlines); with any key or key file, every request needs one",
+    )
+    api_keys_file: str | None = Field(
+        None,
+        description="file of gateway API keys: one 'sha256:<hex> <tenant>' or "
+        "'<plain key> [tenant]' a line, '#' comments; read at start",
+    )
+    admin_tenants: list[str] = Field(
+        default_factory=lambda: ["admin"],
+        description="tenants whose keys may read /metrics and /ready's engine details when keys are configured",
+    )
+    trusted_proxy_secret: SecretStr | None = Field(
+        None, description="a proxy that sends this secret in trusted_proxy_header is trusted to name the tenant"
+    )
     trusted_proxy_header: str = Field("x-turnkv-proxy-secret", description="header carrying the proxy's secret")
-    allow_anonymous: bool = Field(False, description="serve unauthenticated clients even though upstream_api_key "
-                                  "gives the gateway the engines' credentials")
+    allow_anonymous: bool = Field(
+        False,
+        description="serve unauthenticated clients even though upstream_api_key "
+        "gives the gateway the engines' credentials",
+    )
     decision_headers: Literal["basic", "full"] = Field(
-        "basic", description="basic: x-turnkv-outcome/action/reason; full: also token counts and prefill time, "
-        "which tell a client about the engines' caches (README, Security and limits)")
+        "basic",
+        description="basic: x-turnkv-outcome/action/reason; full: also token counts and prefill time, "
+        "which tell a client about the engines' caches (README, Security and limits)",
+    )
     limits: Limits = Field(default_factory=Limits)
     cors: Cors = Field(default_factory=Cors)
     max_session_id_length: int = Field(256, ge=8, le=4096)
-    conversation_from_history: bool = Field(True, description="a request that names no conversation (no header, "
-                                            "body id, previous_response_id, prompt_cache_key or metadata id) is "
-                                            "matched to one by a digest of its messages (gateway/identity.py)")
-    response_ttl_s: float = Field(3600.0, gt=0, description="how long /v1/responses keeps a response for "
-                                  "previous_response_id and GET (store: false keeps none)")
+    conversation_from_history: bool = Field(
+        True,
+        description="a request that names no conversation (no header, "
+        "body id, previous_response_id, prompt_cache_key or metadata id) is "
+        "matched to one by a digest of its messages (gateway/identity.py)",
+    )
+    response_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        description="how long /v1/responses keeps a response for "
+        "previous_response_id and GET (store: false keeps none)",
+    )
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     block_size: int = Field(16, ge=1, description="the engines' --block-size")
     decoder_kv_blocks_ttl: float = Field(480.0, gt=0, description="the engines' decoder_kv_blocks_ttl")
     expiry_margin_s: float = Field(10.0, ge=0, description="forget a handle this long before P would decline it")
     kv_bytes_per_token: int = Field(147456, ge=1, description="KV bytes per token (Qwen3-8B bf16 by default)")
-    decode_local_direct: bool = Field(True, description="send a decode-local turn to D without rendering it "
-                                      "first, when the template keeps history and the last answer is echoed as is")
-    release_unused: bool = Field(True, description="release D handles nobody will use (stateless turns...) at "
-                                 "the cost of a 1-token request to a prefill engine")
+    decode_local_direct: bool = Field(
+        True,
+        description="send a decode-local turn to D without rendering it "
+        "first, when the template keeps history and the last answer is echoed as is",
+    )
+    release_unused: bool = Field(
+        True,
+        description="release D handles nobody will use (stateless turns...) at "
+        "the cost of a 1-token request to a prefill engine",
+    )
     decode_memory: DecodeMemory = Field(default_factory=DecodeMemory)
-    drain_s: float = Field(30.0, ge=0, description="on SIGTERM: how long in-flight turns may finish; the rest end "
-                           "with an error event")
-    shutdown_delay_s: float = Field(0.0, ge=0, description="on SIGTERM: how long /ready says false while requests "
-                                    "are still served, before new connections are refused")
+    drain_s: float = Field(
+        30.0, ge=0, description="on SIGTERM: how long in-flight turns may finish; the rest end with an error event"
+    )
+    shutdown_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="on SIGTERM: how long /ready says false while requests "
+        "are still served, before new connections are refused",
+    )
     upstream_api_key: str | None = Field(None, description="bearer token for the engines; default: the client's")
     allow_client_kv_transfer_params: bool = Field(False, description="let clients send kv_transfer_params")
-    routing: str = Field("affinity", pattern="^(affinity|least-loaded|round-robin)$",
-                         description="affinity: the engines that hold the conversation, unless much busier")
+    routing: str = Field(
+        "affinity",
+        description="the routing profile: affinity (the engines that hold the "
+        "conversation, unless much busier), least-loaded, round-robin, or one of routing_profiles",
+    )
+    routing_profiles: dict[str, RoutingProfile] = Field(
+        default_factory=dict, description="routing profiles of one's own, by name"
+    )
     policy: PolicySettings = Field(default_factory=PolicySettings)
     costs: CostPriors = Field(default_factory=CostPriors)
     timeouts: Timeouts = Field(default_factory=Timeouts)
@@ -237,23 +373,31 @@ class Settings(BaseSettings):
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
         if self.workers > 1 and not self.redis_url:
-            raise ConfigError("--workers above 1 needs --redis-url: each worker is a process of its own, and a "
-                              "conversation's next turn may reach any of them")
+            raise ConfigError(
+                "--workers above 1 needs --redis-url: each worker is a process of its own, and a "
+                "conversation's next turn may reach any of them"
+            )
         if self.decoder_kv_blocks_ttl - 5.0 - self.expiry_margin_s <= 0:
             raise ConfigError("decoder_kv_blocks_ttl must exceed 5 s (vLLM's expiry margin) + expiry_margin_s")
         for url in [*self.prefill, *self.decode, *([self.render] if self.render else [])]:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"engine URL {url!r} must start with http:// or https://")
         if self.tenant_header and self.trusted_proxy_secret is None:
-            raise ConfigError("tenant_header is a client's word unless a trusted proxy proves itself: set "
-                              "trusted_proxy_secret (and have the proxy send it in trusted_proxy_header)")
+            raise ConfigError(
+                "tenant_header is a client's word unless a trusted proxy proves itself: set "
+                "trusted_proxy_secret (and have the proxy send it in trusted_proxy_header)"
+            )
         if self.upstream_api_key and not self.auth_configured and not self.allow_anonymous:
-            raise ConfigError("upstream_api_key lets the gateway use the engines' credentials, but no gateway "
-                              "API keys (api_keys, api_keys_file) or trusted proxy are configured: anyone could "
-                              "use them. Configure keys, or set allow_anonymous to accept that")
+            raise ConfigError(
+                "upstream_api_key lets the gateway use the engines' credentials, but no gateway "
+                "API keys (api_keys, api_keys_file) or trusted proxy are configured: anyone could "
+                "use them. Configure keys, or set allow_anonymous to accept that"
+            )
         from turnkv.gateway.auth import load_keys  # the key file is read, and refused if malformed, at start
+        from turnkv.routing.router import build_profile  # so is the routing profile
 
         load_keys(self)
+        build_profile(self.routing, self.routing_profiles)
         return self
 
     @property
@@ -277,8 +421,11 @@ def load_settings(config_file: str | None = None, **flags: Any) -> Settings:
 
         @classmethod
         def settings_customise_sources(
-            cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
             return init_settings, env_settings, YamlConfigSettingsSource(settings_cls)

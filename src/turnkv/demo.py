@@ -25,20 +25,40 @@ SYSTEM = (
     "places, prices or opening times, and keep every answer short. Prefer trains over flights when the "
     "journey is under six hours, and always mention one thing to see that is free of charge. "
 ) * 4
-TOOLS = [{"type": "function", "function": {
-    "name": "lookup", "description": "Look up facts about a place",
-    "parameters": {"type": "object", "properties": {"place": {"type": "string"}, "topic": {"type": "string"}},
-                   "required": ["place"]}}}]
-USER_TURNS = ["Plan two days in Lyon for me.", "What about the evening of day one?", "Is the museum open on Monday?",
-              "Find a cheaper hotel near the station.", "Summarise the plan in three lines."]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look up facts about a place",
+            "parameters": {
+                "type": "object",
+                "properties": {"place": {"type": "string"}, "topic": {"type": "string"}},
+                "required": ["place"],
+            },
+        },
+    }
+]
+USER_TURNS = [
+    "Plan two days in Lyon for me.",
+    "What about the evening of day one?",
+    "Is the museum open on Monday?",
+    "Find a cheaper hotel near the station.",
+    "Summarise the plan in three lines.",
+]
 
 
 def _stream(client: openai.OpenAI, messages: list[dict[str, Any]], session: str | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     ttft = None
     raw = client.chat.completions.with_raw_response.create(
-        model="sim-model", messages=messages, tools=TOOLS, max_tokens=160, stream=True,  # type: ignore[arg-type]
-        extra_headers={"X-Session-ID": session} if session else None)
+        model="sim-model",
+        messages=messages,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=160,
+        stream=True,
+        extra_headers={"X-Session-ID": session} if session else None,
+    )
     content, reasoning = "", ""
     calls: dict[int, dict[str, str]] = {}
     for chunk in cast("openai.Stream[ChatCompletionChunk]", raw.parse()):
@@ -54,8 +74,13 @@ def _stream(client: openai.OpenAI, messages: list[dict[str, Any]], session: str 
             slot["id"] = tc.get("id") or slot["id"]
             slot["name"] += (tc.get("function") or {}).get("name") or ""
             slot["arguments"] += (tc.get("function") or {}).get("arguments") or ""
-    return {"content": content, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)],
-            "ttft_ms": (ttft or 0.0) * 1e3, "headers": dict(raw.headers)}
+    return {
+        "content": content,
+        "reasoning": reasoning,
+        "calls": [calls[i] for i in sorted(calls)],
+        "ttft_ms": (ttft or 0.0) * 1e3,
+        "headers": dict(raw.headers),
+    }
 
 
 def _answer(a: dict[str, Any]) -> tuple[Any, ...]:
@@ -66,41 +91,56 @@ def _next_messages(messages: list[dict[str, Any]], a: dict[str, Any], user: str)
     msg: dict[str, Any] = {"role": "assistant", "content": a["content"], "reasoning": a["reasoning"]}
     if not a["calls"]:
         return [*messages, msg, {"role": "user", "content": user}]
-    msg["tool_calls"] = [{"id": c["id"], "type": "function",
-                          "function": {"name": c["name"], "arguments": c["arguments"]}} for c in a["calls"]]
-    results = [{"role": "tool", "tool_call_id": c["id"], "content": f"{c['name']}: open daily, 12 EUR"}
-               for c in a["calls"]]
+    msg["tool_calls"] = [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in a["calls"]
+    ]
+    results = [
+        {"role": "tool", "tool_call_id": c["id"], "content": f"{c['name']}: open daily, 12 EUR"} for c in a["calls"]
+    ]
     return [*messages, msg, *results]
 
 
 def _conversation(gateway: str, truth: str, turns: int, session: str) -> list[dict[str, Any]]:
     rows = []
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[0]}]
-    with openai.OpenAI(base_url=gateway + "/v1", api_key="demo", max_retries=0) as gw, \
-            openai.OpenAI(base_url=truth + "/v1", api_key="demo", max_retries=0) as colocated:
+    with (
+        openai.OpenAI(base_url=gateway + "/v1", api_key="demo", max_retries=0) as gw,
+        openai.OpenAI(base_url=truth + "/v1", api_key="demo", max_retries=0) as colocated,
+    ):
         for k in range(turns):
             a = _stream(gw, messages, session)
             b = _stream(colocated, messages, None)
             h = a["headers"]
             prompt = int(h.get("x-turnkv-prompt-tokens", 0))
             cached = int(h.get("x-turnkv-prefill-cached-tokens", 0))
-            rows.append({
-                "turn": k + 1, "ttft_ms": a["ttft_ms"], "prompt": prompt, "reused": cached,
-                "computed": prompt - cached, "decision": f"{h.get('x-turnkv-outcome')}/{h.get('x-turnkv-action')}",
-                "reason": h.get("x-turnkv-reason", ""),
-                "correct": _answer(a) == _answer(b),
-            })
+            rows.append(
+                {
+                    "turn": k + 1,
+                    "ttft_ms": a["ttft_ms"],
+                    "prompt": prompt,
+                    "reused": cached,
+                    "computed": prompt - cached,
+                    "decision": f"{h.get('x-turnkv-outcome')}/{h.get('x-turnkv-action')}",
+                    "reason": h.get("x-turnkv-reason", ""),
+                    "correct": _answer(a) == _answer(b),
+                }
+            )
             messages = _next_messages(messages, a, USER_TURNS[(k + 1) % len(USER_TURNS)])
     return rows
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> str:
-    head = f"{'turn':>4}  {'TTFT ms':>8}  {'prompt':>6}  {'reused':>6}  {'computed':>8}  {'decision':<18}  " \
-           f"{'reason':<20}  same as colocated"
+    head = (
+        f"{'turn':>4}  {'TTFT ms':>8}  {'prompt':>6}  {'reused':>6}  {'computed':>8}  {'decision':<18}  "
+        f"{'reason':<20}  same as colocated"
+    )
     lines = [head]
     for r in rows:
-        lines.append(f"{r['turn']:>4}  {r['ttft_ms']:>8.1f}  {r['prompt']:>6}  {r['reused']:>6}  {r['computed']:>8}  "
-                     f"{r['decision']:<18}  {r['reason']:<20}  {'yes' if r['correct'] else 'NO'}")
+        lines.append(
+            f"{r['turn']:>4}  {r['ttft_ms']:>8.1f}  {r['prompt']:>6}  {r['reused']:>6}  {r['computed']:>8}  "
+            f"{r['decision']:<18}  {r['reason']:<20}  {'yes' if r['correct'] else 'NO'}"
+        )
     return "\n".join(lines)
 
 
@@ -110,17 +150,27 @@ def run(turns: int = 5, policy: str = "always-pull", link: str = "rdma400", logs
     with tempfile.TemporaryDirectory(prefix="turnkv-demo-") as tmp:
         log_dir = logs or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        print(f"turnkv demo: simulated vLLM 0.33 engines (link {link}, Qwen3-8B timings), policy {policy}, "
-              f"P prefix cache off (every reused token comes back from D)\n")
-        for template, what in (("keep", "keeps earlier reasoning: D's KV is reused"),
-                               ("strip", "drops earlier reasoning, as Qwen3's does: reuse is refused or trimmed")):
-            flags = ("--template", template, "--vllm-compat", "0.33", "--link", link,
-                     "--enable-prompt-tokens-details")
+        print(
+            f"turnkv demo: simulated vLLM 0.33 engines (link {link}, Qwen3-8B timings), policy {policy}, "
+            f"P prefix cache off (every reused token comes back from D)\n"
+        )
+        for template, what in (
+            ("keep", "keeps earlier reasoning: D's KV is reused"),
+            ("strip", "drops earlier reasoning, as Qwen3's does: reuse is refused or trimmed"),
+        ):
+            flags = ("--template", template, "--vllm-compat", "0.33", "--link", link, "--enable-prompt-tokens-details")
             p = launch.sim(f"prefill-{template}", "prefill", *flags, "--no-prefix-caching", log_dir=log_dir)
             d = launch.sim(f"decode-{template}", "decode", *flags, log_dir=log_dir)
             t = launch.sim(f"colocated-{template}", "colocated", *flags, log_dir=log_dir)
-            g = launch.gateway(f"gateway-{template}", [p.url], [d.url], "--policy", policy, log_dir=log_dir,
-                               env={"TURNKV_DECISION_HEADERS": "full"})  # the table shows token counts
+            g = launch.gateway(
+                f"gateway-{template}",
+                [p.url],
+                [d.url],
+                "--policy",
+                policy,
+                log_dir=log_dir,
+                env={"TURNKV_DECISION_HEADERS": "full"},
+            )  # the table shows token counts
             with launch.running(p, d, t, g):
                 rows = _conversation(g.url, t.url, turns, session=f"demo-{template}")
             print(f'template "{template}": {what}')

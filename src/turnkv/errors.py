@@ -22,7 +22,7 @@
   - StoreBusy                        no connection came free in time: this call fails, but the
                                      store is not down (the guard stays closed)
 
-Foreign exceptions are translated once, at the edge: aiohttp in ``gateway.upstream``, redis in
+Foreign exceptions are translated once, at the edge: aiohttp in ``engine.vllm.http``, redis in
 ``state.redis``.
 """
 
@@ -42,8 +42,7 @@ class GatewayError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
         """Response headers the error needs (Retry-After, WWW-Authenticate, Connection)."""
@@ -170,6 +169,13 @@ class UpstreamStatus(UpstreamError):
         if 400 <= self.upstream_status < 500 and isinstance(self.upstream_body, dict) and "error" in self.upstream_body:
             return self.upstream_body
         return super().body()
+
+
+def retryable(exc: UpstreamError) -> bool:
+    """Whether another instance (or the same one, without a KV handle) may succeed."""
+    if isinstance(exc, UpstreamStatus):
+        return exc.upstream_status >= 500
+    return isinstance(exc, (UpstreamUnavailable, UpstreamTimeout, UpstreamProtocolError))
 
 
 def _message_of(body: Any) -> str | None:

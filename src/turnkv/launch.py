@@ -90,8 +90,9 @@ def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning", *, ed
     drain: Drain | None = getattr(getattr(app, "state", None), "drain", None)
     delay_s = float(getattr(app.state, "shutdown_delay_s", 0.0)) if drain is not None else 0.0
     graceful = delay_s + drain.drain_s + GRACE_S if drain is not None else GRACE_S
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=int(graceful + 1),
-                            lifespan="on", **extra)
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=False, timeout_graceful_shutdown=int(graceful + 1), lifespan="on", **extra
+    )
     server = _DrainingServer(config, drain, delay_s) if drain is not None else uvicorn.Server(config)
     server.run(sockets=[sock])
 
@@ -142,14 +143,24 @@ def _first_line(stream: IO[str], proc: subprocess.Popen[str], timeout_s: float) 
     return ""
 
 
-def spawn(name: str, args: Sequence[str], *, log_dir: Path | None = None, env: dict[str, str] | None = None,
-          timeout_s: float = READY_TIMEOUT_S) -> Running:
+def spawn(
+    name: str,
+    args: Sequence[str],
+    *,
+    log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = READY_TIMEOUT_S,
+) -> Running:
     """Run ``python -m turnkv ARGS --port 0`` and return once it announced its URL."""
     log = (log_dir / f"{name}.log") if log_dir else None
     err: Any = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it open
     proc = subprocess.Popen(
-        [sys.executable, "-m", "turnkv", *args, "--port", "0"], stdout=subprocess.PIPE, stderr=err, text=True,
-        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+        [sys.executable, "-m", "turnkv", *args, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
     )
     if log:
         err.close()
@@ -169,8 +180,14 @@ def sim(name: str, role: str, *extra: str, log_dir: Path | None = None) -> Runni
     return spawn(name, ["sim", "--role", role, *extra], log_dir=log_dir)
 
 
-def gateway(name: str, prefill: Sequence[str], decode: Sequence[str], *extra: str, log_dir: Path | None = None,
-            env: dict[str, str] | None = None) -> Running:
+def gateway(
+    name: str,
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *extra: str,
+    log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Running:
     return spawn(name, ["serve", "--prefill", *prefill, "--decode", *decode, *extra], log_dir=log_dir, env=env)
 
 

@@ -16,8 +16,11 @@ def configure_stdlib(level: str) -> None:
 
 
 def make_logger(name: str = "turnkv", *, json: bool = True) -> Any:
-    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.processors.KeyValueRenderer(
-        key_order=["event"], sort_keys=False)
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.processors.KeyValueRenderer(key_order=["event"], sort_keys=False)
+    )
     return structlog.wrap_logger(
         logging.getLogger(name),
         processors=[

@@ -21,8 +21,7 @@ DOWN = "http://127.0.0.1:9"  # the discard port: nothing listens
 
 @pytest.fixture(params=[4096], ids=["max_body_4k"])
 def client(caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest) -> Iterator[TestClient]:
-    settings = Settings(prefill=[DOWN], decode=[DOWN], models=["m"], max_body_bytes=request.param,
-                        template_audit=False)
+    settings = Settings(prefill=[DOWN], decode=[DOWN], models=["m"], max_body_bytes=request.param, template_audit=False)
     with caplog.at_level(logging.DEBUG), TestClient(create_app(settings), raise_server_exceptions=False) as c:
         yield c
     # no bad input ends in a traceback (or any error) in the log
@@ -82,20 +81,56 @@ def assert_openai_error(r: Any, status: int, param: str | None = "-") -> dict[st
         # an assistant's tool calls, as an engine would fail on them
         (chat(messages=[{"role": "assistant", "tool_calls": "x"}]), "messages.0.tool_calls"),
         (chat(messages=[{"role": "assistant", "tool_calls": [{}]}]), "messages.0.tool_calls.0.id"),
-        (chat(messages=[{"role": "assistant", "tool_calls": [
-            {"id": "c1", "type": "retrieval", "function": {"name": "f", "arguments": "{}"}}]}]),
-         "messages.0.tool_calls.0.type"),
-        (chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]),
-         "messages.0.tool_calls.0.function"),
-        (chat(messages=[{"role": "assistant", "tool_calls": [
-            {"id": 1, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
-         "messages.0.tool_calls.0.id"),
-        (chat(messages=[{"role": "assistant", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": None, "arguments": "{}"}}]}]),
-         "messages.0.tool_calls.0.function.name"),
-        (chat(messages=[{"role": "assistant", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]),
-         "messages.0.tool_calls.0.function.arguments"),
+        (
+            chat(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c1", "type": "retrieval", "function": {"name": "f", "arguments": "{}"}}],
+                    }
+                ]
+            ),
+            "messages.0.tool_calls.0.type",
+        ),
+        (
+            chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]),
+            "messages.0.tool_calls.0.function",
+        ),
+        (
+            chat(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": 1, "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    }
+                ]
+            ),
+            "messages.0.tool_calls.0.id",
+        ),
+        (
+            chat(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": None, "arguments": "{}"}}],
+                    }
+                ]
+            ),
+            "messages.0.tool_calls.0.function.name",
+        ),
+        (
+            chat(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+                        ],
+                    }
+                ]
+            ),
+            "messages.0.tool_calls.0.function.arguments",
+        ),
     ],
 )
 def test_bad_chat_fields(client: TestClient, body: dict[str, Any], param: str) -> None:
@@ -110,7 +145,10 @@ def nested(depth: int) -> bytes:
 @pytest.mark.parametrize(
     "raw",
     [
-        b"{not json", b"[1, 2]", b"", b"\xff\xfe",
+        b"{not json",
+        b"[1, 2]",
+        b"",
+        b"\xff\xfe",
         # lone surrogates: escaped, in a key, and as their (invalid) UTF-8 bytes, which json.loads lets through
         b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
         b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}',
@@ -146,8 +184,11 @@ def test_oversized_body(client: TestClient) -> None:
     big = chat(messages=[{"role": "user", "content": "x" * 5000}])
     assert_openai_error(client.post("/v1/chat/completions", json=big), 413)
     # declared too large, even before a byte of it arrives
-    r = client.post("/v1/chat/completions", content=json.dumps(chat()).encode(),
-                    headers={"content-type": "application/json", "content-length": "999999"})
+    r = client.post(
+        "/v1/chat/completions",
+        content=json.dumps(chat()).encode(),
+        headers={"content-type": "application/json", "content-length": "999999"},
+    )
     assert r.status_code in (400, 413)
 
 

@@ -63,8 +63,9 @@ class Server:
         self.protocol: Any = edge_protocol(limits, base)
         self.big = Big()
         app = Starlette(routes=[Route("/", ok, methods=["GET", "POST"]), Route("/big", self.big.endpoint)])
-        self.uvicorn = uvicorn.Server(uvicorn.Config(app, http=self.protocol, ws="none", lifespan="off",
-                                                     log_level="warning"))
+        self.uvicorn = uvicorn.Server(
+            uvicorn.Config(app, http=self.protocol, ws="none", lifespan="off", log_level="warning")
+        )
         self.sock = launch.bind("127.0.0.1", 0)
         self.sock.listen(512)
         self.port = self.sock.getsockname()[1]
@@ -81,8 +82,16 @@ class Server:
 
 @contextlib.asynccontextmanager
 async def serving(base: type[asyncio.Protocol], **over: Any) -> AsyncIterator[Server]:
-    limits = EdgeLimits(**{"header_timeout_s": 0.3, "max_connections": 1000, "max_per_ip": None,
-                           "retry_after_s": 2, "send_timeout_s": 0.3, **over})
+    limits = EdgeLimits(
+        **{
+            "header_timeout_s": 0.3,
+            "max_connections": 1000,
+            "max_per_ip": None,
+            "retry_after_s": 2,
+            "send_timeout_s": 0.3,
+            **over,
+        }
+    )
     s = Server(limits, base)
     task = asyncio.create_task(s.uvicorn.serve(sockets=[s.sock]))
     await until(lambda: s.uvicorn.started, "the server to start")
@@ -155,8 +164,7 @@ async def test_stalled_and_trickling_clients_are_closed_while_others_are_served(
 
 
 @BASES
-async def test_a_kept_alive_connection_has_the_same_deadline_for_its_next_request(
-        base: type[asyncio.Protocol]) -> None:
+async def test_a_kept_alive_connection_has_the_same_deadline_for_its_next_request(base: type[asyncio.Protocol]) -> None:
     async with serving(base) as s:
         r, w = await s.connect()
         w.write(REQUEST)
@@ -227,11 +235,17 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
 
 
 def test_the_connection_cap_fits_the_open_file_limit() -> None:
-    s = Settings(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
-                 limits={"max_client_connections": 10**7, "raise_fd_limit": False})
+    s = Settings(
+        prefill=["http://127.0.0.1:9"],
+        decode=["http://127.0.0.1:9"],
+        limits={"max_client_connections": 10**7, "raise_fd_limit": False},
+    )
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     cap = edge_limits(s).max_connections
     assert cap < 10**7 and (cap + s.max_connections + FD_RESERVE <= nofile or cap == max(nofile // 4, 1))
-    small = Settings(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
-                     limits={"max_client_connections": 10, "raise_fd_limit": False})
+    small = Settings(
+        prefill=["http://127.0.0.1:9"],
+        decode=["http://127.0.0.1:9"],
+        limits={"max_client_connections": 10, "raise_fd_limit": False},
+    )
     assert edge_limits(small).max_connections == 10

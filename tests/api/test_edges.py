@@ -95,8 +95,11 @@ def test_tenant_header_needs_the_proxy_secret(caplog: pytest.LogCaptureFixture) 
 
 
 def test_cors_is_off_by_default_and_answers_preflights_when_on(caplog: pytest.LogCaptureFixture) -> None:
-    pre = {"origin": "https://app.example", "access-control-request-method": "POST",
-           "access-control-request-headers": "authorization, content-type"}
+    pre = {
+        "origin": "https://app.example",
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type",
+    }
     with gateway(caplog, api_keys=KEYS) as c:
         assert "access-control-allow-origin" not in c.options("/v1/chat/completions", headers=pre).headers
     with gateway(caplog, api_keys=KEYS, cors={"allow_origins": ["https://app.example"]}) as c:
@@ -114,11 +117,21 @@ class Held:
     def __init__(self, app: Any, state: dict[str, Any], body: bytes, headers: dict[str, str]) -> None:
         self.app, self.body = app, body
         self.scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-            "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
-            "root_path": "", "client": ("127.0.0.1", 1234), "server": ("testserver", 80),
-            "headers": [(b"content-type", b"application/json"),
-                        *((k.encode(), v.encode()) for k, v in headers.items())],
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "query_string": b"",
+            "root_path": "",
+            "client": ("127.0.0.1", 1234),
+            "server": ("testserver", 80),
+            "headers": [
+                (b"content-type", b"application/json"),
+                *((k.encode(), v.encode()) for k, v in headers.items()),
+            ],
             "state": state.copy(),
         }
         self.reading = anyio.Event()  # the app asked for the body: it is past the front door

@@ -35,8 +35,10 @@ def body(**over: Any) -> dict[str, Any]:
         (body(input=[{"role": "wizard", "content": "x"}]), "input[0].role"),
         (body(input=[{"role": "user", "content": 7}]), "input[0].content"),
         (body(input=[{"role": "user", "content": [{"type": "input_audio"}]}]), "input[0].content[0].type"),
-        (body(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]),
-         "input[0].content[0].image_url"),
+        (
+            body(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]),
+            "input[0].content[0].image_url",
+        ),
         (body(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), "input[0].call_id"),
         (body(input=[{"type": "function_call_output", "output": "x"}]), "input[0].call_id"),
         (body(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0].type"),
@@ -66,8 +68,9 @@ def test_unknown_model(client: TestClient) -> None:
 
 
 def test_unknown_previous_response(client: TestClient) -> None:
-    err = assert_openai_error(client.post("/v1/responses", json=body(previous_response_id="resp_nope")), 400,
-                              "previous_response_id")
+    err = assert_openai_error(
+        client.post("/v1/responses", json=body(previous_response_id="resp_nope")), 400, "previous_response_id"
+    )
     assert err["code"] == "previous_response_not_found"
 
 

@@ -61,8 +61,17 @@ def test_a_cancelled_run_keeps_the_records_of_finished_requests(procs: list[laun
     # decode slow enough that the run is still going when its first request has finished
     sim = launch.sim("colo", "colocated", "--time-scale", "1", "--decode-itl-ms", "20")
     procs.append(sim)
-    spec = WorkloadSpec(conversations=4, concurrency=4, turns=4, system_tokens=100, user_tokens=10,
-                        answer_tokens=20, think_time_s=0, rate=0, request_timeout_s=60)
+    spec = WorkloadSpec(
+        conversations=4,
+        concurrency=4,
+        turns=4,
+        system_tokens=100,
+        user_tokens=10,
+        answer_tokens=20,
+        think_time_s=0,
+        rate=0,
+        request_timeout_s=60,
+    )
     made: list[Conversation] = []
 
     def conversation(index: int, s: WorkloadSpec) -> Conversation:
@@ -73,8 +82,9 @@ def test_a_cancelled_run_keeps_the_records_of_finished_requests(procs: list[laun
 
     async def main() -> None:
         records.first = asyncio.Event()
-        run = asyncio.create_task(run_load(spec, Target(url=sim.url), show_progress=False,
-                                           conversation=conversation, records=records))
+        run = asyncio.create_task(
+            run_load(spec, Target(url=sim.url), show_progress=False, conversation=conversation, records=records)
+        )
         await asyncio.wait_for(records.first.wait(), 30)
         assert not run.done(), "the run ended before it could be cancelled"
         run.cancel()

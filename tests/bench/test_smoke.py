@@ -23,8 +23,12 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def smoke_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("smoke")
-    proc = subprocess.run([sys.executable, "-m", "turnkv", "bench", "scenarios", "--suite", "smoke", "--out",
-                           str(out), "--no-progress"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "turnkv", "bench", "scenarios", "--suite", "smoke", "--out", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -79,9 +83,27 @@ def test_markdown_and_png(smoke_out: Path) -> None:
 
 
 def test_the_suite_runs_its_gateways_as_workers(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "turnkv", "bench", "scenarios", "--suite", "smoke", "--out",
-                           str(tmp_path), "--no-progress", "--only", "smoke-turnkv", "--gateway-workers", "2"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "turnkv",
+            "bench",
+            "scenarios",
+            "--suite",
+            "smoke",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+            "--only",
+            "smoke-turnkv",
+            "--gateway-workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     configs = {c.name: c for c in RunResult.read(tmp_path / "results.json").configs}
     assert set(configs) == {"smoke-turnkv", "smoke-plain"}  # one deployment, two loads

@@ -28,15 +28,28 @@ from typing import Any
 
 FORMAT = 1
 # keys whose values are protocol constants, compared exactly (at any depth)
-ENUM_KEYS = frozenset({"object", "role", "finish_reason", "type", "param", "code", "owned_by",
-                       "do_remote_prefill", "do_remote_decode", "tp_size"})
+ENUM_KEYS = frozenset(
+    {
+        "object",
+        "role",
+        "finish_reason",
+        "type",
+        "param",
+        "code",
+        "owned_by",
+        "do_remote_prefill",
+        "do_remote_decode",
+        "tp_size",
+    }
+)
 # response headers that are compared (others, e.g. date, server, content-length, are not)
 COMPARED_HEADERS = ("content-type",)
-# metric names turnkv reads from engines (gateway/registry.py), which both sides must expose
+# metric names turnkv reads from engines (engine/vllm/info.py), which both sides must expose
 SCRAPED_METRICS = ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total")
 
 
 # -- running steps --------------------------------------------------------------------------------
+
 
 def dig(obj: Any, path: Iterable[Any]) -> Any:
     for p in path:
@@ -72,8 +85,14 @@ def resolve_body(step: Mapping[str, Any], results: Mapping[str, Mapping[str, Any
     return body
 
 
-def send(base_url: str, method: str, path: str, body: Any = None, headers: Mapping[str, str] | None = None,
-         timeout_s: float = 300.0) -> dict[str, Any]:
+def send(
+    base_url: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: Mapping[str, str] | None = None,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
     """One request; the response as a fixture records it (status, headers, and JSON, SSE or text)."""
     hostport = base_url.removeprefix("http://").rstrip("/")
     if not hostport.startswith(("127.0.0.1:", "localhost:")):
@@ -128,20 +147,23 @@ def sse_payloads(raw: str) -> list[str]:
     return out
 
 
-def run_steps(case: Mapping[str, Any], engines: Mapping[str, str], *, timeout_s: float = 300.0
-              ) -> dict[str, dict[str, Any]]:
+def run_steps(
+    case: Mapping[str, Any], engines: Mapping[str, str], *, timeout_s: float = 300.0
+) -> dict[str, dict[str, Any]]:
     """Replay (or record) a case's steps in order against ``engines`` (role -> base URL)."""
     results: dict[str, dict[str, Any]] = {}
     for step in case["steps"]:
         if step.get("sleep_before_s"):
             time.sleep(min(float(step["sleep_before_s"]), 60.0))
         body = resolve_body(step, results)
-        results[step["name"]] = send(engines[step["engine"]], step.get("method", "POST"), step["path"], body,
-                                     step.get("headers"), timeout_s)
+        results[step["name"]] = send(
+            engines[step["engine"]], step.get("method", "POST"), step["path"], body, step.get("headers"), timeout_s
+        )
     return results
 
 
 # -- shapes ------------------------------------------------------------------------------------------
+
 
 def jtype(v: Any) -> str:
     if v is None:
@@ -202,8 +224,7 @@ def diff(rec: Any, rep: Any, path: str = "$") -> list[str]:
             return []
         if len(sr) == 1 and len(sp) == 1:  # one element shape each: say where they differ
             return diff(rec[0], rep[0], f"{path}[0]")
-        return [f"{path}: element shapes differ: {sorted(sr - sp)} (recorded only) / {sorted(sp - sr)} "
-                f"(replayed only)"]
+        return [f"{path}: element shapes differ: {sorted(sr - sp)} (recorded only) / {sorted(sp - sr)} (replayed only)"]
     return []
 
 
@@ -247,8 +268,9 @@ def event_compactness(rec: Mapping[str, Any]) -> list[bool]:
     return [compact(p) for p in sse_payloads(rec.get("raw", "")) if p != "[DONE]"]
 
 
-def compare_response(rec: Mapping[str, Any], rep: Mapping[str, Any], *,
-                     drop_stream_keys: tuple[str, ...] = ()) -> list[str]:
+def compare_response(
+    rec: Mapping[str, Any], rep: Mapping[str, Any], *, drop_stream_keys: tuple[str, ...] = ()
+) -> list[str]:
     """Differences between a recorded response and a replayed one. ``drop_stream_keys`` are removed
     from recorded stream chunks first (e.g. what a plugin adds that the replayed engine lacks)."""
     out: list[str] = []
@@ -318,12 +340,17 @@ def diff_metrics(rec: str, rep: str) -> list[str]:
     recording, and both expose the names turnkv reads."""
     nr, np_ = metric_names(rec), metric_names(rep)
     out = [f"metric {n} is replayed but not in the recording" for n in sorted(np_ - nr) if n.startswith("vllm:")]
-    out += [f"metric {n} missing on the {side} side" for n in SCRAPED_METRICS
-            for side, names in (("recorded", nr), ("replayed", np_)) if n not in names]
+    out += [
+        f"metric {n} missing on the {side} side"
+        for n in SCRAPED_METRICS
+        for side, names in (("recorded", nr), ("replayed", np_))
+        if n not in names
+    ]
     return out
 
 
 # -- fixture files ------------------------------------------------------------------------------------
+
 
 def load_cases(folder: Path) -> list[dict[str, Any]]:
     cases: list[dict[str, Any]] = []
@@ -341,6 +368,7 @@ def load_cases(folder: Path) -> list[dict[str, Any]]:
 def write_case(folder: Path, case: Mapping[str, Any]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{case['case']}.json"
-    path.write_text(json.dumps({k: v for k, v in case.items() if not k.startswith("_")}, indent=1,
-                               ensure_ascii=False) + "\n")
+    path.write_text(
+        json.dumps({k: v for k, v in case.items() if not k.startswith("_")}, indent=1, ensure_ascii=False) + "\n"
+    )
     return path

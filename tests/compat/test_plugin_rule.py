@@ -21,8 +21,14 @@ from tests.compat import protocol
 from turnkv import launch
 
 PLUGIN_SRC = Path(__file__).resolve().parents[2] / "plugins" / "vllm-turnkv" / "src"
-P_ONLY = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-          "remote_block_ids": None, "remote_host": None, "remote_port": None}
+P_ONLY = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 MESSAGES = [{"role": "user", "content": "Tell me about the files of this project"}]
 
 
@@ -47,24 +53,32 @@ def engines_033(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     p.stop()
 
 
-@pytest.mark.parametrize(("path", "extra"), [
-    ("/v1/chat/completions", {}),
-    ("/v1/chat/completions", {"return_token_ids": True, "stream_options": {"include_usage": True}}),
-    ("/v1/completions", {"return_token_ids": True, "stream_options": {"include_usage": True}}),
-])
-def test_plugin_rewrite_reproduces_033_chunks(rewrite: ModuleType, engines_033: tuple[str, str], path: str,
-                                              extra: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        ("/v1/chat/completions", {}),
+        ("/v1/chat/completions", {"return_token_ids": True, "stream_options": {"include_usage": True}}),
+        ("/v1/completions", {"return_token_ids": True, "stream_options": {"include_usage": True}}),
+    ],
+)
+def test_plugin_rewrite_reproduces_033_chunks(
+    rewrite: ModuleType, engines_033: tuple[str, str], path: str, extra: dict[str, Any]
+) -> None:
     p, d = engines_033
     base: dict[str, Any] = {"model": "sim-model", "max_tokens": 6, "ignore_eos": True}
     base |= {"messages": MESSAGES} if path.endswith("chat/completions") else {"prompt": "Tell me about the files"}
     pre = protocol.send(p, "POST", path, {**base, "max_tokens": 1, "kv_transfer_params": P_ONLY})
     assert pre["status"] == 200
-    got = protocol.send(d, "POST", path, {**base, **extra, "stream": True,
-                                          "kv_transfer_params": pre["json"]["kv_transfer_params"]})
+    got = protocol.send(
+        d, "POST", path, {**base, **extra, "stream": True, "kv_transfer_params": pre["json"]["kv_transfer_params"]}
+    )
     kind = "chat" if path.endswith("chat/completions") else "completion"
     payloads = [x for x in protocol.sse_payloads(got["raw"]) if x.startswith("{")]
-    handles = [json.loads(x)["kv_transfer_params"] for x in payloads
-               if isinstance(json.loads(x).get("kv_transfer_params"), dict)]
+    handles = [
+        json.loads(x)["kv_transfer_params"]
+        for x in payloads
+        if isinstance(json.loads(x).get("kv_transfer_params"), dict)
+    ]
     assert len(handles) == 1
     for x in payloads:
         bare = {k: v for k, v in json.loads(x).items() if k != "kv_transfer_params"}

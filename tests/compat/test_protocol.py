@@ -25,8 +25,13 @@ def rec_sse(events: list[Any]) -> dict[str, Any]:
     return protocol.record_response(200, {"content-type": "text/event-stream; charset=utf-8"}, raw)
 
 
-BODY = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "choices": [{"index": 0, "token_ids": [1, 2]}],
-        "kv_transfer_params": {"remote_block_ids": [[1, 2]], "remote_blocks_expiry_time": 12.5, "tp_size": 1}}
+BODY: dict[str, Any] = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 1,
+    "choices": [{"index": 0, "token_ids": [1, 2]}],
+    "kv_transfer_params": {"remote_block_ids": [[1, 2]], "remote_blocks_expiry_time": 12.5, "tp_size": 1},
+}
 
 
 def test_values_that_vary_are_ignored() -> None:
@@ -38,14 +43,17 @@ def test_values_that_vary_are_ignored() -> None:
     assert protocol.compare_response(rec_json(BODY), rec_json(other)) == []
 
 
-@pytest.mark.parametrize(("mutate", "expect"), [
-    (lambda b: b.pop("created"), "keys missing ['created']"),
-    (lambda b: b.update(extra=None), "extra ['extra']"),
-    (lambda b: b["kv_transfer_params"].update(remote_blocks_expiry_time=None), "type float (recorded) != null"),
-    (lambda b: b["kv_transfer_params"].update(remote_blocks_expiry_time=12), "type float (recorded) != int"),
-    (lambda b: b.update(object="chat.completion.chunk"), "'chat.completion' (recorded) != 'chat.completion.chunk'"),
-    (lambda b: b["choices"][0].update(token_ids=["a"]), "$.choices[0].token_ids"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "expect"),
+    [
+        (lambda b: b.pop("created"), "keys missing ['created']"),
+        (lambda b: b.update(extra=None), "extra ['extra']"),
+        (lambda b: b["kv_transfer_params"].update(remote_blocks_expiry_time=None), "type float (recorded) != null"),
+        (lambda b: b["kv_transfer_params"].update(remote_blocks_expiry_time=12), "type float (recorded) != int"),
+        (lambda b: b.update(object="chat.completion.chunk"), "'chat.completion' (recorded) != 'chat.completion.chunk'"),
+        (lambda b: b["choices"][0].update(token_ids=["a"]), "$.choices[0].token_ids"),
+    ],
+)
 def test_shape_differences_are_reported(mutate: Any, expect: str) -> None:
     other = copy.deepcopy(BODY)
     mutate(other)
@@ -85,16 +93,27 @@ def test_streams_compare_collapsed_chunk_kinds() -> None:
 def test_sse_framing() -> None:
     good = rec_sse([ROLE, FINISH, "[DONE]"])
     assert protocol.sse_framing(good["raw"]) == []
-    bad = protocol.record_response(200, {"content-type": "text/event-stream"},
-                                   good["raw"].replace("data: [DONE]\n\n", "event: end\ndata: [DONE]\n\n"))
+    bad = protocol.record_response(
+        200,
+        {"content-type": "text/event-stream"},
+        good["raw"].replace("data: [DONE]\n\n", "event: end\ndata: [DONE]\n\n"),
+    )
     assert any("SSE framing" in p for p in protocol.compare_response(good, bad))
 
 
 def test_bindings_and_edits() -> None:
     results = {"d": {"json": {"kv_transfer_params": {"remote_blocks_expiry_time": 100.0, "remote_engine_id": "e"}}}}
-    step = {"body": {"kv_transfer_params": None}, "bind": [
-        {"to": ["kv_transfer_params"], "from": "d", "take": ["json", "kv_transfer_params"],
-         "edit": {"shift": {"remote_blocks_expiry_time": -3600.0}, "set": {"remote_engine_id": "x"}}}]}
+    step = {
+        "body": {"kv_transfer_params": None},
+        "bind": [
+            {
+                "to": ["kv_transfer_params"],
+                "from": "d",
+                "take": ["json", "kv_transfer_params"],
+                "edit": {"shift": {"remote_blocks_expiry_time": -3600.0}, "set": {"remote_engine_id": "x"}},
+            }
+        ],
+    }
     body = protocol.resolve_body(step, results)
     assert body == {"kv_transfer_params": {"remote_blocks_expiry_time": -3500.0, "remote_engine_id": "x"}}
     assert results["d"]["json"]["kv_transfer_params"]["remote_engine_id"] == "e"  # the source is not changed

@@ -39,8 +39,10 @@ def _params() -> list[Any]:
     for label, root in SOURCES.items():
         versions = _versions(root)
         if not versions:
-            why = (f"no fixtures recorded under {root.relative_to(ROOT)} yet (gpu/record_fixtures.py on the GPU "
-                   "host; gpu/run_session.md)")
+            why = (
+                f"no fixtures recorded under {root.relative_to(ROOT)} yet (gpu/record_fixtures.py on the GPU "
+                "host; gpu/run_session.md)"
+            )
             out.append(pytest.param(label, None, None, id=f"{label}-none", marks=pytest.mark.skip(reason=why)))
             continue
         for v in versions:
@@ -79,8 +81,13 @@ def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, .
         pair.stop()
 
 
-def _pair(sims: dict[tuple[str, ...], SimPair], case: dict[str, Any], label: str, version: str,
-          tmp_path_factory: pytest.TempPathFactory) -> SimPair:
+def _pair(
+    sims: dict[tuple[str, ...], SimPair],
+    case: dict[str, Any],
+    label: str,
+    version: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> SimPair:
     flags = tuple(case["source"]["sim_flags"])
     key = (label, version, *flags)
     if key not in sims:
@@ -89,9 +96,13 @@ def _pair(sims: dict[tuple[str, ...], SimPair], case: dict[str, Any], label: str
 
 
 @pytest.mark.parametrize(("label", "version", "case"), _params())
-def test_simulator_matches_recording(label: str, version: str, case: dict[str, Any],
-                                     sims: dict[tuple[str, ...], SimPair],
-                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_simulator_matches_recording(
+    label: str,
+    version: str,
+    case: dict[str, Any],
+    sims: dict[tuple[str, ...], SimPair],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     replay = case.get("replay") or {}
     pair = _pair(sims, case, label, version, tmp_path_factory)
     results = protocol.run_steps(case, pair.urls(replay), timeout_s=60)
@@ -105,10 +116,20 @@ def test_simulator_matches_recording(label: str, version: str, case: dict[str, A
 
 
 def _plugin_cases() -> list[Any]:
-    out = [pytest.param(v.name, c, id=f"{v.name}-{c['case']}") for v in _versions(SOURCES["vllm"])
-           for c in protocol.load_cases(v) if c["case"].startswith("plugin_")]
-    return out or [pytest.param(None, None, id="none", marks=pytest.mark.skip(
-        reason="no plugin fixtures recorded yet (gpu/record_fixtures.py on the GPU host)"))]
+    out = [
+        pytest.param(v.name, c, id=f"{v.name}-{c['case']}")
+        for v in _versions(SOURCES["vllm"])
+        for c in protocol.load_cases(v)
+        if c["case"].startswith("plugin_")
+    ]
+    return out or [
+        pytest.param(
+            None,
+            None,
+            id="none",
+            marks=pytest.mark.skip(reason="no plugin fixtures recorded yet (gpu/record_fixtures.py on the GPU host)"),
+        )
+    ]
 
 
 @pytest.mark.parametrize(("version", "case"), _plugin_cases())
@@ -126,9 +147,13 @@ def test_recorded_plugin_streams_follow_the_plugin_rule(version: str, case: dict
         return
     kind = "completion" if case["steps"][-1]["path"] == "/v1/completions" else "chat"
     payloads = protocol.sse_payloads(resp["raw"])
-    final = [json.loads(p)["kv_transfer_params"] for p in payloads
-             if p.startswith("{") and "kv_transfer_params" in json.loads(p)
-             and isinstance(json.loads(p)["kv_transfer_params"], dict)]
+    final = [
+        json.loads(p)["kv_transfer_params"]
+        for p in payloads
+        if p.startswith("{")
+        and "kv_transfer_params" in json.loads(p)
+        and isinstance(json.loads(p)["kv_transfer_params"], dict)
+    ]
     assert len(final) == 1, "exactly one chunk carries D's handle"
     for p in payloads:
         if not p.startswith("{"):

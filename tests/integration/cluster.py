@@ -13,9 +13,16 @@ import openai
 
 from turnkv import launch
 
-TOOLS = [{"type": "function", "function": {
-    "name": "lookup", "description": "Look something up",
-    "parameters": {"type": "object", "properties": {"topic": {"type": "string"}, "limit": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look something up",
+            "parameters": {"type": "object", "properties": {"topic": {"type": "string"}, "limit": {"type": "integer"}}},
+        },
+    }
+]
 
 
 @dataclass
@@ -49,10 +56,20 @@ class Cluster:
 
 
 def start_cluster(
-    procs: list[launch.Running], log_dir: Path, *, template: str = "keep", compat: str = "0.26",
-    policy: str = "always-pull", n_prefill: int = 1, n_decode: int = 1, redis_url: str | None = None,
-    sim_flags: tuple[str, ...] = (), prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
-    gateway_env: dict[str, str] | None = None, gateway_args: tuple[str, ...] = (),
+    procs: list[launch.Running],
+    log_dir: Path,
+    *,
+    template: str = "keep",
+    compat: str = "0.26",
+    policy: str = "always-pull",
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    redis_url: str | None = None,
+    sim_flags: tuple[str, ...] = (),
+    prefill_flags: tuple[str, ...] = (),
+    decode_flags: tuple[str, ...] = (),
+    gateway_env: dict[str, str] | None = None,
+    gateway_args: tuple[str, ...] = (),
 ) -> Cluster:
     common = ("--time-scale", "0", "--template", template, "--vllm-compat", compat, *sim_flags)
     ps = [launch.sim(f"prefill{i}", "prefill", *common, *prefill_flags, log_dir=log_dir) for i in range(n_prefill)]
@@ -62,16 +79,21 @@ def start_cluster(
     truth = launch.sim("truth", "colocated", *common, log_dir=log_dir)
     procs.append(truth)
     extra = ["--policy", policy, *(["--redis-url", redis_url] if redis_url else []), *gateway_args]
-    env = {"TURNKV_HEALTH_INTERVAL_S": "0.2", "TURNKV_SCRAPE_INTERVAL_S": "0.2", "TURNKV_DECISION_HEADERS": "full",
-           **(gateway_env or {})}
+    env = {
+        "TURNKV_HEALTH_INTERVAL_S": "0.2",
+        "TURNKV_SCRAPE_INTERVAL_S": "0.2",
+        "TURNKV_DECISION_HEADERS": "full",
+        **(gateway_env or {}),
+    }
     gw = launch.gateway("gateway", [p.url for p in ps], [d.url for d in ds], *extra, log_dir=log_dir, env=env)
     procs.append(gw)
     return Cluster(ps, ds, truth, gw, log_dir)
 
 
 def sim_control(url: str, **faults: Any) -> dict[str, Any]:
-    req = urllib.request.Request(url + "/_sim/faults", data=json.dumps(faults).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        url + "/_sim/faults", data=json.dumps(faults).encode(), headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         out: dict[str, Any] = json.loads(r.read())
         return out
@@ -128,13 +150,21 @@ class Turn:
 
 def _message(m: Any) -> dict[str, Any]:
     d = m.model_dump() if hasattr(m, "model_dump") else dict(m)
-    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-             for c in d.get("tool_calls") or []]
+    calls = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in d.get("tool_calls") or []
+    ]
     return {"content": d.get("content") or "", "reasoning": d.get("reasoning") or "", "tool_calls": calls}
 
 
-def ask(client: openai.OpenAI, messages: list[dict[str, Any]], *, stream: bool, session: str | None,
-        tools: bool = False, max_tokens: int = 120) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
+def ask(
+    client: openai.OpenAI,
+    messages: list[dict[str, Any]],
+    *,
+    stream: bool,
+    session: str | None,
+    tools: bool = False,
+    max_tokens: int = 120,
+) -> tuple[dict[str, Any], dict[str, str], list[Any]]:
     """One request; returns the answer, the response headers and the raw ids of tool calls."""
     kwargs: dict[str, Any] = {"model": "sim-model", "messages": messages, "max_tokens": max_tokens}
     if tools:
@@ -146,7 +176,8 @@ def ask(client: openai.OpenAI, messages: list[dict[str, Any]], *, stream: bool, 
         m = raw.parse().choices[0].message
         return _message(m), dict(raw.headers), [c.id for c in (m.tool_calls or [])]
     raw = client.chat.completions.with_raw_response.create(stream=True, **kwargs)
-    content, reasoning, calls = "", "", {}
+    content, reasoning = "", ""
+    calls: dict[int, dict[str, Any]] = {}
     for chunk in raw.parse():
         if not chunk.choices:
             continue
@@ -159,8 +190,11 @@ def ask(client: openai.OpenAI, messages: list[dict[str, Any]], *, stream: bool, 
             fn = tc.get("function") or {}
             slot["name"] += fn.get("name") or ""
             slot["arguments"] += fn.get("arguments") or ""
-    answer = {"content": content, "reasoning": reasoning,
-              "tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for _, c in sorted(calls.items())]}
+    answer = {
+        "content": content,
+        "reasoning": reasoning,
+        "tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for _, c in sorted(calls.items())],
+    }
     return answer, dict(raw.headers), [c["id"] for _, c in sorted(calls.items())]
 
 
@@ -169,14 +203,24 @@ class Dialogue:
     client received it; tool calls get a tool result, other answers a new user message. Each answer is
     also computed by the colocated engine from the same history: the ground truth."""
 
-    def __init__(self, cluster: Cluster, *, session: str | None = "conv-1", api_key: str = "key-a",
-                 stream: bool = False, tools: bool = False, system: str = "You are a helpful agent.",
-                 max_tokens: int = 120) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        session: str | None = "conv-1",
+        api_key: str = "key-a",
+        stream: bool = False,
+        tools: bool = False,
+        system: str = "You are a helpful agent.",
+        max_tokens: int = 120,
+    ) -> None:
         self.client = cluster.client(api_key)
         self.truth = cluster.truth_client()
         self.session, self.stream, self.tools, self.max_tokens = session, stream, tools, max_tokens
-        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system},
-                                               {"role": "user", "content": "Plan a short trip."}]
+        self.messages: list[dict[str, Any]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Plan a short trip."},
+        ]
 
     def __enter__(self) -> Dialogue:
         return self
@@ -187,12 +231,24 @@ class Dialogue:
 
     def step(self, *, session: str | None = None, client: openai.OpenAI | None = None, truth: bool = True) -> Turn:
         """One turn; with truth=False the ground truth is not asked, so the next turn can follow at once."""
-        answer, headers, ids = ask(client or self.client, self.messages, stream=self.stream,
-                                   session=session or self.session, tools=self.tools, max_tokens=self.max_tokens)
+        answer, headers, ids = ask(
+            client or self.client,
+            self.messages,
+            stream=self.stream,
+            session=session or self.session,
+            tools=self.tools,
+            max_tokens=self.max_tokens,
+        )
         expected: dict[str, Any] = {}
         if truth:
-            expected, _, _ = ask(self.truth, self.messages, stream=self.stream, session=None, tools=self.tools,
-                                 max_tokens=self.max_tokens)
+            expected, _, _ = ask(
+                self.truth,
+                self.messages,
+                stream=self.stream,
+                session=None,
+                tools=self.tools,
+                max_tokens=self.max_tokens,
+            )
         self.advance(answer, ids)
         return Turn(answer, headers, expected)
 
@@ -200,15 +256,23 @@ class Dialogue:
         k = len(self.messages)
         msg: dict[str, Any] = {"role": "assistant", "content": answer["content"], "reasoning": answer["reasoning"]}
         if answer["tool_calls"]:
-            msg["tool_calls"] = [{"id": i, "type": "function", "function": c}
-                                 for i, c in zip(ids, answer["tool_calls"], strict=True)]
+            msg["tool_calls"] = [
+                {"id": i, "type": "function", "function": c} for i, c in zip(ids, answer["tool_calls"], strict=True)
+            ]
             tool_msgs = [{"role": "tool", "tool_call_id": i, "content": f"result {k}"} for i in ids]
             self.messages = [*self.messages, msg, *tool_msgs]
         else:
             self.messages = [*self.messages, msg, {"role": "user", "content": f"Thanks. Now step {k}, please."}]
 
 
-def converse(cluster: Cluster, turns: int, *, session: str | None = "conv-1", stream: bool = False,
-             tools: bool = False, api_key: str = "key-a") -> list[Turn]:
+def converse(
+    cluster: Cluster,
+    turns: int,
+    *,
+    session: str | None = "conv-1",
+    stream: bool = False,
+    tools: bool = False,
+    api_key: str = "key-a",
+) -> list[Turn]:
     with Dialogue(cluster, session=session, api_key=api_key, stream=stream, tools=tools) as d:
         return [d.step() for _ in range(turns)]

@@ -31,8 +31,9 @@ class LatencyProxy:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        await asyncio.gather(self._pump(reader, up_writer, self.delay_s), self._pump(up_reader, writer, 0.0),
-                             return_exceptions=True)
+        await asyncio.gather(
+            self._pump(reader, up_writer, self.delay_s), self._pump(up_reader, writer, 0.0), return_exceptions=True
+        )
 
     @staticmethod
     async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay_s: float) -> None:

@@ -56,8 +56,9 @@ class Server:
 
     def start(self) -> None:
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([_binary("redis-server"), *self.args], stdout=out,
-                                         stderr=subprocess.STDOUT, cwd=self.workdir)
+            self.proc = subprocess.Popen(
+                [_binary("redis-server"), *self.args], stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir
+            )
         wait_until(lambda: self._died() or self._answers(), f"redis-server on port {self.port} ready")
 
     def _answers(self) -> bool:
@@ -109,16 +110,45 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
     cli = _binary("redis-cli")
     ports = [free_port() for _ in range(masters)]
     # the bus port is named: the default (port + 10000) may be taken or past 65535
-    servers = [Server([*_base_args(p, workdir), "--cluster-enabled", "yes", "--cluster-config-file",
-                       f"nodes-{p}.conf", "--cluster-node-timeout", "5000", "--cluster-port", str(free_port())],
-                      workdir, p) for p in ports]
+    servers = [
+        Server(
+            [
+                *_base_args(p, workdir),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{p}.conf",
+                "--cluster-node-timeout",
+                "5000",
+                "--cluster-port",
+                str(free_port()),
+            ],
+            workdir,
+            p,
+        )
+        for p in ports
+    ]
     with running(servers):
-        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0",
-                        "--cluster-yes"], check=True, capture_output=True, timeout=READY_TIMEOUT_S)
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in ports),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=READY_TIMEOUT_S,
+        )
         for s in servers:
             c = s.client()
-            wait_until(lambda c=c: c.cluster("INFO").get("cluster_state") == "ok",  # type: ignore[misc]
-                       f"cluster_state:ok on {s.port}")
+            wait_until(
+                lambda c=c: c.cluster("INFO").get("cluster_state") == "ok",  # type: ignore[misc]
+                f"cluster_state:ok on {s.port}",
+            )
             c.close()
         yield "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
 
@@ -171,10 +201,12 @@ def redis_sentinel(workdir: Path) -> Iterator[SentinelSetup]:
     master = Server(_base_args(mp, workdir), workdir, mp)
     replica = Server([*_base_args(rp, workdir), "--replicaof", "127.0.0.1", str(mp)], workdir, rp)
     conf = workdir / f"sentinel-{sp}.conf"  # Sentinel rewrites its own file
-    conf.write_text(f"port {sp}\nbind 127.0.0.1\ndir {workdir}\n"
-                    f"sentinel monitor turnkv-test 127.0.0.1 {mp} 1\n"
-                    "sentinel down-after-milliseconds turnkv-test 5000\n"
-                    "sentinel failover-timeout turnkv-test 10000\n")
+    conf.write_text(
+        f"port {sp}\nbind 127.0.0.1\ndir {workdir}\n"
+        f"sentinel monitor turnkv-test 127.0.0.1 {mp} 1\n"
+        "sentinel down-after-milliseconds turnkv-test 5000\n"
+        "sentinel failover-timeout turnkv-test 10000\n"
+    )
     sentinel = Server([str(conf), "--sentinel"], workdir, sp)
     setup = SentinelSetup(master, replica, sentinel)
     with running([master, replica, sentinel]):
@@ -209,10 +241,29 @@ def make_certificates(workdir: Path) -> Certificates:
     (workdir / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
         run("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=turnkv {name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.crt", "-days", "2", *ext)
-    return Certificates(workdir / "ca.crt", workdir / "server.crt", workdir / "server.key", workdir / "client.crt",
-                        workdir / "client.key")
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "2",
+            *ext,
+        )
+    return Certificates(
+        workdir / "ca.crt",
+        workdir / "server.crt",
+        workdir / "server.key",
+        workdir / "client.crt",
+        workdir / "client.key",
+    )
 
 
 def redis_has_tls() -> bool:
@@ -221,8 +272,12 @@ def redis_has_tls() -> bool:
     exe = shutil.which("redis-server")
     if exe is None:
         return False
-    out = subprocess.run([exe, "--port", "0", "--tls-port", "1", "--tls-cert-file", "/nonexistent",
-                          "--tls-key-file", "/nonexistent"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [exe, "--port", "0", "--tls-port", "1", "--tls-cert-file", "/nonexistent", "--tls-key-file", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return "Failed to configure TLS" in out.stdout + out.stderr
 
 
@@ -231,10 +286,32 @@ def redis_tls(workdir: Path) -> Iterator[tuple[int, Certificates]]:
     """A redis-server that speaks TLS only and wants a client certificate signed by the test CA."""
     certs = make_certificates(workdir)
     port = free_port()
-    server = Server(["--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                     "no", "--dir", str(workdir), "--tls-cert-file", str(certs.server_cert), "--tls-key-file",
-                     str(certs.server_key), "--tls-ca-cert-file", str(certs.ca), "--tls-auth-clients", "yes"],
-                    workdir, port)
+    server = Server(
+        [
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--tls-cert-file",
+            str(certs.server_cert),
+            "--tls-key-file",
+            str(certs.server_key),
+            "--tls-ca-cert-file",
+            str(certs.ca),
+            "--tls-auth-clients",
+            "yes",
+        ],
+        workdir,
+        port,
+    )
     with running([server]):
         yield port, certs
 
@@ -266,8 +343,11 @@ class GatedRelay:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        await asyncio.gather(self._pump(reader, up_writer, gated=True), self._pump(up_reader, writer, gated=False),
-                             return_exceptions=True)
+        await asyncio.gather(
+            self._pump(reader, up_writer, gated=True),
+            self._pump(up_reader, writer, gated=False),
+            return_exceptions=True,
+        )
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, gated: bool) -> None:
         counted = False

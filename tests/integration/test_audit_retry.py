@@ -60,8 +60,12 @@ class LateEngine:
             self.models_asked += 1
         status, data = 503, json.dumps({"error": {"message": "loading"}}).encode()
         if self.target is not None:
-            req = urllib.request.Request(self.target + h.path, data=body if h.command == "POST" else None,
-                                         method=h.command, headers={"content-type": "application/json"})
+            req = urllib.request.Request(
+                self.target + h.path,
+                data=body if h.command == "POST" else None,
+                method=h.command,
+                headers={"content-type": "application/json"},
+            )
             try:
                 with urllib.request.urlopen(req, timeout=30) as r:
                     status, data = r.status, r.read()
@@ -87,9 +91,9 @@ def late() -> Iterator[tuple[LateEngine, LateEngine]]:
         e.close()
 
 
-def test_the_audit_outlasts_engines_that_start_late(procs: list[launch.Running], tmp_path: Path,
-                                                     late: tuple[LateEngine, LateEngine],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_audit_outlasts_engines_that_start_late(
+    procs: list[launch.Running], tmp_path: Path, late: tuple[LateEngine, LateEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # short waits between attempts, so that many attempts fit in a test; the loop is the gateway's own
     monkeypatch.setattr(gateway_app, "AUDIT_FIRST_WAIT_S", 0.01)
     monkeypatch.setattr(gateway_app, "AUDIT_MAX_WAIT_S", 0.05)
@@ -98,10 +102,16 @@ def test_the_audit_outlasts_engines_that_start_late(procs: list[launch.Running],
     p, d = late
     settings = Settings(prefill=[p.url], decode=[d.url], health_interval_s=0.2)
     with TestClient(gateway_app.create_app(settings)) as client:
-        wait_for(lambda: p.models_asked > OLD_LIMIT, timeout_s=60,
-                 what=f"more than {OLD_LIMIT} audit attempts while the engines are starting")
+        wait_for(
+            lambda: p.models_asked > OLD_LIMIT,
+            timeout_s=60,
+            what=f"more than {OLD_LIMIT} audit attempts while the engines are starting",
+        )
         assert client.get("/ready").json()["template"]["class"] == "unknown"
         p.up(engine.url)
         d.up(engine.url)
-        wait_for(lambda: client.get("/ready").json()["template"]["class"] == "preserves", timeout_s=60,
-                 what="the audit once the engine is up")
+        wait_for(
+            lambda: client.get("/ready").json()["template"]["class"] == "preserves",
+            timeout_s=60,
+            what="the audit once the engine is up",
+        )

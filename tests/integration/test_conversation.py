@@ -16,8 +16,9 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize(("compat", "stream"), [("0.26", False), ("0.33", True), ("0.33", False)])
-def test_keep_template_reuses_every_later_turn(procs: list[launch.Running], tmp_path: Path, redis_url: str,
-                                               compat: str, stream: bool) -> None:
+def test_keep_template_reuses_every_later_turn(
+    procs: list[launch.Running], tmp_path: Path, redis_url: str, compat: str, stream: bool
+) -> None:
     c = start_cluster(procs, tmp_path, compat=compat, redis_url=redis_url)
     turns = converse(c, 5, stream=stream, tools=True)
     assert all(t.correct for t in turns)
@@ -32,20 +33,36 @@ def test_keep_template_reuses_every_later_turn(procs: list[launch.Running], tmp_
 
 
 def test_a_turn_sent_the_moment_the_last_stream_ends_finds_its_record(
-        procs: list[launch.Running], tmp_path: Path, redis_server: RedisServer, redis_url: str) -> None:
+    procs: list[launch.Running], tmp_path: Path, redis_server: RedisServer, redis_url: str
+) -> None:
     # An agent sends its next turn as soon as it reads [DONE], possibly to another gateway replica: the
     # record must be stored by then, or that turn meets the previous turn's claim (in_flight) and
     # recomputes everything. Replica A reaches Redis over a slow path, so a record stored after [DONE]
     # would arrive late.
     with LatencyProxy(redis_server.port, delay_s=0.1) as slow:
         # a Redis timeout well above the path's delay: the store must answer, late
-        c = start_cluster(procs, tmp_path, compat="0.33", redis_url=f"redis://127.0.0.1:{slow.port}/0",
-                          gateway_env={"TURNKV_TIMEOUTS__REDIS_S": "2"})
-        b = launch.gateway("gateway-b", [p.url for p in c.prefill], [d.url for d in c.decode],
-                           "--policy", "always-pull", "--redis-url", redis_url, log_dir=tmp_path)
+        c = start_cluster(
+            procs,
+            tmp_path,
+            compat="0.33",
+            redis_url=f"redis://127.0.0.1:{slow.port}/0",
+            gateway_env={"TURNKV_TIMEOUTS__REDIS_S": "2"},
+        )
+        b = launch.gateway(
+            "gateway-b",
+            [p.url for p in c.prefill],
+            [d.url for d in c.decode],
+            "--policy",
+            "always-pull",
+            "--redis-url",
+            redis_url,
+            log_dir=tmp_path,
+        )
         procs.append(b)
-        with Dialogue(c, stream=True) as d, \
-                openai.OpenAI(base_url=b.url + "/v1", api_key="key-a", max_retries=0, timeout=60) as to_b:
+        with (
+            Dialogue(c, stream=True) as d,
+            openai.OpenAI(base_url=b.url + "/v1", api_key="key-a", max_retries=0, timeout=60) as to_b,
+        ):
             turns = [d.step(truth=False, client=to_b if i % 2 else None) for i in range(6)]
     assert [t.reason for t in turns[1:]] == ["full_match"] * 5
     assert [t.outcome for t in turns[1:]] == ["full"] * 5
@@ -61,8 +78,9 @@ def test_streaming_on_026_has_no_handle_and_says_so(procs: list[launch.Running],
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_strip_template_refuses_or_trims_and_stays_correct(procs: list[launch.Running], tmp_path: Path,
-                                                            redis_url: str, stream: bool) -> None:
+def test_strip_template_refuses_or_trims_and_stays_correct(
+    procs: list[launch.Running], tmp_path: Path, redis_url: str, stream: bool
+) -> None:
     c = start_cluster(procs, tmp_path, template="strip", compat="0.33", redis_url=redis_url)
     turns = converse(c, 5, stream=stream)
     assert all(t.correct for t in turns)
@@ -104,6 +122,9 @@ def test_completions_pass_through(procs: list[launch.Running], tmp_path: Path, p
         kwargs = {"model": "sim-model", "prompt": prompt, "max_tokens": 20}
         expected = truth.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
         assert gw.completions.create(**kwargs).choices[0].text == expected  # type: ignore[call-overload]
-        streamed = "".join(ch.choices[0].text for ch in gw.completions.create(stream=True, **kwargs)  # type: ignore[call-overload]
-                           if ch.choices)
+        streamed = "".join(
+            ch.choices[0].text
+            for ch in gw.completions.create(stream=True, **kwargs)  # type: ignore[call-overload]
+            if ch.choices
+        )
         assert streamed == expected

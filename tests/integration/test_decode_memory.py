@@ -23,8 +23,10 @@ pytestmark = pytest.mark.integration
 BLOCK = 16
 DECODE_BLOCKS = 400  # 6,400 tokens of KV: less than the pins of the conversations below would take
 BUDGET_SHARE = 0.5
-FAST_JANITOR = {"TURNKV_DECODE_MEMORY__JANITOR_INTERVAL_S": "0.2", "TURNKV_DECODE_MEMORY__PIN_BUDGET_SHARE":
-                str(BUDGET_SHARE)}
+FAST_JANITOR = {
+    "TURNKV_DECODE_MEMORY__JANITOR_INTERVAL_S": "0.2",
+    "TURNKV_DECODE_MEMORY__PIN_BUDGET_SHARE": str(BUDGET_SHARE),
+}
 
 
 class PinSampler:
@@ -59,11 +61,13 @@ def _run_many(c: Cluster, n: int, turns: int) -> list[list[Turn]]:
 
 
 def test_many_conversations_on_a_decode_engine_too_small_to_pin_them_all(
-        procs: list[launch.Running], tmp_path: Path) -> None:
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
     # 16 conversations pinning ~20 blocks each at their last turn would take 320 of D's 400 blocks; the
     # budget is 200. Without it the pins alone would leave running turns waiting for blocks.
-    c = start_cluster(procs, tmp_path, compat="0.33", decode_flags=("--num-gpu-blocks", str(DECODE_BLOCKS)),
-                      gateway_env=FAST_JANITOR)
+    c = start_cluster(
+        procs, tmp_path, compat="0.33", decode_flags=("--num-gpu-blocks", str(DECODE_BLOCKS)), gateway_env=FAST_JANITOR
+    )
     budget = int(DECODE_BLOCKS * BLOCK * BUDGET_SHARE)
     with PinSampler(c.decode[0].url) as pins:
         results = _run_many(c, 16, 5)
@@ -74,10 +78,16 @@ def test_many_conversations_on_a_decode_engine_too_small_to_pin_them_all(
     assert metric(c.gateway.url, "turnkv_handle_releases_total", why="budget") > 0
     # At rest the pins are within budget; while turns run, D's new handles exist before the gateway can
     # release older ones, so the peak may pass it by at most the handles of the turns in flight.
-    wait_for(lambda: sim_state(c.decode[0].url)["pinned_tokens"] <= budget, timeout_s=30,
-             what=f"pins within budget at rest ({budget} tokens)", state=lambda: (
-                 sim_state(c.decode[0].url), metric(c.gateway.url, "turnkv_pinned_kv_tokens"),
-                 metric(c.gateway.url, "turnkv_handle_releases_total", why="failed")))
+    wait_for(
+        lambda: sim_state(c.decode[0].url)["pinned_tokens"] <= budget,
+        timeout_s=30,
+        what=f"pins within budget at rest ({budget} tokens)",
+        state=lambda: (
+            sim_state(c.decode[0].url),
+            metric(c.gateway.url, "turnkv_pinned_kv_tokens"),
+            metric(c.gateway.url, "turnkv_handle_releases_total", why="failed"),
+        ),
+    )
     assert max(pins.samples) <= budget + 16 * 25 * BLOCK
     assert sim_state(c.decode[0].url)["untracked_pins"] == 0
     assert metric(c.gateway.url, "turnkv_pinned_kv_budget_bytes") > 0
@@ -86,8 +96,14 @@ def test_many_conversations_on_a_decode_engine_too_small_to_pin_them_all(
 def test_decode_local_turns_leave_nothing_pinned(procs: list[launch.Running], tmp_path: Path) -> None:
     # vLLM pins a request whose params name neither direction without tracking it: no release and no TTL
     # ever frees it. Decode-local turns must not create such pins; their handles are not worth keeping.
-    c = start_cluster(procs, tmp_path, compat="0.33", policy="adaptive",
-                      decode_flags=("--num-gpu-blocks", str(DECODE_BLOCKS)), gateway_env=FAST_JANITOR)
+    c = start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",
+        policy="adaptive",
+        decode_flags=("--num-gpu-blocks", str(DECODE_BLOCKS)),
+        gateway_env=FAST_JANITOR,
+    )
     results = _run_many(c, 6, 4)
     assert all(t.correct for conv in results for t in conv)
     assert sum(t.outcome == "decode_local" for conv in results for t in conv[1:]) >= 12
@@ -99,16 +115,23 @@ def test_decode_local_turns_leave_nothing_pinned(procs: list[launch.Running], tm
 def _long_stream(c: Cluster, session: str, messages: list[dict[str, Any]]) -> tuple[httpx.Client, Any]:
     body = {"model": "sim-model", "messages": messages, "max_tokens": 20000, "ignore_eos": True, "stream": True}
     http = httpx.Client(timeout=30)
-    resp = http.send(http.build_request("POST", c.gateway.url + "/v1/chat/completions", json=body,
-                                        headers={"X-Session-ID": session, "Authorization": "Bearer key-a"}),
-                     stream=True)
+    resp = http.send(
+        http.build_request(
+            "POST",
+            c.gateway.url + "/v1/chat/completions",
+            json=body,
+            headers={"X-Session-ID": session, "Authorization": "Bearer key-a"},
+        ),
+        stream=True,
+    )
     return http, resp
 
 
 def test_sigterm_with_turns_in_flight_leaves_no_pins(procs: list[launch.Running], tmp_path: Path) -> None:
     # D decodes in real time (8 ms a token): the long answer is still being generated at the shutdown
-    c = start_cluster(procs, tmp_path, compat="0.33", gateway_env={"TURNKV_DRAIN_S": "0.5"},
-                      decode_flags=("--time-scale", "1"))
+    c = start_cluster(
+        procs, tmp_path, compat="0.33", gateway_env={"TURNKV_DRAIN_S": "0.5"}, decode_flags=("--time-scale", "1")
+    )
     with Dialogue(c, session="a") as d, Dialogue(c, session="b") as other:
         d.step()
         other.step()  # its handle stays stored, pinned on D
@@ -138,9 +161,13 @@ def test_a_client_that_leaves_mid_stream_leaves_no_pins(procs: list[launch.Runni
 
 
 def test_a_decode_engine_that_misses_the_first_token_deadline(procs: list[launch.Running], tmp_path: Path) -> None:
-    c = start_cluster(procs, tmp_path, compat="0.33", n_decode=2,
-                      gateway_env={"TURNKV_TIMEOUTS__DECODE_FIRST_TOKEN_S": "1",
-                                   "TURNKV_TIMEOUTS__DECODE_PER_TOKEN_S": "0.1"})
+    c = start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",
+        n_decode=2,
+        gateway_env={"TURNKV_TIMEOUTS__DECODE_FIRST_TOKEN_S": "1", "TURNKV_TIMEOUTS__DECODE_PER_TOKEN_S": "0.1"},
+    )
     with Dialogue(c, session="a", stream=True) as d:
         first = d.step()
         holder = c.turn_events(1)[0]["decode"]
@@ -153,8 +180,7 @@ def test_a_decode_engine_that_misses_the_first_token_deadline(procs: list[launch
     for e in c.decode:
         sim_control(e.url, delay_ms=60_000)
     with c.client() as client, pytest.raises(openai.APIError) as err:
-        client.chat.completions.create(model="sim-model", messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=8)
+        client.chat.completions.create(model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
     assert "deadline" in str(err.value)  # an answer within seconds, not minutes of silence
     for e in c.decode:
         sim_control(e.url, delay_ms=0)
@@ -166,10 +192,12 @@ def _hog(c: Cluster, n: int, tokens: int) -> list[tuple[httpx.Client, Any]]:
     for i in range(n):
         http = httpx.Client(timeout=60)
         body = {"model": "sim-model", "prompt": f"hog {i}", "max_tokens": tokens, "ignore_eos": True, "stream": True}
-        hogs.append((http, http.send(http.build_request("POST", c.decode[0].url + "/v1/completions", json=body),
-                                     stream=True)))
-    wait_for(lambda: sim_state(c.decode[0].url)["free_blocks"] < 8, timeout_s=30,
-             what="D's KV held by the long answers")
+        hogs.append(
+            (http, http.send(http.build_request("POST", c.decode[0].url + "/v1/completions", json=body), stream=True))
+        )
+    wait_for(
+        lambda: sim_state(c.decode[0].url)["free_blocks"] < 8, timeout_s=30, what="D's KV held by the long answers"
+    )
     return hogs
 
 
@@ -188,8 +216,9 @@ def _gateway_sees(c: Cluster, pred: Any) -> bool:
 def test_no_decode_local_turn_on_a_decode_engine_short_of_kv(procs: list[launch.Running], tmp_path: Path) -> None:
     # a D out of blocks has evicted idle conversations' freed blocks: decode-local there would compute
     # the whole history again, behind a queue. The turn goes through P, and says why.
-    c = start_cluster(procs, tmp_path, compat="0.33", policy="adaptive",
-                      decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160"))
+    c = start_cluster(
+        procs, tmp_path, compat="0.33", policy="adaptive", decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160")
+    )
     with Dialogue(c, session="a", stream=True) as d:
         assert d.step().correct
         hogs = _hog(c, 3, 1000)
@@ -200,12 +229,18 @@ def test_no_decode_local_turn_on_a_decode_engine_short_of_kv(procs: list[launch.
 
 
 def test_a_busy_decode_engine_is_waited_for_past_the_first_token_deadline(
-        procs: list[launch.Running], tmp_path: Path) -> None:
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
     # D decodes in real time and three long answers sent to it directly hold its KV: a turn waits there
     # for blocks far longer than the 1 s deadline, while D's counters show it working. Giving up on a
     # busy engine would only add a retry to its queue: the turn is waited for, and answered.
-    c = start_cluster(procs, tmp_path, compat="0.33", decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160"),
-                      gateway_env={"TURNKV_TIMEOUTS__DECODE_FIRST_TOKEN_S": "1"})
+    c = start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",
+        decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160"),
+        gateway_env={"TURNKV_TIMEOUTS__DECODE_FIRST_TOKEN_S": "1"},
+    )
     hogs = _hog(c, 3, 1000)
     with Dialogue(c, session="a", stream=True) as d:
         turn = d.step()
@@ -216,7 +251,8 @@ def test_a_busy_decode_engine_is_waited_for_past_the_first_token_deadline(
 
 
 def test_a_client_that_leaves_before_the_first_token_is_settled_cleanly(
-        procs: list[launch.Running], tmp_path: Path) -> None:
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
     # the turn waits for its first token behind a full D; the client gives up. Nothing else may read D's
     # stream while that wait is still reading it (a crash seen on the H200: readany() while another
     # coroutine waits), and the turn is settled and logged.

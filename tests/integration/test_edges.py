@@ -56,7 +56,8 @@ def no_tracebacks(c: Cluster) -> None:
 
 
 def test_stalled_and_trickling_clients_do_not_take_the_gateway_offline(
-        procs: list[launch.Running], tmp_path: Path) -> None:
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 4 * STALLED:
         pytest.skip("the open-file hard limit is too low for this many connections")
@@ -78,8 +79,10 @@ def test_stalled_and_trickling_clients_do_not_take_the_gateway_offline(
     for s in trickling:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nX-Slow: a")
     body_never_ends = connect()
-    body_never_ends.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json"
-                            b"\r\nContent-Length: 100000\r\n\r\n{\"model\": \"sim-model\", ")
+    body_never_ends.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json"
+        b'\r\nContent-Length: 100000\r\n\r\n{"model": "sim-model", '
+    )
     with ThreadPoolExecutor(4) as pool:  # normal conversations, meanwhile, through the openai SDK
         runs = list(pool.map(lambda i: converse(c, 2, session=f"conv-{i}"), range(4)))
     assert all(t.correct for turns in runs for t in turns)
@@ -102,22 +105,35 @@ def test_stalled_and_trickling_clients_do_not_take_the_gateway_offline(
 def keyed_cluster(procs: list[launch.Running], tmp_path: Path, redis_url: str | None = None) -> Cluster:
     keys = tmp_path / "keys"
     keys.write_text("# test tenants\nsk-alice alice\nsk-bob bob\n")
-    env = {"TURNKV_API_KEYS_FILE": str(keys), "TURNKV_TENANT_HEADER": "x-tenant",
-           "TURNKV_TRUSTED_PROXY_SECRET": "proxy-secret"}
-    return start_cluster(procs, tmp_path, gateway_env=env, redis_url=redis_url,
-                         sim_flags=("--enable-prompt-tokens-details",))  # P says how much of a prompt it had cached
+    env = {
+        "TURNKV_API_KEYS_FILE": str(keys),
+        "TURNKV_TENANT_HEADER": "x-tenant",
+        "TURNKV_TRUSTED_PROXY_SECRET": "proxy-secret",
+    }
+    return start_cluster(
+        procs, tmp_path, gateway_env=env, redis_url=redis_url, sim_flags=("--enable-prompt-tokens-details",)
+    )  # P says how much of a prompt it had cached
 
 
-def test_a_tenant_header_without_the_proxy_secret_reuses_nothing(procs: list[launch.Running], tmp_path: Path,
-                                                                 redis_url: str) -> None:
+def test_a_tenant_header_without_the_proxy_secret_reuses_nothing(
+    procs: list[launch.Running], tmp_path: Path, redis_url: str
+) -> None:
     c = keyed_cluster(procs, tmp_path, redis_url)
     url = c.gateway.url + "/v1"
-    with Dialogue(c, api_key="sk-alice", session="shared") as d, \
-            openai.OpenAI(base_url=url, api_key="sk-bob", max_retries=0, timeout=60,
-                          default_headers={"x-tenant": "alice"}) as bob, \
-            openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60,
-                          default_headers={"x-tenant": "alice", "x-turnkv-proxy-secret": "proxy-secret"}) as proxy, \
-            openai.OpenAI(base_url=url, api_key="sk-nobody", max_retries=0, timeout=60) as nobody:
+    with (
+        Dialogue(c, api_key="sk-alice", session="shared") as d,
+        openai.OpenAI(
+            base_url=url, api_key="sk-bob", max_retries=0, timeout=60, default_headers={"x-tenant": "alice"}
+        ) as bob,
+        openai.OpenAI(
+            base_url=url,
+            api_key="unused",
+            max_retries=0,
+            timeout=60,
+            default_headers={"x-tenant": "alice", "x-turnkv-proxy-secret": "proxy-secret"},
+        ) as proxy,
+        openai.OpenAI(base_url=url, api_key="sk-nobody", max_retries=0, timeout=60) as nobody,
+    ):
         first = d.step()
         assert first.correct and first.reason == "no_record"
         # Bob: Alice's session id, Alice's tenant header, Alice's very history; no proxy secret
@@ -140,8 +156,10 @@ def test_the_rest_of_the_endpoint(procs: list[launch.Running], tmp_path: Path) -
     engine = c.prefill[0].url
     alice = {"authorization": "Bearer sk-alice"}
     with httpx.Client(base_url=c.gateway.url, timeout=30) as gw, httpx.Client(base_url=engine, timeout=30) as p:
-        for path, body in [("/tokenize", {"model": "sim-model", "prompt": "hello there"}),
-                           ("/detokenize", {"model": "sim-model", "tokens": [1, 2, 3]})]:
+        for path, body in [
+            ("/tokenize", {"model": "sim-model", "prompt": "hello there"}),
+            ("/detokenize", {"model": "sim-model", "tokens": [1, 2, 3]}),
+        ]:
             assert gw.post(path, json=body).status_code == 401
             r = gw.post(path, json=body, headers=alice)
             assert r.status_code == 200 and r.json() == p.post(path, json=body).json()
@@ -172,7 +190,8 @@ def bad_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_bad_input_is_refused_before_any_engine_work_and_keeps_the_record(
-        procs: list[launch.Running], tmp_path: Path) -> None:
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
     c = start_cluster(procs, tmp_path)
     with Dialogue(c) as d, httpx.Client(base_url=c.gateway.url, timeout=30) as http:
         assert d.step().reason == "no_record"
@@ -188,8 +207,9 @@ def test_bad_input_is_refused_before_any_engine_work_and_keeps_the_record(
             assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
         surrogate = json.dumps({"model": "sim-model", "messages": d.messages, "session_id": "conv-1"})
         surrogate = surrogate.replace("Thanks", "\\ud800Thanks")
-        r = http.post("/v1/chat/completions", content=surrogate.encode(),
-                      headers={**headers, "content-type": "application/json"})
+        r = http.post(
+            "/v1/chat/completions", content=surrogate.encode(), headers={**headers, "content-type": "application/json"}
+        )
         assert r.status_code == 400
         assert engine_work() == before
         after = d.step()

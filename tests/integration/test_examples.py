@@ -35,8 +35,14 @@ def test_example_reuses_kv_with_no_configuration(name: str) -> None:
     package, sources, outcomes, new_histories = EXAMPLES[name]
     if importlib.util.find_spec(package) is None:
         pytest.skip(f"{package} is not installed: pip install -e '.[examples]'")
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / "run.py"), name, "--json"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=400, check=False)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "run.py"), name, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     turns = summary["turns"]

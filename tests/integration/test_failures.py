@@ -37,9 +37,15 @@ def test_concurrent_turns_claim_the_handle_once(procs: list[launch.Running], tmp
         d.step()
         # long enough to fill the socket buffers: the first turn stays in flight until we read it
         body = {"model": "sim-model", "messages": d.messages, "max_tokens": 8000, "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=30) as http, http.stream(
-                "POST", c.gateway.url + "/v1/chat/completions", json=body,
-                headers={"X-Session-ID": "conv-1", "Authorization": "Bearer key-a"}) as first:
+        with (
+            httpx.Client(timeout=30) as http,
+            http.stream(
+                "POST",
+                c.gateway.url + "/v1/chat/completions",
+                json=body,
+                headers={"X-Session-ID": "conv-1", "Authorization": "Bearer key-a"},
+            ) as first,
+        ):
             assert first.headers["x-turnkv-outcome"] == "full"  # the first turn holds the claim while it streams
             lines = first.iter_lines()
             next(lines)
@@ -131,10 +137,14 @@ def test_decode_dropping_mid_stream_ends_with_an_error_event(procs: list[launch.
 def test_client_disconnect_aborts_the_decode_request(procs: list[launch.Running], tmp_path: Path) -> None:
     # real decode timing (8 ms per token): the answer is still being generated when the client leaves
     c = start_cluster(procs, tmp_path, compat="0.33", sim_flags=("--time-scale", "1"))
-    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000,
-            "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=30) as http, http.stream("POST", c.gateway.url + "/v1/chat/completions",
-                                                      json=body) as r:
+    body = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(timeout=30) as http, http.stream("POST", c.gateway.url + "/v1/chat/completions", json=body) as r:
         first = next(r.iter_lines())
         assert first.startswith("data: ")
     # the gateway notices the disconnect and closes D's stream; D aborts the request

@@ -17,15 +17,19 @@ LONG_SYSTEM = "You are a careful agent. Follow the house rules about travel, bud
 @pytest.mark.parametrize(("link", "action"), [("host", "recompute"), ("nvlink", "pull")])
 def test_adaptive_path_follows_the_link(procs: list[launch.Running], tmp_path: Path, link: str, action: str) -> None:
     # real simulated timing; P's cache off, as on another prefill instance; decode-local off: pull or recompute
-    c = start_cluster(procs, tmp_path, policy="adaptive", sim_flags=("--time-scale", "1", "--link", link),
-                      prefill_flags=("--no-prefix-caching",),
-                      gateway_env={"TURNKV_POLICY__PARAMS": '{"decode_local": false}'})
+    c = start_cluster(
+        procs,
+        tmp_path,
+        policy="adaptive",
+        sim_flags=("--time-scale", "1", "--link", link),
+        prefill_flags=("--no-prefix-caching",),
+        gateway_env={"TURNKV_POLICY__PARAMS": '{"decode_local": false}'},
+    )
     with Dialogue(c, system=LONG_SYSTEM, max_tokens=24) as d:
         first = d.step()
         assert first.correct and int(first.headers["x-turnkv-prompt-tokens"]) > 4000
         # turn 1's P->D transfer is the gateway's first measurement of the link
-        wait_for(lambda: metric(c.gateway.url, "turnkv_link_samples", direction="push") >= 1,
-                 what="a link measurement")
+        wait_for(lambda: metric(c.gateway.url, "turnkv_link_samples", direction="push") >= 1, what="a link measurement")
         second = d.step()
     assert second.correct and second.outcome in ("full", "none")
     assert second.headers["x-turnkv-action"] == action
@@ -33,22 +37,31 @@ def test_adaptive_path_follows_the_link(procs: list[launch.Running], tmp_path: P
         assert second.reason == "cheaper_to_recompute"
 
 
-def test_a_link_fast_only_towards_decode_is_learnt_from_the_first_pull(procs: list[launch.Running],
-                                                                        tmp_path: Path) -> None:
+def test_a_link_fast_only_towards_decode_is_learnt_from_the_first_pull(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
     # A simulated engine charges the transfers it reads at its own link: D reads P's blocks over
     # nvlink, P pulls D's over the host link (as with CUDA IPC on one H200: fast one way, slow back).
-    c = start_cluster(procs, tmp_path, policy="adaptive", sim_flags=("--time-scale", "1"),
-                      prefill_flags=("--no-prefix-caching", "--link", "host"), decode_flags=("--link", "nvlink"),
-                      gateway_env={"TURNKV_POLICY__PARAMS": '{"decode_local": false}'})
+    c = start_cluster(
+        procs,
+        tmp_path,
+        policy="adaptive",
+        sim_flags=("--time-scale", "1"),
+        prefill_flags=("--no-prefix-caching", "--link", "host"),
+        decode_flags=("--link", "nvlink"),
+        gateway_env={"TURNKV_POLICY__PARAMS": '{"decode_local": false}'},
+    )
     with Dialogue(c, system=LONG_SYSTEM, max_tokens=24) as d:
         d.step()
-        wait_for(lambda: metric(c.gateway.url, "turnkv_link_samples", direction="push") >= 1,
-                 what="a P -> D measurement")
+        wait_for(
+            lambda: metric(c.gateway.url, "turnkv_link_samples", direction="push") >= 1, what="a P -> D measurement"
+        )
         # nothing measured D -> P yet: the fast P -> D estimate stands in, so P pulls
         second = d.step()
         assert second.correct and second.headers["x-turnkv-action"] == "pull"
-        wait_for(lambda: metric(c.gateway.url, "turnkv_link_samples", direction="pull") >= 1,
-                 what="a D -> P measurement")
+        wait_for(
+            lambda: metric(c.gateway.url, "turnkv_link_samples", direction="pull") >= 1, what="a D -> P measurement"
+        )
         third = d.step()
     assert third.correct and third.headers["x-turnkv-action"] == "recompute"
     assert third.reason == "cheaper_to_recompute"
@@ -59,10 +72,14 @@ def test_a_link_fast_only_towards_decode_is_learnt_from_the_first_pull(procs: li
 
 def test_decode_local_when_the_delta_is_small(procs: list[launch.Running], tmp_path: Path) -> None:
     c = start_cluster(procs, tmp_path, policy="adaptive", sim_flags=("--time-scale", "1"))
-    renders = lambda: sim_state(c.prefill[0].url)["renders"]  # noqa: E731
+
+    def renders() -> int:
+        return int(sim_state(c.prefill[0].url)["renders"])
+
     # the start-up template audit renders on P too, in the background if P came up after the gateway
-    wait_for(lambda: metric(c.gateway.url, "turnkv_template_class", **{"class": "preserves"}) == 1,
-             what="the template audit")
+    wait_for(
+        lambda: metric(c.gateway.url, "turnkv_template_class", **{"class": "preserves"}) == 1, what="the template audit"
+    )
     with Dialogue(c, system=LONG_SYSTEM, max_tokens=24) as d:
         before = renders()
         first = d.step()
@@ -87,8 +104,7 @@ def test_decode_local_when_the_delta_is_small(procs: list[launch.Running], tmp_p
         assert compacted.correct and "x-turnkv-direct" not in compacted.headers
 
 
-def test_no_direct_decode_local_when_the_template_drops_reasoning(procs: list[launch.Running],
-                                                                   tmp_path: Path) -> None:
+def test_no_direct_decode_local_when_the_template_drops_reasoning(procs: list[launch.Running], tmp_path: Path) -> None:
     c = start_cluster(procs, tmp_path, template="strip", policy="adaptive", sim_flags=("--time-scale", "1"))
     with Dialogue(c, system=LONG_SYSTEM, max_tokens=24) as d:
         d.step()
@@ -96,8 +112,9 @@ def test_no_direct_decode_local_when_the_template_drops_reasoning(procs: list[la
     assert t.correct and "x-turnkv-direct" not in t.headers and t.reason != "full_match"
 
 
-def test_a_handle_that_cannot_be_stored_is_released(procs: list[launch.Running], tmp_path: Path,
-                                                     own_redis: RedisServer) -> None:
+def test_a_handle_that_cannot_be_stored_is_released(
+    procs: list[launch.Running], tmp_path: Path, own_redis: RedisServer
+) -> None:
     c = start_cluster(procs, tmp_path, redis_url=own_redis.url)
     own_redis.stop()
     with Dialogue(c) as d:
@@ -108,8 +125,9 @@ def test_a_handle_that_cannot_be_stored_is_released(procs: list[launch.Running],
 
 
 @pytest.mark.parametrize(("compat", "stream"), [("0.26", False), ("0.33", True)])
-def test_stateless_turns_do_not_leave_decode_memory_pinned(procs: list[launch.Running], tmp_path: Path,
-                                                           compat: str, stream: bool) -> None:
+def test_stateless_turns_do_not_leave_decode_memory_pinned(
+    procs: list[launch.Running], tmp_path: Path, compat: str, stream: bool
+) -> None:
     # a bidirectional D pins its blocks after every P/D answer; without a conversation nobody will pull them
     # (none is found from the messages either: that is turned off here)
     c = start_cluster(procs, tmp_path, compat=compat, gateway_env={"TURNKV_CONVERSATION_FROM_HISTORY": "false"})

@@ -44,8 +44,10 @@ pytestmark = pytest.mark.integration
 async def _backend(url: str, tls: TLSOptions | None = None) -> AsyncIterator[Backend]:
     """Three stores on ``url`` under a namespace of the test's own (shared servers need no flush)."""
     ns = f"t{uuid.uuid4().hex[:8]}"
-    stores = [RedisStore.from_url(url, namespace=ns, in_flight_ttl_s=ttl, command_timeout_s=5.0, tls=tls)
-              for ttl in (60.0, 60.0, SHORT_MARKER_TTL_S)]
+    stores = [
+        RedisStore.from_url(url, namespace=ns, in_flight_ttl_s=ttl, command_timeout_s=5.0, tls=tls)
+        for ttl in (60.0, 60.0, SHORT_MARKER_TTL_S)
+    ]
     yield Backend(stores[0], stores[1], asyncio.sleep, stores[2], SHORT_MARKER_TTL_S)
     for s in stores:
         await s.close()
@@ -80,7 +82,8 @@ class TestCluster(StoreContract, RedisContract):
         nodes = {getattr(cluster.get_node_from_key(s.conversation_key(f"conv-{i}")), "name", None) for i in range(30)}
         assert len(nodes) == 3
         assert await s.pinned([f"http://d{i}:8200" for i in range(3)]) == {
-            f"http://d{i}:8200": Pinned(10, 200) for i in range(3)}
+            f"http://d{i}:8200": Pinned(10, 200) for i in range(3)
+        }
 
 
 @pytest.fixture(scope="session")
@@ -142,8 +145,11 @@ async def test_tls_checks_the_server_and_shows_our_certificate(tls_server: tuple
         with pytest.raises(StoreError):
             await s.ping()
         await s.close()
-    s = RedisStore.from_url(url, tls=TLSOptions(ca_certs=str(certs.ca), certfile=str(certs.client_cert),
-                                                keyfile=str(certs.client_key)), command_timeout_s=5.0)
+    s = RedisStore.from_url(
+        url,
+        tls=TLSOptions(ca_certs=str(certs.ca), certfile=str(certs.client_cert), keyfile=str(certs.client_key)),
+        command_timeout_s=5.0,
+    )
     await s.ping()
     await s.close()
 
@@ -158,8 +164,12 @@ async def _until(check: Callable[[], bool], what: str) -> None:
 
 async def test_a_full_pool_fails_the_call_only(redis_server: RedisServer, redis_url: str) -> None:
     with GatedRelay(redis_server.port) as relay:
-        store = RedisStore.from_url(f"redis://127.0.0.1:{relay.port}/0", max_connections=2, pool_timeout_s=0.05,
-                                    command_timeout_s=READY_TIMEOUT_S)
+        store = RedisStore.from_url(
+            f"redis://127.0.0.1:{relay.port}/0",
+            max_connections=2,
+            pool_timeout_s=0.05,
+            command_timeout_s=READY_TIMEOUT_S,
+        )
         busy: list[str] = []
         guard = StoreGuard(store, retry_s=60, on_busy=busy.append)
         held = [asyncio.create_task(guard.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S)) for i in range(2)]

@@ -46,8 +46,14 @@ def alive(pid: int) -> bool:
 
 def start(procs: list[launch.Running], tmp_path: Path, redis_url: str) -> Cluster:
     # TMPDIR: the workers' metrics directory lives there (and a killed supervisor leaves it behind)
-    return start_cluster(procs, tmp_path, compat="0.33", redis_url=redis_url, gateway_args=("--workers", "2"),
-                         gateway_env={"TMPDIR": str(tmp_path)})
+    return start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",
+        redis_url=redis_url,
+        gateway_args=("--workers", "2"),
+        gateway_env={"TMPDIR": str(tmp_path)},
+    )
 
 
 def served_by(c: Cluster, count: int) -> list[int]:
@@ -61,8 +67,7 @@ def step_on_new_connection(d: Dialogue, c: Cluster) -> Turn:
         return d.step(client=client)
 
 
-def test_workers_share_conversations_and_metrics(procs: list[launch.Running], tmp_path: Path,
-                                                 redis_url: str) -> None:
+def test_workers_share_conversations_and_metrics(procs: list[launch.Running], tmp_path: Path, redis_url: str) -> None:
     c = start(procs, tmp_path, redis_url)
     gateway_pid = c.gateway.proc.pid
     first = workers_of(gateway_pid)
@@ -100,9 +105,26 @@ def test_a_port_in_use_is_refused(procs: list[launch.Running], tmp_path: Path, r
     c = start(procs, tmp_path, redis_url)
     port = str(urlsplit(c.gateway.url).port)
     second = subprocess.run(
-        [sys.executable, "-m", "turnkv", "serve", "--prefill", c.prefill[0].url, "--decode", c.decode[0].url,
-         "--redis-url", redis_url, "--workers", "2", "--port", port],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "turnkv",
+            "serve",
+            "--prefill",
+            c.prefill[0].url,
+            "--decode",
+            c.decode[0].url,
+            "--redis-url",
+            redis_url,
+            "--workers",
+            "2",
+            "--port",
+            port,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert second.returncode == 2 and "cannot take" in second.stderr
 
 
@@ -136,15 +158,33 @@ def states_on(port: int) -> set[str]:
     return found
 
 
-def serve_on(port: int, name: str, engines: list[launch.Running], log_dir: Path, redis_url: str,
-             *extra: str) -> launch.Running:
+def serve_on(
+    port: int, name: str, engines: list[launch.Running], log_dir: Path, redis_url: str, *extra: str
+) -> launch.Running:
     """A gateway on a port chosen by the test (launch.spawn always asks for a free one)."""
     log = log_dir / f"{name}.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "turnkv", "serve", "--prefill", engines[0].url, "--decode", engines[1].url,
-             "--redis-url", redis_url, "--port", str(port), *extra],
-            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "turnkv",
+                "serve",
+                "--prefill",
+                engines[0].url,
+                "--decode",
+                engines[1].url,
+                "--redis-url",
+                redis_url,
+                "--port",
+                str(port),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
     assert proc.stdout is not None
     line = launch._first_line(proc.stdout, proc, launch.READY_TIMEOUT_S)
     running = launch.Running(name, proc, f"http://127.0.0.1:{port}", log)
@@ -155,8 +195,9 @@ def serve_on(port: int, name: str, engines: list[launch.Running], log_dir: Path,
 
 
 @pytest.mark.parametrize("before", [(), ("--workers", "2")], ids=["after-one-process", "after-workers"])
-def test_workers_start_at_once_where_a_gateway_just_stopped(procs: list[launch.Running], tmp_path: Path,
-                                                            redis_url: str, before: tuple[str, ...]) -> None:
+def test_workers_start_at_once_where_a_gateway_just_stopped(
+    procs: list[launch.Running], tmp_path: Path, redis_url: str, before: tuple[str, ...]
+) -> None:
     """A stopped gateway's connections stay on its port in TIME_WAIT for a minute; the supervisor's port
     holder must bind past them (SO_REUSEADDR), as a restart by compose or systemd does at once. Without
     it the first case fails ("cannot take ...: Address already in use"); the second, workers after
@@ -180,8 +221,11 @@ def test_workers_start_at_once_where_a_gateway_just_stopped(procs: list[launch.R
     assert TIME_WAIT in states_on(port)  # it started while the port still had one
     with openai.OpenAI(base_url=second.url + "/v1", api_key="key-a", max_retries=0, timeout=60) as client:
         raw = client.chat.completions.with_raw_response.create(
-            model="sim-model", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
-            extra_headers={"X-Session-ID": "after-restart"})
+            model="sim-model",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=8,
+            extra_headers={"X-Session-ID": "after-restart"},
+        )
     assert raw.parse().choices[0].finish_reason == "length"  # answered all 8 tokens
     assert raw.headers["x-turnkv-outcome"] == "none"
 
@@ -194,9 +238,26 @@ def test_a_port_another_supervisor_is_starting_on_is_refused(tmp_path: Path, red
     assert lock is not None
     try:
         second = subprocess.run(
-            [sys.executable, "-m", "turnkv", "serve", "--prefill", "http://127.0.0.1:9", "--decode",
-             "http://127.0.0.1:9", "--redis-url", redis_url, "--workers", "2", "--port", str(port)],
-            capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "turnkv",
+                "serve",
+                "--prefill",
+                "http://127.0.0.1:9",
+                "--decode",
+                "http://127.0.0.1:9",
+                "--redis-url",
+                redis_url,
+                "--workers",
+                "2",
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         lock.close()
     assert second.returncode == 2 and "another turnkv gateway is starting" in second.stderr

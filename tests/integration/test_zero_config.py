@@ -25,8 +25,14 @@ from .cluster import Cluster, Dialogue, start_cluster
 pytestmark = pytest.mark.integration
 EVENT = TypeAdapter(ResponseStreamEvent)
 REUSED = ("full", "partial", "decode_local")
-TOOLS: list[Any] = [{"type": "function", "name": "lookup", "description": "Look something up",
-                     "parameters": {"type": "object", "properties": {"topic": {"type": "string"}}}}]
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "name": "lookup",
+        "description": "Look something up",
+        "parameters": {"type": "object", "properties": {"topic": {"type": "string"}}},
+    }
+]
 INSTRUCTIONS = "You are a helpful agent."
 
 
@@ -38,8 +44,7 @@ def procs() -> Iterator[list[launch.Running]]:
         p.stop()
 
 
-def test_chat_without_an_id_reuses_in_many_conversations_at_once(procs: list[launch.Running],
-                                                                  tmp_path: Path) -> None:
+def test_chat_without_an_id_reuses_in_many_conversations_at_once(procs: list[launch.Running], tmp_path: Path) -> None:
     cluster = start_cluster(procs, tmp_path, compat="0.33")
 
     def conversation(i: int) -> list[Any]:
@@ -58,24 +63,31 @@ def test_chat_without_an_id_reuses_in_many_conversations_at_once(procs: list[lau
     assert {e["conversation_source"] for e in events} == {"digest"}
 
 
-@pytest.mark.parametrize(("field", "value", "source"), [
-    ("prompt_cache_key", "trip planning, user 7", "prompt_cache_key"),
-    ("metadata", {"conversation_id": "conv 7"}, "metadata"),
-])
-def test_ids_clients_already_send_are_honoured(procs: list[launch.Running], tmp_path: Path, field: str,
-                                               value: Any, source: str) -> None:
+@pytest.mark.parametrize(
+    ("field", "value", "source"),
+    [
+        ("prompt_cache_key", "trip planning, user 7", "prompt_cache_key"),
+        ("metadata", {"conversation_id": "conv 7"}, "metadata"),
+    ],
+)
+def test_ids_clients_already_send_are_honoured(
+    procs: list[launch.Running], tmp_path: Path, field: str, value: Any, source: str
+) -> None:
     """The engines get these OpenAI fields too (vLLM ignores what it does not know)."""
     cluster = start_cluster(procs, tmp_path, compat="0.33")
     client = cluster.client()
     messages: list[Any] = [{"role": "user", "content": "Plan a short trip."}]
     for turn in range(3):
-        raw = client.chat.completions.with_raw_response.create(model="sim-model", messages=messages, max_tokens=60,
-                                                               extra_body={field: value})
+        raw = client.chat.completions.with_raw_response.create(
+            model="sim-model", messages=messages, max_tokens=60, extra_body={field: value}
+        )
         assert raw.headers["x-turnkv-conversation"] == source
         assert raw.headers["x-turnkv-outcome"] == ("none" if turn == 0 else "full")
         m = raw.parse().choices[0].message.model_dump()
-        messages += [{"role": "assistant", "content": m["content"], "reasoning": m.get("reasoning")},
-                     {"role": "user", "content": f"And step {turn}?"}]
+        messages += [
+            {"role": "assistant", "content": m["content"], "reasoning": m.get("reasoning")},
+            {"role": "user", "content": f"And step {turn}?"},
+        ]
 
 
 def test_forks_of_one_history_each_go_on(procs: list[launch.Running], tmp_path: Path) -> None:
@@ -99,9 +111,12 @@ def test_forks_of_one_history_each_go_on(procs: list[launch.Running], tmp_path: 
 
 def _truth_answer(cluster: Cluster, messages: list[dict[str, Any]]) -> dict[str, Any]:
     with cluster.truth_client() as truth:
-        r = truth.chat.completions.create(model="sim-model", messages=messages, tools=[  # type: ignore[arg-type]
-            {"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}],
-            max_tokens=120)
+        r = truth.chat.completions.create(
+            model="sim-model",
+            messages=messages,  # type: ignore[arg-type]
+            tools=[{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}],  # type: ignore[typeddict-item]
+            max_tokens=120,
+        )
     m = r.choices[0].message.model_dump()
     out = {"role": "assistant", "content": m.get("content") or ""}
     if m.get("reasoning"):
@@ -114,25 +129,28 @@ def _truth_answer(cluster: Cluster, messages: list[dict[str, Any]]) -> dict[str,
 def _as_compared(message: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in message.items() if k != "tool_calls"}
     if message.get("tool_calls"):
-        out["tool_calls"] = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                             for c in message["tool_calls"]]
+        out["tool_calls"] = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]
+        ]
     return out
 
 
 def _respond(client: openai.OpenAI, stream: bool, **kw: Any) -> tuple[Response, dict[str, str]]:
     if not stream:
-        raw = client.responses.with_raw_response.create(model="sim-model", instructions=INSTRUCTIONS, tools=TOOLS,
-                                                        max_output_tokens=120, **kw)
+        raw = client.responses.with_raw_response.create(
+            model="sim-model", instructions=INSTRUCTIONS, tools=TOOLS, max_output_tokens=120, **kw
+        )
         return raw.parse(), dict(raw.headers)
-    with client.responses.with_streaming_response.create(model="sim-model", instructions=INSTRUCTIONS, tools=TOOLS,
-                                                         max_output_tokens=120, stream=True, **kw) as raw:
+    with client.responses.with_streaming_response.create(
+        model="sim-model", instructions=INSTRUCTIONS, tools=TOOLS, max_output_tokens=120, stream=True, **kw
+    ) as raw:
         events = list(raw.parse())
         headers = dict(raw.headers)
     for e in events:
         EVENT.validate_python(e.model_dump())
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
-    final = events[-1].response  # type: ignore[union-attr]
+    final = events[-1].response
     return Response.model_validate(final.model_dump()), headers
 
 
@@ -149,24 +167,28 @@ def test_responses_api_multi_turn_with_reuse(procs: list[launch.Running], tmp_pa
     for turn in range(6):
         stream = compat == "0.33" and turn % 2 == 1
         chained = previous is not None and turn % 3 != 2  # every third turn sends the whole input instead
-        r, headers = _respond(client, stream, input=new_items if chained else history,
-                              **({"previous_response_id": previous} if chained else {}))
+        r, headers = _respond(
+            client,
+            stream,
+            input=new_items if chained else history,
+            **({"previous_response_id": previous} if chained else {}),
+        )
         truth = _truth_answer(cluster, [{"role": "system", "content": INSTRUCTIONS}, *input_messages(history)])
         assert [_as_compared(m) for m in input_messages([o.model_dump() for o in r.output])] == [truth]
         assert headers["x-turnkv-conversation"] == ("response" if chained else "digest")
         if turn > 0:
             assert headers["x-turnkv-outcome"] == "full", headers
         calls = [o for o in r.output if o.type == "function_call"]
-        new_items = ([{"type": "function_call_output", "call_id": c.call_id, "output": f"result {turn}"}
-                      for c in calls] or [{"role": "user", "content": f"And step {turn}?"}])
+        new_items = [
+            {"type": "function_call_output", "call_id": c.call_id, "output": f"result {turn}"} for c in calls
+        ] or [{"role": "user", "content": f"And step {turn}?"}]
         history = [*history, *[o.model_dump(exclude_none=True) for o in r.output], *new_items]
         previous = r.id
     assert previous is not None
     assert client.responses.retrieve(previous).id == previous
 
 
-def test_responses_are_kept_per_tenant_and_store_false_keeps_none(procs: list[launch.Running],
-                                                                  tmp_path: Path) -> None:
+def test_responses_are_kept_per_tenant_and_store_false_keeps_none(procs: list[launch.Running], tmp_path: Path) -> None:
     cluster = start_cluster(procs, tmp_path, compat="0.33")
     mine, theirs = cluster.client("key-a"), cluster.client("key-b")
     kept, _ = _respond(mine, False, input="Plan a short trip.")

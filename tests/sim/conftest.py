@@ -27,8 +27,10 @@ def sims(procs: list[launch.Running], tmp_path: Path, http: httpx.Client) -> Sta
 
     def start(*specs: tuple[str, ...]) -> list[Sim]:
         with ThreadPoolExecutor(len(specs)) as pool:
-            futures = [pool.submit(launch.sim, name, role, "--time-scale", "0", *flags, log_dir=tmp_path)
-                       for name, role, *flags in specs]
+            futures = [
+                pool.submit(launch.sim, name, role, "--time-scale", "0", *flags, log_dir=tmp_path)
+                for name, role, *flags in specs
+            ]
             started: list[launch.Running] = []
             errors: list[BaseException] = []
             for f in futures:

@@ -23,23 +23,39 @@ from turnkv.sim.engine import EngineConfig
 from turnkv.sim.settings import SimSettings
 
 MODEL = "sim-model"
-P_KEYS_026 = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
-              "remote_host", "remote_port", "tp_size", "remote_num_tokens", "remote_blocks_expiry_time"]
+P_KEYS_026 = [
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+]
 P_KEYS_033 = [*P_KEYS_026, "dcp_size", "pp_size", "transfer_mode", "remote_registration_generation"]
 
 
 def settings(*, template: str = "keep", drift: bool = False, details: bool = False, **engine: Any) -> SimSettings:
     costs = CostModel(time_scale=0)
-    return SimSettings(template=template, retokenize_drift=drift, prompt_tokens_details=details,
-                       engine=EngineConfig(costs=costs, **engine))
+    return SimSettings(
+        template=template,
+        retokenize_drift=drift,
+        prompt_tokens_details=details,
+        engine=EngineConfig(costs=costs, **engine),
+    )
 
 
 @contextlib.asynccontextmanager
 async def asgi_client(**kw: Any) -> AsyncIterator[httpx.AsyncClient]:
     """A client for an in-process sim app whose lifespan (the engine) runs around it."""
     app = create_sim_app(settings(**kw))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://sim") as client:
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sim") as client,
+    ):
         yield client
 
 
@@ -49,7 +65,7 @@ def sse(text: str) -> list[Any]:
     events: list[Any] = []
     for raw in text.split("\n\n")[:-1]:
         assert raw.startswith("data: ") and "\n" not in raw, raw
-        payload = raw[len("data: "):]
+        payload = raw[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
     return events[:-1]
@@ -75,8 +91,14 @@ def chat_body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
 def prefill_body(client_body: dict[str, Any], handle: dict[str, Any] | None = None) -> dict[str, Any]:
     body = copy.deepcopy(client_body)
     if handle is None:
-        body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        body["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
     else:  # the multi-turn proxy: D's dict, flipped to a P request
         body["kv_transfer_params"] = {**handle, "do_remote_decode": True, "do_remote_prefill": False}
     body.update(stream=False, max_tokens=1)
@@ -97,8 +119,9 @@ def answer(body: dict[str, Any]) -> tuple[list[int], str | None, str | None]:
     return choice["token_ids"], choice["message"]["content"], choice["message"]["reasoning"]
 
 
-def next_turn(messages: list[dict[str, Any]], body: dict[str, Any], user: str,
-              reasoning_key: str = "reasoning") -> list[dict[str, Any]]:
+def next_turn(
+    messages: list[dict[str, Any]], body: dict[str, Any], user: str, reasoning_key: str = "reasoning"
+) -> list[dict[str, Any]]:
     """The conversation with the answer re-sent (with its reasoning) and a new user message."""
     msg = body["choices"][0]["message"]
     assistant: dict[str, Any] = {"role": "assistant", "content": msg["content"], reasoning_key: msg["reasoning"]}
@@ -149,9 +172,17 @@ def stream_answer(events: list[Any]) -> tuple[dict[str, Any], dict[str, Any] | N
     chunks = [e for e in rest if e["choices"]]
     deltas = [e["choices"][0]["delta"] for e in chunks]
     finish = chunks[-1]
-    body = {"prompt_token_ids": role["prompt_token_ids"], "choices": [{
-        "token_ids": [t for e in chunks for t in e["choices"][0]["token_ids"]],
-        "finish_reason": finish["choices"][0]["finish_reason"],
-        "message": {"content": "".join(d.get("content", "") for d in deltas) or None,
-                    "reasoning": "".join(d.get("reasoning", "") for d in deltas) or None}}]}
+    body = {
+        "prompt_token_ids": role["prompt_token_ids"],
+        "choices": [
+            {
+                "token_ids": [t for e in chunks for t in e["choices"][0]["token_ids"]],
+                "finish_reason": finish["choices"][0]["finish_reason"],
+                "message": {
+                    "content": "".join(d.get("content", "") for d in deltas) or None,
+                    "reasoning": "".join(d.get("reasoning", "") for d in deltas) or None,
+                },
+            }
+        ],
+    }
     return body, finish.get("kv_transfer_params")

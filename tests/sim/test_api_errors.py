@@ -11,7 +11,7 @@ import pytest
 
 from tests.sim.helpers import MODEL, P_KEYS_026, P_KEYS_033, asgi_client, chat_body, prefill_body, sse
 
-MESSAGES = [{"role": "user", "content": "Plan a trip to the sea"}]
+MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "Plan a trip to the sea"}]
 
 
 def error(r: httpx.Response) -> dict[str, Any]:
@@ -39,8 +39,12 @@ async def test_unknown_model_is_404() -> None:
         r = await c.post("/v1/chat/completions", json=chat_body(MESSAGES, model="foo"))
         no_model = await c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3})
     assert r.status_code == 404
-    assert error(r) == {"message": "The model `foo` does not exist.", "type": "NotFoundError", "param": "model",
-                        "code": 404}
+    assert error(r) == {
+        "message": "The model `foo` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
     assert no_model.status_code == 200  # a missing model name is accepted
 
 
@@ -52,16 +56,23 @@ async def test_max_tokens_above_max_model_len(field: str, value: int) -> None:
     assert r.status_code == 400
     assert error(r) == {
         "message": f"{field}={value} cannot be greater than max_model_len=max_total_tokens=4096. Please request "
-                   f"fewer output tokens. (parameter={field}, value={value})",
-        "type": "BadRequestError", "param": field, "code": 400}
+        f"fewer output tokens. (parameter={field}, value={value})",
+        "type": "BadRequestError",
+        "param": field,
+        "code": 400,
+    }
 
 
 @pytest.mark.parametrize("value", [0, -5])
 async def test_max_tokens_below_one(value: int) -> None:
     async with asgi_client() as c:
         r = await c.post("/v1/chat/completions", json=chat_body(MESSAGES, max_tokens=value))
-    assert error(r) == {"message": f"max_tokens must be at least 1, got {value}. (parameter=max_tokens, "
-                                   f"value={value})", "type": "BadRequestError", "param": "max_tokens", "code": 400}
+    assert error(r) == {
+        "message": f"max_tokens must be at least 1, got {value}. (parameter=max_tokens, value={value})",
+        "type": "BadRequestError",
+        "param": "max_tokens",
+        "code": 400,
+    }
 
 
 async def test_prompt_too_long_for_a_text_prompt_says_at_least() -> None:
@@ -74,10 +85,13 @@ async def test_prompt_too_long_for_a_text_prompt_says_at_least() -> None:
     assert r.status_code == 400 and r.headers["content-type"] == "application/json"
     assert error(r) == {
         "message": f"This model's maximum context length is 64 tokens. However, you requested {64 - n + 1} output "
-                   f"tokens and your prompt contains at least {max_input + 1} input tokens, for a total of at least "
-                   f"{65} tokens. Please reduce the length of the input prompt or the number of requested output "
-                   f"tokens. (parameter=input_tokens, value={max_input + 1})",
-        "type": "BadRequestError", "param": "input_tokens", "code": 400}
+        f"tokens and your prompt contains at least {max_input + 1} input tokens, for a total of at least "
+        f"{65} tokens. Please reduce the length of the input prompt or the number of requested output "
+        f"tokens. (parameter=input_tokens, value={max_input + 1})",
+        "type": "BadRequestError",
+        "param": "input_tokens",
+        "code": 400,
+    }
 
 
 async def test_prompt_too_long_for_token_ids_reports_the_exact_count() -> None:
@@ -86,14 +100,18 @@ async def test_prompt_too_long_for_token_ids_reports_the_exact_count() -> None:
         unset = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x " * 80}]})
     assert error(r)["message"].startswith(
         "This model's maximum context length is 64 tokens. However, you requested 10 output tokens and your "
-        "prompt contains 70 input tokens, for a total of 80 tokens.")
+        "prompt contains 70 input tokens, for a total of 80 tokens."
+    )
     assert "you requested 0 output tokens and your prompt contains at least 65 input tokens" in error(unset)["message"]
 
 
 async def test_out_of_vocabulary_ids_and_bad_tool_arguments_are_400() -> None:
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
-    bad_history = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [call]},
-                   {"role": "user", "content": "more"}]
+    bad_history = [
+        *MESSAGES,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "user", "content": "more"},
+    ]
     async with asgi_client() as c:
         oov = await c.post("/v1/completions", json={"prompt": [10**9], "max_tokens": 2})
         args = await c.post("/v1/chat/completions", json=chat_body(bad_history))
@@ -136,10 +154,12 @@ async def test_prompt_token_ids_in_transfer_params_are_honoured_from_0_33(compat
         other_ids = (await c.post("/tokenize", json={"messages": other})).json()["tokens"]
         plain = (await c.post("/v1/chat/completions", json=chat_body(MESSAGES))).json()
         other_answer = (await c.post("/v1/chat/completions", json=chat_body(other))).json()
-        r = await c.post("/v1/chat/completions",
-                         json=chat_body(MESSAGES, kv_transfer_params={"prompt_token_ids": other_ids}))
-        bad = await c.post("/v1/chat/completions",
-                           json=chat_body(MESSAGES, kv_transfer_params={"prompt_token_ids": []}))
+        r = await c.post(
+            "/v1/chat/completions", json=chat_body(MESSAGES, kv_transfer_params={"prompt_token_ids": other_ids})
+        )
+        bad = await c.post(
+            "/v1/chat/completions", json=chat_body(MESSAGES, kv_transfer_params={"prompt_token_ids": []})
+        )
     body = r.json()
     if compat == "0.26":
         assert body["prompt_token_ids"] == plain["prompt_token_ids"]  # ignored: it stays inside the params
@@ -157,17 +177,30 @@ async def test_fail_next_answers_500_then_recovers() -> None:
         b = await c.post("/v1/chat/completions", json=chat_body(MESSAGES, stream=True))
         ok = await c.post("/v1/chat/completions", json=chat_body(MESSAGES))
     for r in (a, b):
-        assert error(r) == {"message": "Internal server error", "type": "InternalServerError", "param": None,
-                            "code": 500}
+        assert error(r) == {
+            "message": "Internal server error",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
     assert ok.status_code == 200
 
 
 @pytest.mark.parametrize("compat", ["0.26", "0.33"])
 async def test_a_failed_pull_before_the_first_token_in_a_stream(compat: str) -> None:
     """0.26 skips the empty output before checking for the error: no error event at all; 0.33 sends one."""
-    dead = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[0, 1]],
-            "remote_engine_id": "gone", "remote_request_id": "x", "remote_host": "127.0.0.1", "remote_port": 1,
-            "tp_size": 1, "remote_num_tokens": 20, "remote_blocks_expiry_time": None}
+    dead = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[0, 1]],
+        "remote_engine_id": "gone",
+        "remote_request_id": "x",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "tp_size": 1,
+        "remote_num_tokens": 20,
+        "remote_blocks_expiry_time": None,
+    }
     body = chat_body(MESSAGES, stream=True, kv_transfer_params=dead, stream_options={"include_usage": True})
     async with asgi_client(compat=compat, role="decode") as d:
         r = await d.post("/v1/chat/completions", json=body)
@@ -177,9 +210,11 @@ async def test_a_failed_pull_before_the_first_token_in_a_stream(compat: str) -> 
     role, *rest = sse(r.text)
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     if compat == "0.26":
-        assert [list(e) for e in rest] == [["id", "object", "created", "model", "choices", "usage",
-                                            "system_fingerprint"]]
+        assert [list(e) for e in rest] == [
+            ["id", "object", "created", "model", "choices", "usage", "system_fingerprint"]
+        ]
     else:
-        assert rest == [{"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
-                                   "code": 500}}]
+        assert rest == [
+            {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
+        ]
         assert 'data: {"error":{"message":"Internal server error"' in r.text  # compact in 0.33

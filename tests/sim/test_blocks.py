@@ -15,19 +15,22 @@ def fill(pool: BlockPool, tokens: list[int]) -> list[int]:
     hashes = block_hashes(tokens, BS, ROOT)
     ids = pool.allocate(-(-len(tokens) // BS))
     for k, bid in enumerate(ids):
-        pool.write(bid, 0, [t * 10 for t in tokens[k * BS:(k + 1) * BS]])
+        pool.write(bid, 0, [t * 10 for t in tokens[k * BS : (k + 1) * BS]])
         if k < len(hashes):
             pool.commit(bid, hashes[k])
     return ids
 
 
-@pytest.mark.parametrize(("query", "hit_blocks"), [
-    (list(range(12)), 3),
-    (list(range(14)), 3),       # the partial block after the full ones is not cached
-    (list(range(8)) + [99, 99, 99, 99], 2),
-    ([99] + list(range(1, 12)), 0),  # a different first token changes every key after it
-    (list(range(3)), 0),
-])
+@pytest.mark.parametrize(
+    ("query", "hit_blocks"),
+    [
+        (list(range(12)), 3),
+        (list(range(14)), 3),  # the partial block after the full ones is not cached
+        (list(range(8)) + [99, 99, 99, 99], 2),
+        ([99] + list(range(1, 12)), 0),  # a different first token changes every key after it
+        (list(range(3)), 0),
+    ],
+)
 def test_prefix_hits_are_the_longest_run_of_cached_full_blocks(query: list[int], hit_blocks: int) -> None:
     pool = BlockPool(16, BS, enable_caching=True)
     ids = fill(pool, list(range(12)))
@@ -43,8 +46,8 @@ def test_without_caching_nothing_is_ever_hit() -> None:
 
 def test_free_blocks_are_reused_least_recently_freed_first_and_a_request_tail_first() -> None:
     pool = BlockPool(6, BS, enable_caching=True)
-    a = fill(pool, list(range(8)))            # blocks 0, 1
-    b = fill(pool, list(range(100, 108)))     # blocks 2, 3
+    a = fill(pool, list(range(8)))  # blocks 0, 1
+    b = fill(pool, list(range(100, 108)))  # blocks 2, 3
     pool.release(b)
     pool.release(a)
     # never-used 4, 5 first; then b (freed first), tail first; then a, tail first

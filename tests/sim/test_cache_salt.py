@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from tests.sim.helpers import asgi_client, chat_body
 
-MESSAGES = [{"role": "system", "content": "A long shared system prompt, " * 8},
-            {"role": "user", "content": "Plan a trip to the sea"}]
+MESSAGES = [
+    {"role": "system", "content": "A long shared system prompt, " * 8},
+    {"role": "user", "content": "Plan a trip to the sea"},
+]
 
 
 async def test_only_the_same_salt_hits_the_cache() -> None:

@@ -41,11 +41,12 @@ async def make_engine() -> AsyncIterator[MakeEngine]:
 
 
 def words(n: int, start: int = 0) -> list[int]:
-    return TOK.word_ids[start:start + n]
+    return TOK.word_ids[start : start + n]
 
 
-async def run(engine: Engine, prompt: list[int], params: dict[str, Any] | None = None,
-              max_tokens: int = 30) -> tuple[list[int], Output]:
+async def run(
+    engine: Engine, prompt: list[int], params: dict[str, Any] | None = None, max_tokens: int = 30
+) -> tuple[list[int], Output]:
     ids: list[int] = []
     last = None
     sampling = Sampling(max_tokens=max_tokens, ignore_eos=True)
@@ -58,7 +59,8 @@ async def run(engine: Engine, prompt: list[int], params: dict[str, Any] | None =
 
 def tokens(engine: Engine, source: str) -> float:
     value = engine.metrics.registry.get_sample_value(
-        "vllm:prompt_tokens_by_source_total", {"model_name": "m", "engine": "0", "source": source})
+        "vllm:prompt_tokens_by_source_total", {"model_name": "m", "engine": "0", "source": source}
+    )
     return value or 0.0
 
 
@@ -67,8 +69,14 @@ def local_hits(engine: Engine) -> float:
     return value or 0.0
 
 
-P_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-             "remote_block_ids": None, "remote_host": None, "remote_port": None}
+P_REQUEST = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 async def test_decode_pulls_everything_its_prefix_cache_lacks(make_engine: MakeEngine) -> None:
@@ -98,8 +106,9 @@ async def test_decode_with_a_full_local_hit_only_notifies(make_engine: MakeEngin
     assert p.pins == {}
 
 
-async def decode_handle(make_engine: MakeEngine, prompt: list[int], **d_cfg: Any) -> tuple[Engine, dict[str, Any],
-                                                                                               list[int]]:
+async def decode_handle(
+    make_engine: MakeEngine, prompt: list[int], **d_cfg: Any
+) -> tuple[Engine, dict[str, Any], list[int]]:
     """A bidirectional D that answered ``prompt`` (P's blocks pulled), its handle and its sequence."""
     p, d = await make_engine("prefill"), await make_engine("decode", **d_cfg)
     _, p_out = await run(p, prompt, dict(P_REQUEST), max_tokens=1)
@@ -120,14 +129,21 @@ async def test_decode_returns_its_handle_in_its_own_clock(make_engine: MakeEngin
     assert list(d.pins) == [handle["remote_request_id"]]
 
 
-@pytest.mark.parametrize(("case", "warm", "expected_pull", "correct"), [
-    ("extension", 0, 79, True),          # min(79, 90) - 0
-    ("extension", 40, 79 - 32, True),    # P's own cache covers two blocks
-    ("exact", 0, 79, True),              # P's prompt is exactly D's computed tokens
-    ("shorter", 0, 50, False),           # min(79, 50): end-trim puts D's tail at P's head
-])
+@pytest.mark.parametrize(
+    ("case", "warm", "expected_pull", "correct"),
+    [
+        ("extension", 0, 79, True),  # min(79, 90) - 0
+        ("extension", 40, 79 - 32, True),  # P's own cache covers two blocks
+        ("exact", 0, 79, True),  # P's prompt is exactly D's computed tokens
+        ("shorter", 0, 50, False),  # min(79, 50): end-trim puts D's tail at P's head
+    ],
+)
 async def test_prefill_pulls_min_of_remote_and_prompt_minus_its_local_hit(
-    make_engine: MakeEngine, case: str, warm: int, expected_pull: int, correct: bool,
+    make_engine: MakeEngine,
+    case: str,
+    warm: int,
+    expected_pull: int,
+    correct: bool,
 ) -> None:
     d, handle, seq = await decode_handle(make_engine, words(40))
     assert handle["remote_num_tokens"] == 79
@@ -174,8 +190,10 @@ async def test_a_read_within_five_seconds_of_expiry_is_declined(make_engine: Mak
     else:
         assert (await run(p2, prompt, params))[0] == (await run(c, prompt))[0]
     assert tokens(p2, "external_kv_transfer") == 0
-    assert p2.metrics.registry.get_sample_value(
-        "vllm:nixl_num_kv_expired_reqs_total", {"model_name": "m", "engine": "0"}) == 1
+    assert (
+        p2.metrics.registry.get_sample_value("vllm:nixl_num_kv_expired_reqs_total", {"model_name": "m", "engine": "0"})
+        == 1
+    )
 
 
 async def test_a_restarted_engine_fails_the_handshake_of_old_handles(make_engine: MakeEngine) -> None:
@@ -231,7 +249,9 @@ async def test_a_request_waits_for_free_blocks_instead_of_failing(make_engine: M
 
 @pytest.mark.parametrize(("d_skew", "p_skew"), [(1000.0, 0.0), (-1000.0, 0.0), (0.0, 5000.0)])
 async def test_expiry_is_judged_on_d_clock_through_the_handshake_offset(
-    make_engine: MakeEngine, d_skew: float, p_skew: float,
+    make_engine: MakeEngine,
+    d_skew: float,
+    p_skew: float,
 ) -> None:
     d, handle, seq = await decode_handle(make_engine, words(40), clock_skew_s=d_skew)
     p2 = await make_engine("prefill", kv_recompute_threshold=0, clock_skew_s=p_skew)
@@ -252,8 +272,12 @@ async def test_unread_pins_are_released_when_their_time_is_up(make_engine: MakeE
             break
         await asyncio.sleep(0.05)
     assert engine.pins == {} and engine.pool.num_free == engine.pool.num_blocks
-    assert engine.metrics.registry.get_sample_value(
-        "vllm:nixl_num_kv_expired_reqs_total", {"model_name": "m", "engine": "0"}) == 1
+    assert (
+        engine.metrics.registry.get_sample_value(
+            "vllm:nixl_num_kv_expired_reqs_total", {"model_name": "m", "engine": "0"}
+        )
+        == 1
+    )
 
 
 async def test_requests_that_outgrow_the_cache_are_preempted_and_answer_the_same(make_engine: MakeEngine) -> None:
@@ -265,5 +289,6 @@ async def test_requests_that_outgrow_the_cache_are_preempted_and_answer_the_same
     expected = [await run(big, p, max_tokens=200) for p in prompts]
     got = await asyncio.wait_for(asyncio.gather(*(run(small, p, max_tokens=200) for p in prompts)), 60)
     assert [ids for ids, _ in got] == [ids for ids, _ in expected]
-    assert (small.metrics.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "m", "engine": "0"})
-            or 0) >= 1
+    assert (
+        small.metrics.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "m", "engine": "0"}) or 0
+    ) >= 1

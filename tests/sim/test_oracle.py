@@ -28,12 +28,18 @@ from tests.sim.helpers import (
 pytestmark = pytest.mark.integration
 
 SYSTEM = {"role": "system", "content": "You are a careful travel agent."}
-QUESTIONS = ["Plan a trip to the mountains", "Somewhere warmer?", "What should I pack?", "And the budget?",
-             "Summarise the plan"]
+QUESTIONS = [
+    "Plan a trip to the mountains",
+    "Somewhere warmer?",
+    "What should I pack?",
+    "And the budget?",
+    "Summarise the plan",
+]
 
 
-def pd_turn(p: Sim, d: Sim, client: dict[str, Any], handle: dict[str, Any] | None, *,
-            stream: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def pd_turn(
+    p: Sim, d: Sim, client: dict[str, Any], handle: dict[str, Any] | None, *, stream: bool
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One turn through P then D; D's answer as a body, and D's handle (non-streamed 0.26 or final chunk 0.33)."""
     p_params = p.chat(prefill_body(client, handle))["kv_transfer_params"]
     if stream:
@@ -44,16 +50,20 @@ def pd_turn(p: Sim, d: Sim, client: dict[str, Any], handle: dict[str, Any] | Non
 
 def sequence(body: dict[str, Any]) -> list[int]:
     """The tokens whose KV D computed: its prompt and its answer but the last sampled token."""
-    return list(body["prompt_token_ids"]) + body["choices"][0]["token_ids"][:-1]
+    answer: list[int] = body["choices"][0]["token_ids"][:-1]
+    return list(body["prompt_token_ids"]) + answer
 
 
 @pytest.mark.parametrize(("compat", "stream"), [("0.26", False), ("0.33", True)])
 def test_correct_bidirectional_reuse_gives_exactly_the_colocated_answer(
-    sims: StartSims, compat: str, stream: bool,
+    sims: StartSims,
+    compat: str,
+    stream: bool,
 ) -> None:
     flags = ("--vllm-compat", compat)
-    p, d, c = sims(("p", "prefill", *flags, "--kv-recompute-threshold", "1"), ("d", "decode", *flags),
-                   ("c", "colocated", *flags))
+    p, d, c = sims(
+        ("p", "prefill", *flags, "--kv-recompute-threshold", "1"), ("d", "decode", *flags), ("c", "colocated", *flags)
+    )
     messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
     handle = None
     for turn, question in enumerate([*QUESTIONS[1:], None]):
@@ -76,7 +86,7 @@ def test_correct_bidirectional_reuse_gives_exactly_the_colocated_answer(
             break
         messages = next_turn(messages, truth, question, reasoning_key=("reasoning", "reasoning_content")[turn % 2])
         # the reuse is correct because the next prompt extends D's sequence token for token
-        assert p.render(messages)[:len(sequence(body))] == sequence(body)
+        assert p.render(messages)[: len(sequence(body))] == sequence(body)
 
 
 def blind_reuse(p: Sim, d: Sim, c: Sim) -> tuple[list[int], list[int], dict[str, Any], list[dict[str, Any]]]:
@@ -97,10 +107,11 @@ def blind_reuse(p: Sim, d: Sim, c: Sim) -> tuple[list[int], list[int], dict[str,
 
 def test_blind_reuse_after_strip_template_dropped_reasoning_gives_a_different_answer(sims: StartSims) -> None:
     strip = ("--template", "strip")
-    p, d, c = sims(("p", "prefill", *strip, "--kv-recompute-threshold", "1"), ("d", "decode", *strip),
-                   ("c", "colocated", *strip))
+    p, d, c = sims(
+        ("p", "prefill", *strip, "--kv-recompute-threshold", "1"), ("d", "decode", *strip), ("c", "colocated", *strip)
+    )
     blind, truth, first, messages2 = blind_reuse(p, d, c)
-    assert p.render(messages2)[:len(sequence(first))] != sequence(first)  # the template rewrote history
+    assert p.render(messages2)[: len(sequence(first))] != sequence(first)  # the template rewrote history
     assert blind != truth
 
     # the wrong blocks P pulled are now in its prefix cache (as in vLLM): even a fresh turn is wrong
@@ -113,27 +124,37 @@ def test_blind_reuse_after_strip_template_dropped_reasoning_gives_a_different_an
 
 def test_blind_reuse_across_retokenization_drift_gives_a_different_answer(sims: StartSims) -> None:
     drift = ("--retokenize-drift",)
-    p, d, c = sims(("p", "prefill", *drift, "--kv-recompute-threshold", "1"), ("d", "decode", *drift),
-                   ("c", "colocated", *drift))
+    p, d, c = sims(
+        ("p", "prefill", *drift, "--kv-recompute-threshold", "1"), ("d", "decode", *drift), ("c", "colocated", *drift)
+    )
     blind, truth, first, messages2 = blind_reuse(p, d, c)
     rendered = p.render(messages2)
     seq = sequence(first)
-    assert len(rendered) > len(seq) and rendered[:len(seq)] != seq  # the answer re-tokenized differently
+    assert len(rendered) > len(seq) and rendered[: len(seq)] != seq  # the answer re-tokenized differently
     assert blind != truth
 
 
 def test_keep_template_without_drift_extends_the_sequence_also_with_tool_calls(sims: StartSims) -> None:
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                               "parameters": {"type": "object",
-                                                              "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     p, d, c = sims(("p", "prefill", "--kv-recompute-threshold", "1"), ("d", "decode"), ("c", "colocated"))
     messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
     client = chat_body(messages, tools=tools, tool_choice="required")
     first, handle = pd_turn(p, d, client, None, stream=False)
     (call,) = first["choices"][0]["message"]["tool_calls"]
-    messages2 = [*next_turn(messages, first, "unused")[:-1],
-                 {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 25 degrees"}]
-    assert p.render(messages2, tools=tools)[:len(sequence(first))] == sequence(first)
+    messages2 = [
+        *next_turn(messages, first, "unused")[:-1],
+        {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 25 degrees"},
+    ]
+    assert p.render(messages2, tools=tools)[: len(sequence(first))] == sequence(first)
     client2 = chat_body(messages2, tools=tools)
     second, _ = pd_turn(p, d, client2, handle, stream=False)
     assert answer(second) == answer(c.chat(client2))

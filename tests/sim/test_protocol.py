@@ -32,18 +32,20 @@ from tests.sim.helpers import (
 
 pytestmark = pytest.mark.integration
 
-MESSAGES = [{"role": "system", "content": "You are a travel agent."},
-            {"role": "user", "content": "Plan a trip to the mountains"}]
-INTERNAL = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
-                      "code": 500}}
+MESSAGES = [
+    {"role": "system", "content": "You are a travel agent."},
+    {"role": "user", "content": "Plan a trip to the mountains"},
+]
+INTERNAL = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
 
 
 def local_hits(sim: Sim) -> float:
     return metric(sim.metrics(), "vllm:prefix_cache_hits_total")
 
 
-def turn(p: Sim, d: Sim, client: dict[str, Any], handle: dict[str, Any] | None = None) -> tuple[dict[str, Any],
-                                                                                                dict[str, Any]]:
+def turn(
+    p: Sim, d: Sim, client: dict[str, Any], handle: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """One non-streaming P/D turn: P's response body and D's."""
     p_body = p.chat(prefill_body(client, handle))
     return p_body, d.chat(decode_body(client, p_body["kv_transfer_params"]))
@@ -121,7 +123,8 @@ def test_a_handle_is_single_use(sims: StartSims) -> None:
         ("p", "prefill", "--no-prefix-caching", "--kv-recompute-threshold", "0"),
         ("d_a", "decode", "--num-gpu-blocks", "32"),
         ("d_b", "decode", "--no-prefix-caching"),
-        ("c", "colocated"))
+        ("c", "colocated"),
+    )
     client = chat_body(MESSAGES)
     _, first = turn(p, d_a, client)
     handle = first["kv_transfer_params"]
@@ -146,8 +149,11 @@ def test_a_handle_is_single_use(sims: StartSims) -> None:
 @pytest.mark.parametrize("how", ["expire_handles", "short_ttl"])
 def test_reads_near_expiry_are_declined_and_the_policy_applies(sims: StartSims, policy: str, how: str) -> None:
     ttl = ["--decoder-kv-blocks-ttl", "4"] if how == "short_ttl" else []  # below the 5 s safety margin
-    p, d, c = sims(("p", "prefill", "--kv-load-failure-policy", policy, "--kv-recompute-threshold", "0"),
-                   ("d", "decode", *ttl), ("c", "colocated"))
+    p, d, c = sims(
+        ("p", "prefill", "--kv-load-failure-policy", policy, "--kv-recompute-threshold", "0"),
+        ("d", "decode", *ttl),
+        ("c", "colocated"),
+    )
     _, first = turn(p, d, chat_body(MESSAGES))
     handle = first["kv_transfer_params"]
     if how == "expire_handles":
@@ -166,8 +172,11 @@ def test_reads_near_expiry_are_declined_and_the_policy_applies(sims: StartSims, 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_after_a_restart_old_handles_fail_the_handshake(sims: StartSims, policy: str) -> None:
-    p, d, c = sims(("p", "prefill", "--kv-load-failure-policy", policy, "--kv-recompute-threshold", "0"),
-                   ("d", "decode", "--kv-load-failure-policy", policy), ("c", "colocated"))
+    p, d, c = sims(
+        ("p", "prefill", "--kv-load-failure-policy", policy, "--kv-recompute-threshold", "0"),
+        ("d", "decode", "--kv-load-failure-policy", policy),
+        ("c", "colocated"),
+    )
     client = chat_body(MESSAGES)
     _, first = turn(p, d, client)
     old_d = d.state()["engine_id"]
@@ -202,8 +211,10 @@ def test_fail_next_drop_next_and_delay(sims: StartSims, http: httpx.Client) -> N
 
     c.faults(drop_next=1, drop_after_chunks=3)
     received: list[str] = []
-    with pytest.raises(httpx.RemoteProtocolError), http.stream("POST", c.url + "/v1/chat/completions",
-                                                              json=body) as stream:
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        http.stream("POST", c.url + "/v1/chat/completions", json=body) as stream,
+    ):
         for line in stream.iter_lines():
             received.append(line)
     data = [x for x in received if x.startswith("data: ")]

@@ -6,14 +6,13 @@ import dataclasses
 
 import pytest
 
+from turnkv.engine.vllm.handles import release_handle, trim_handle
 from turnkv.reuse.assess import (
     EchoedAnswer,
     EngineView,
     Reason,
     TemplateClass,
     assess,
-    release_handle,
-    trim_handle,
 )
 from turnkv.reuse.chain import chain_of
 from turnkv.state.base import Claim, ClaimStatus
@@ -24,13 +23,34 @@ PROMPT = list(range(1, 11))  # the previous turn's prompt: 10 tokens
 ANSWER = [50, 51, 52, 53, 54, 55, 2]  # generated; the last one (EOS) has no KV
 SEQ = PROMPT + ANSWER
 N = len(SEQ) - 1  # remote_num_tokens
-HANDLE = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[7, 8, 9, 10, 11]],
-          "remote_engine_id": "e1", "remote_request_id": "r1", "remote_host": "h", "remote_port": 1,
-          "tp_size": 1, "remote_num_tokens": N, "remote_blocks_expiry_time": 123.0}
+HANDLE = {
+    "do_remote_prefill": False,
+    "do_remote_decode": True,
+    "remote_block_ids": [[7, 8, 9, 10, 11]],
+    "remote_engine_id": "e1",
+    "remote_request_id": "r1",
+    "remote_host": "h",
+    "remote_port": 1,
+    "tp_size": 1,
+    "remote_num_tokens": N,
+    "remote_blocks_expiry_time": 123.0,
+}
 REC = ConversationRecord(
-    tenant="t", decode_url="http://d", prefill_url="http://p", handle=HANDLE, engine_id="e1", engine_epoch=1.0,
-    num_tokens=N, chain=chain_of(SEQ[:N], BS), block_size=BS, prompt_tokens=len(PROMPT), answer_digest="A",
-    reasoning_digest="R", turn=1, created_at=0.0, expires_at=100.0,
+    tenant="t",
+    decode_url="http://d",
+    prefill_url="http://p",
+    handle=HANDLE,
+    engine_id="e1",
+    engine_epoch=1.0,
+    num_tokens=N,
+    chain=chain_of(SEQ[:N], BS),
+    block_size=BS,
+    prompt_tokens=len(PROMPT),
+    answer_digest="A",
+    reasoning_digest="R",
+    turn=1,
+    created_at=0.0,
+    expires_at=100.0,
 )
 NEXT = SEQ + [70, 71, 72]  # the next turn's prompt, extending D's sequence
 SAME = EchoedAnswer("A", True, "R")
@@ -40,11 +60,17 @@ UP = EngineView(True, 1.0)
 FOUND = Claim(ClaimStatus.FOUND, REC)
 
 
-def run(claim: Claim = FOUND, prompt: list[int] = NEXT, *, tenant: str = "t",
-        now: float = 50.0, decode: EngineView | None = UP, echoed: EchoedAnswer | None = SAME,
-        template: TemplateClass = TemplateClass.PRESERVES) -> tuple[int, bool, Reason, bool]:
-    a = assess(claim, prompt, tenant=tenant, now=now, decode=decode, echoed=echoed, template=template,
-               block_size=BS)
+def run(
+    claim: Claim = FOUND,
+    prompt: list[int] = NEXT,
+    *,
+    tenant: str = "t",
+    now: float = 50.0,
+    decode: EngineView | None = UP,
+    echoed: EchoedAnswer | None = SAME,
+    template: TemplateClass = TemplateClass.PRESERVES,
+) -> tuple[int, bool, Reason, bool]:
+    a = assess(claim, prompt, tenant=tenant, now=now, decode=decode, echoed=echoed, template=template, block_size=BS)
     return a.tokens, a.full, a.reason, a.releasable
 
 

@@ -7,43 +7,48 @@ from typing import Any
 
 import pytest
 
+from turnkv.engine.vllm.info import engine_info
 from turnkv.gateway.audit import Render, classify
-from turnkv.gateway.registry import Registry
 from turnkv.reuse.assess import TemplateClass
 from turnkv.sim.chat import ChatTemplate
 from turnkv.sim.tokenizer import Tokenizer
 
 TOK = Tokenizer()
-REWRITING = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '\\n' -}}"
-             "{{- (messages | length | string) + '<|im_end|>\\n' }}{%- endfor %}"
-             "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+REWRITING = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '\\n' -}}"
+    "{{- (messages | length | string) + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def renderer(template: ChatTemplate) -> Render:
     async def render(messages: list[dict[str, Any]], generation: bool) -> Sequence[int]:
         return TOK.encode(template.render(messages, add_generation_prompt=generation))
+
     return render
 
 
-@pytest.mark.parametrize(("template", "cls"), [
-    (ChatTemplate.load("keep"), TemplateClass.PRESERVES),
-    (ChatTemplate.load("strip"), TemplateClass.DROPS_REASONING),
-    (ChatTemplate(REWRITING), TemplateClass.REWRITES_HISTORY),
-])
+@pytest.mark.parametrize(
+    ("template", "cls"),
+    [
+        (ChatTemplate.load("keep"), TemplateClass.PRESERVES),
+        (ChatTemplate.load("strip"), TemplateClass.DROPS_REASONING),
+        (ChatTemplate(REWRITING), TemplateClass.REWRITES_HISTORY),
+    ],
+)
 @pytest.mark.parametrize("tools", [True, False])
 async def test_classify(template: ChatTemplate, cls: TemplateClass, tools: bool) -> None:
     assert (await classify(renderer(template), tools=tools))[0] is cls
 
 
-@pytest.mark.parametrize(("version", "header", "handles"), [
-    ("0.33.0", "", True),
-    ("0.26.0", "0.1.0; streams=chat,completions", True),
-    ("0.26.0", "0.1.0; streams=completions", None),
-    ("0.26.0", "", None),
-])
+@pytest.mark.parametrize(
+    ("version", "header", "handles"),
+    [
+        ("0.33.0", "", True),
+        ("0.26.0", "0.1.0; streams=chat,completions", True),
+        ("0.26.0", "0.1.0; streams=completions", None),
+        ("0.26.0", "", None),
+    ],
+)
 def test_capture_path(version: str, header: str, handles: bool | None) -> None:
-    r = Registry(["http://p"], ["http://d"])
-    inst = r.instances["http://d"]
-    inst.version = version
-    r._capture_path(inst, header)
-    assert inst.stream_handles is handles
+    assert engine_info(version, header, base="http://d", decode=True).stream_handles is handles

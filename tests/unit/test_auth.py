@@ -71,8 +71,14 @@ def test_key_lines(line: str, parsed: tuple[str, str] | None) -> None:
 
 @pytest.mark.parametrize(
     "line",
-    ["sk-a acme extra", "sha256:abc acme", f"sha256:{DIGEST_A}0 acme", f"sha256:{'g' * 64} acme", "sk-a ten;ant",
-     "sk-a " + "t" * 129],
+    [
+        "sk-a acme extra",
+        "sha256:abc acme",
+        f"sha256:{DIGEST_A}0 acme",
+        f"sha256:{'g' * 64} acme",
+        "sk-a ten;ant",
+        "sk-a " + "t" * 129,
+    ],
 )
 def test_bad_key_lines(line: str) -> None:
     with pytest.raises(KeyFileError):
@@ -109,8 +115,16 @@ def test_keys_file_and_env_list_together(tmp_path: Path) -> None:
     assert c.name == "key-" + key_digest("sk-c")[:16] and not c.admin
 
 
-@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer sk-x"}, {"authorization": "Basic sk-a"},
-                                     {"authorization": "sk-a"}, {"x-tenant": "acme"}])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"authorization": "Bearer sk-x"},
+        {"authorization": "Basic sk-a"},
+        {"authorization": "sk-a"},
+        {"x-tenant": "acme"},
+    ],
+)
 def test_with_keys_a_missing_or_unknown_key_is_a_401(headers: dict[str, str]) -> None:
     auth = Authenticator(settings(api_keys=["sk-a acme"]))
     with pytest.raises(Unauthorized) as err:
@@ -141,8 +155,11 @@ def test_the_tenant_header_needs_the_proxy_secret() -> None:
     assert auth.authenticate({"x-tenant": "beta", "x-turnkv-proxy-secret": "s3cret"}).tenant == named_tenant("beta")
     # a client's own word: the header is ignored, and the key decides
     assert auth.authenticate({"x-tenant": "acme", "authorization": "Bearer sk-b"}).tenant == named_tenant("beta")
-    for wrong in ({"x-tenant": "acme"}, {"x-tenant": "acme", "x-turnkv-proxy-secret": "S3CRET"},
-                  {"x-tenant": "acme", "x-turnkv-proxy-secret": ""}):
+    for wrong in (
+        {"x-tenant": "acme"},
+        {"x-tenant": "acme", "x-turnkv-proxy-secret": "S3CRET"},
+        {"x-tenant": "acme", "x-turnkv-proxy-secret": ""},
+    ):
         with pytest.raises(Unauthorized):
             auth.authenticate(wrong)
     with pytest.raises(ClientError):

@@ -27,7 +27,7 @@ def test_each_digest_covers_everything_before() -> None:
     other = [999, *SEQ[1:]]
     mine, theirs = chain_of(SEQ, BS), chain_of(other, BS)
     for i in range(3):
-        assert mine[i * DIGEST_SIZE:(i + 1) * DIGEST_SIZE] != theirs[i * DIGEST_SIZE:(i + 1) * DIGEST_SIZE]
+        assert mine[i * DIGEST_SIZE : (i + 1) * DIGEST_SIZE] != theirs[i * DIGEST_SIZE : (i + 1) * DIGEST_SIZE]
 
 
 @pytest.mark.parametrize(
@@ -62,8 +62,9 @@ def test_a_chain_built_once_answers_the_comparison() -> None:
     prompt = SEQ + [1, 2, 3]
     built = ChainBuilder(BS).extend(prompt)
     for stored in (SEQ, SEQ[:8], SEQ[:6] + [0, 0, 0, 0]):
-        assert agreement(chain_of(stored, BS), len(stored), prompt, BS, built) == \
-            agreement(chain_of(stored, BS), len(stored), prompt, BS)
+        assert agreement(chain_of(stored, BS), len(stored), prompt, BS, built) == agreement(
+            chain_of(stored, BS), len(stored), prompt, BS
+        )
 
 
 @pytest.mark.parametrize("bad", [[1, "a"], [1, 2.5], [None], [2**70]])

@@ -11,12 +11,15 @@ from turnkv.config import ConfigError, load_settings
 ENGINES = {"prefill": ["http://127.0.0.1:8100"], "decode": ["http://127.0.0.1:8200"]}
 
 
-@pytest.mark.parametrize(("flags", "error"), [
-    ({"workers": 2}, "needs --redis-url"),
-    ({"workers": 0}, "greater than or equal to 1"),
-    ({"prefill": []}, "at least one --prefill"),
-    ({"decoder_kv_blocks_ttl": 12.0}, "decoder_kv_blocks_ttl must exceed"),
-])
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        ({"workers": 2}, "needs --redis-url"),
+        ({"workers": 0}, "greater than or equal to 1"),
+        ({"prefill": []}, "at least one --prefill"),
+        ({"decoder_kv_blocks_ttl": 12.0}, "decoder_kv_blocks_ttl must exceed"),
+    ],
+)
 def test_refused(flags: dict[str, Any], error: str) -> None:
     with pytest.raises(ConfigError, match=error):
         load_settings(**{**ENGINES, **flags})

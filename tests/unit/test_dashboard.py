@@ -28,14 +28,29 @@ DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 PENDING: dict[str, set[str]] = {}
 
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-AGGREGATIONS = {"sum", "avg", "min", "max", "count", "topk", "bottomk", "quantile", "stddev", "stdvar", "group",
-                "count_values"}
+AGGREGATIONS = {
+    "sum",
+    "avg",
+    "min",
+    "max",
+    "count",
+    "topk",
+    "bottomk",
+    "quantile",
+    "stddev",
+    "stdvar",
+    "group",
+    "count_values",
+}
 MATCHERS = {"=", "!=", "=~", "!~"}
-TOKEN = re.compile(r"""
+TOKEN = re.compile(
+    r"""
     (?P<space>\s+) | (?P<string>"(?:[^"\\]|\\.)*") | (?P<range>\[[^\]]+\]) | (?P<var>\$\w+)
   | (?P<number>\d+(?:\.\d+)?(?:e[+-]?\d+)?) | (?P<name>[A-Za-z_:][A-Za-z0-9_:]*)
   | (?P<op>=~|!~|!=|==|<=|>=|[-+*/%^<>=,(){}])
-""", re.VERBOSE)
+""",
+    re.VERBOSE,
+)
 
 
 def exported() -> dict[str, set[str]]:
@@ -85,7 +100,7 @@ def selectors(expr: str) -> Iterator[tuple[str, set[str]]]:
                 i += 1
                 continue
             end = closing(toks, i + 2, ")")
-            yield "", {t for k, t in toks[i + 2:end] if k == "name"}
+            yield "", {t for k, t in toks[i + 2 : end] if k == "name"}
             i = end + 1
         elif after == "(" or (text in AGGREGATIONS and after in {"by", "without"}):
             if text not in AGGREGATIONS and not re.fullmatch(r"[a-z_]+", text):
@@ -113,10 +128,16 @@ def names() -> dict[str, set[str]]:
 
 
 def test_the_tokenizer_finds_names_and_labels() -> None:
-    expr = ('histogram_quantile(0.95, sum by (le, turn) (rate(turnkv_ttft_seconds_bucket{outcome=~"full|x"}'
-            '[$__rate_interval]))) / ignoring(turn) max(turnkv_store_up) == 1')
-    assert list(selectors(expr)) == [("", {"le", "turn"}), ("turnkv_ttft_seconds_bucket", {"outcome"}),
-                                     ("", {"turn"}), ("turnkv_store_up", set())]
+    expr = (
+        'histogram_quantile(0.95, sum by (le, turn) (rate(turnkv_ttft_seconds_bucket{outcome=~"full|x"}'
+        "[$__rate_interval]))) / ignoring(turn) max(turnkv_store_up) == 1"
+    )
+    assert list(selectors(expr)) == [
+        ("", {"le", "turn"}),
+        ("turnkv_ttft_seconds_bucket", {"outcome"}),
+        ("", {"turn"}),
+        ("turnkv_store_up", set()),
+    ]
     with pytest.raises(ValueError):
         list(selectors("sum(rate(x[5m])) # a comment"))
 
@@ -141,8 +162,9 @@ def test_every_query_names_a_metric_and_labels_the_gateway_exports(path: Path, n
 
 
 def test_the_dashboard_uses_the_provisioned_datasource() -> None:
-    provisioned = yaml.safe_load(
-        (ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
+    provisioned = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())[
+        "datasources"
+    ]
     uids = {d["uid"] for d in provisioned}
     for path in DASHBOARDS:
         dash = json.loads(path.read_text())

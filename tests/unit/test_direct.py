@@ -26,14 +26,28 @@ def new_tokens_estimate(messages: list[Any], measured_bytes_per_token: float | N
         # CJK: 3 bytes a character, about a token each
         ([SYS, {"role": "user", "content": "a"}, ANSWER, {"role": "user", "content": "旅" * 100}], 120 + 8 * 3),
         # every digit is a token
-        ([SYS, {"role": "user", "content": "a"}, ANSWER, {"role": "user", "content": "1234567890" * 10}],
-         100 + 8 * 3),
+        ([SYS, {"role": "user", "content": "a"}, ANSWER, {"role": "user", "content": "1234567890" * 10}], 100 + 8 * 3),
         # tool results and multimodal text parts count too
-        ([SYS, {"role": "user", "content": "a"}, ANSWER, {"role": "tool", "tool_call_id": "1", "content": "y" * 30},
-          {"role": "user", "content": [{"type": "text", "text": "z" * 30}]}], 24 + 8 * 4),
+        (
+            [
+                SYS,
+                {"role": "user", "content": "a"},
+                ANSWER,
+                {"role": "tool", "tool_call_id": "1", "content": "y" * 30},
+                {"role": "user", "content": [{"type": "text", "text": "z" * 30}]},
+            ],
+            24 + 8 * 4,
+        ),
         ([SYS, {"role": "user", "content": "a"}, ANSWER, "not a message"], None),
-        ([SYS, {"role": "user", "content": "a"}, ANSWER, {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:,"}}]}], None),
+        (
+            [
+                SYS,
+                {"role": "user", "content": "a"},
+                ANSWER,
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]},
+            ],
+            None,
+        ),
     ],
 )
 def test_new_tokens_estimate(messages: list[Any], expected: int | None) -> None:
@@ -43,7 +57,8 @@ def test_new_tokens_estimate(messages: list[Any], expected: int | None) -> None:
 def test_the_estimate_does_not_undercount_english() -> None:
     # ~4 bytes a token in English: 3 bytes a token overestimates, so the stall budget is kept
     text = "Please summarise the attached quarterly report for the board. " * 40
-    assert new_tokens_estimate([SYS, ANSWER, {"role": "user", "content": text}]) > len(text) / 4
+    estimate = new_tokens_estimate([SYS, ANSWER, {"role": "user", "content": text}])
+    assert estimate is not None and estimate > len(text) / 4
 
 
 def test_history_digest_sees_what_changes_the_prompt() -> None:

@@ -11,13 +11,27 @@ from turnkv.bench.scenarios.fifth_turn import analyze
 
 
 def config(policy: str, ttft5: float, action: str, *, link: str = "rdma400", cache: str = "cold") -> ConfigResult:
-    reqs = [RequestRecord(conversation=c, turn=t, start_s=0.0, ttft_ms=ttft5 if t == 5 else 1000.0,
-                          decision={"action": action} if policy not in ("colocated", "plain") else {})
-            for c in range(4) for t in range(1, 6)]
-    tags = {"history": 16000, "user": 150, "link": "-" if policy == "colocated" else link, "cache": cache,
-            "policy": policy}
-    return ConfigResult(f"16k-{link}-{cache}-{policy}", "", {}, {}, reqs, 1.0, {"tags": tags},
-                        group=f"16k {link} P-cache {cache}")
+    reqs = [
+        RequestRecord(
+            conversation=c,
+            turn=t,
+            start_s=0.0,
+            ttft_ms=ttft5 if t == 5 else 1000.0,
+            decision={"action": action} if policy not in ("colocated", "plain") else {},
+        )
+        for c in range(4)
+        for t in range(1, 6)
+    ]
+    tags = {
+        "history": 16000,
+        "user": 150,
+        "link": "-" if policy == "colocated" else link,
+        "cache": cache,
+        "policy": policy,
+    }
+    return ConfigResult(
+        f"16k-{link}-{cache}-{policy}", "", {}, {}, reqs, 1.0, {"tags": tags}, group=f"16k {link} P-cache {cache}"
+    )
 
 
 def target_rows(text: str) -> dict[tuple[str, str], tuple[str, str]]:
@@ -39,12 +53,16 @@ def target_rows(text: str) -> dict[tuple[str, str], tuple[str, str]]:
         (600.0, 200.0, "MISSED", "MISSED", "MISSED", "met"),
     ],
 )
-def test_targets_follow_the_turn_five_medians(adaptive_ms: float, pull_only_ms: float, best_met: str,
-                                              plain_met: str, colocated_met: str, pull_met: str) -> None:
+def test_targets_follow_the_turn_five_medians(
+    adaptive_ms: float, pull_only_ms: float, best_met: str, plain_met: str, colocated_met: str, pull_met: str
+) -> None:
     configs = [
-        config("colocated", 95.0, "-"), config("plain", 1000.0, "recompute"),
-        config("always-pull", 200.0, "pull"), config("never-pull", 900.0, "recompute"),
-        config("decode-local", 100.0, "decode_local"), config("adaptive", adaptive_ms, "decode_local"),
+        config("colocated", 95.0, "-"),
+        config("plain", 1000.0, "recompute"),
+        config("always-pull", 200.0, "pull"),
+        config("never-pull", 900.0, "recompute"),
+        config("decode-local", 100.0, "decode_local"),
+        config("adaptive", adaptive_ms, "decode_local"),
         config("adaptive-pull", pull_only_ms, "pull"),
     ]
     rows = target_rows(analyze(configs)[0])
@@ -53,12 +71,20 @@ def test_targets_follow_the_turn_five_medians(adaptive_ms: float, pull_only_ms: 
     assert rows[("adaptive <= 0.5x plain P/D", where)][1] == plain_met
     assert rows[("adaptive <= 1.15x colocated", where)][1] == colocated_met
     assert rows[("adaptive-pull <= 1.10x better of pull/recompute", where)] == (
-        f"{pull_only_ms / 200.0:.2f}x", pull_met)
+        f"{pull_only_ms / 200.0:.2f}x",
+        pull_met,
+    )
 
 
 def test_a_warm_row_without_pull_only_has_no_pull_target() -> None:
-    configs = [config(p, ms, a, cache="warm") for p, ms, a in (
-        ("always-pull", 150.0, "pull"), ("never-pull", 140.0, "recompute"),
-        ("decode-local", 100.0, "decode_local"), ("adaptive", 105.0, "decode_local"))]
+    configs = [
+        config(p, ms, a, cache="warm")
+        for p, ms, a in (
+            ("always-pull", 150.0, "pull"),
+            ("never-pull", 140.0, "recompute"),
+            ("decode-local", 100.0, "decode_local"),
+            ("adaptive", 105.0, "decode_local"),
+        )
+    ]
     rows = target_rows(analyze(configs)[0])
     assert set(rows) == {("adaptive <= 1.10x best fixed", "16k rdma400 warm")}

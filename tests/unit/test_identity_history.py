@@ -12,9 +12,18 @@ from turnkv.gateway.identity import Conversation, conversation_of, history_keys
 OPTS: dict[str, Any] = {"session_headers": ["x-session-id"], "max_length": 64}
 SYSTEM = {"role": "system", "content": "You are an agent."}
 USER = {"role": "user", "content": "Plan a trip."}
-CALL = {"role": "assistant", "content": "", "reasoning": "I should look it up",
-        "tool_calls": [{"id": "call_1", "type": "function",
-                        "function": {"name": "lookup", "arguments": '{"place": "Lyon", "days": 2}'}}]}
+CALL: dict[str, Any] = {
+    "role": "assistant",
+    "content": "",
+    "reasoning": "I should look it up",
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "lookup", "arguments": '{"place": "Lyon", "days": 2}'},
+        }
+    ],
+}
 RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "Lyon: open daily"}
 
 
@@ -35,8 +44,9 @@ def conv(headers: dict[str, str], body: dict[str, Any], **kw: Any) -> Conversati
         ({}, {"prompt_cache_key": "", "metadata": {"other": "x"}}, {}, "digest", None),
     ],
 )
-def test_precedence(headers: dict[str, str], body: dict[str, Any], kw: dict[str, Any], source: str,
-                    session: str | None) -> None:
+def test_precedence(
+    headers: dict[str, str], body: dict[str, Any], kw: dict[str, Any], source: str, session: str | None
+) -> None:
     c = conv(headers, {"messages": [SYSTEM, USER], **body}, **kw)
     assert c is not None and c.source == source
     if session is not None:
@@ -54,11 +64,14 @@ def test_a_previous_response_claims_its_key_and_stores_under_the_request_digest(
     assert c.store_key == history_keys(c.tenant, [USER, CALL, RESULT])[1]
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"prompt_cache_key": 7}, "prompt_cache_key"),
-    ({"metadata": "conv-1"}, "metadata"),
-    ({"metadata": {"conversation_id": 7}}, "metadata.conversation_id"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt_cache_key": 7}, "prompt_cache_key"),
+        ({"metadata": "conv-1"}, "metadata"),
+        ({"metadata": {"conversation_id": 7}}, "metadata.conversation_id"),
+    ],
+)
 def test_wrong_types_are_client_errors(body: dict[str, Any], param: str) -> None:
     with pytest.raises(ClientError) as e:
         conv({}, {"messages": [USER], **body})
@@ -78,13 +91,24 @@ def test_the_next_request_finds_what_this_one_stored() -> None:
     assert second.store_key not in (second.key, first.key)
 
 
-@pytest.mark.parametrize("echo", [
-    {"role": "assistant", "content": None,  # reasoning dropped, new ids, arguments re-serialized
-     "tool_calls": [{"id": "other", "type": "function", "function": {"name": "lookup",
-                                                                       "arguments": '{"days":2,"place":"Lyon"}'}}]},
-    {"role": "assistant", "content": "Calling tools:\n[{'name': 'lookup'}]"},  # smolagents: calls as text
-    {"role": "assistant", "content": [{"type": "text", "text": "anything"}], "reasoning_content": "x"},
-])
+@pytest.mark.parametrize(
+    "echo",
+    [
+        {
+            "role": "assistant",
+            "content": None,  # reasoning dropped, new ids, arguments re-serialized
+            "tool_calls": [
+                {
+                    "id": "other",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": '{"days":2,"place":"Lyon"}'},
+                }
+            ],
+        },
+        {"role": "assistant", "content": "Calling tools:\n[{'name': 'lookup'}]"},  # smolagents: calls as text
+        {"role": "assistant", "content": [{"type": "text", "text": "anything"}], "reasoning_content": "x"},
+    ],
+)
 def test_the_answer_as_the_client_echoes_it_does_not_matter(echo: dict[str, Any]) -> None:
     """The key is the request the answer was for; the token check judges the answer."""
     before = conv({}, {"messages": [SYSTEM, USER]})
@@ -97,25 +121,40 @@ def test_history_is_normalized_for_how_frameworks_echo_it() -> None:
     echoed = [
         {"role": "system", "content": [{"type": "text", "text": "You are an agent."}]},  # parts, not a string
         {"role": "user", "content": " Plan a trip.\n", "name": "alice"},  # whitespace, a name
-        {"role": "assistant", "content": None, "tool_calls": [  # no reasoning, other ids, other JSON layout
-            {"id": "x9", "type": "function",
-             "function": {"name": "lookup", "arguments": {"days": 2, "place": "Lyon"}}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [  # no reasoning, other ids, other JSON layout
+                {
+                    "id": "x9",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": {"days": 2, "place": "Lyon"}},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "x9", "content": "Lyon: open daily"},
         {"role": "assistant", "content": "done"},
     ]
     assert history_keys("t", as_sent) == history_keys("t", echoed)
 
 
-@pytest.mark.parametrize("change", [
-    lambda m: m[1].update(content="Plan a longer trip."),
-    lambda m: m[2]["tool_calls"][0]["function"].update(arguments='{"place": "Paris", "days": 2}'),
-    lambda m: m[2]["tool_calls"][0]["function"].update(name="search"),
-    lambda m: m[3].update(content="Lyon: closed"),
-    lambda m: m[0].update(role="user"),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m[1].update(content="Plan a longer trip."),
+        lambda m: m[2]["tool_calls"][0]["function"].update(arguments='{"place": "Paris", "days": 2}'),
+        lambda m: m[2]["tool_calls"][0]["function"].update(name="search"),
+        lambda m: m[3].update(content="Lyon: closed"),
+        lambda m: m[0].update(role="user"),
+    ],
+)
 def test_a_changed_history_is_another_conversation(change: Any) -> None:
-    msgs = [dict(SYSTEM), dict(USER), {**CALL, "tool_calls": [
-        {**CALL["tool_calls"][0], "function": dict(CALL["tool_calls"][0]["function"])}]}, dict(RESULT)]
+    msgs = [
+        dict(SYSTEM),
+        dict(USER),
+        {**CALL, "tool_calls": [{**CALL["tool_calls"][0], "function": dict(CALL["tool_calls"][0]["function"])}]},
+        dict(RESULT),
+    ]
     before = history_keys("t", msgs)
     change(msgs)
     assert history_keys("t", msgs)[1] != before[1]

@@ -15,8 +15,7 @@ D = "http://d"
 
 def admission(capacity: int | None = 1000, pinned: int = 0, wait_s: float = 5.0) -> DecodeAdmission:
     pins = {D: pinned}
-    return DecodeAdmission(capacity=lambda url: capacity, pinned=lambda url: pins[url], admit_share=0.9,
-                           wait_s=wait_s)
+    return DecodeAdmission(capacity=lambda url: capacity, pinned=lambda url: pins[url], admit_share=0.9, wait_s=wait_s)
 
 
 async def test_turns_that_fit_go_at_once_and_the_next_waits_its_turn() -> None:
@@ -52,12 +51,15 @@ async def test_a_turn_that_waits_too_long_is_told_to_come_back() -> None:
     assert adm.reserved(D) == 0
 
 
-@pytest.mark.parametrize(("capacity", "pinned", "beside", "tokens", "admitted"), [
-    (None, 0, 10**6, 10**6, True),  # capacity unknown: no limit
-    (1000, 500, 1, 500, False),  # pins take room: 900 - 500 - 1 leaves 399
-    (1000, 500, None, 500, True),  # ... but a turn alone is never held back (D queues it itself)
-    (1000, 0, None, 5000, True),  # larger than the whole share: admitted alone
-])
+@pytest.mark.parametrize(
+    ("capacity", "pinned", "beside", "tokens", "admitted"),
+    [
+        (None, 0, 10**6, 10**6, True),  # capacity unknown: no limit
+        (1000, 500, 1, 500, False),  # pins take room: 900 - 500 - 1 leaves 399
+        (1000, 500, None, 500, True),  # ... but a turn alone is never held back (D queues it itself)
+        (1000, 0, None, 5000, True),  # larger than the whole share: admitted alone
+    ],
+)
 async def test_what_fits(capacity: int | None, pinned: int, beside: int | None, tokens: int, admitted: bool) -> None:
     adm = admission(capacity, pinned, wait_s=0.05)
     async with contextlib.AsyncExitStack() as stack:

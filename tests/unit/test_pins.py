@@ -9,12 +9,15 @@ import time
 import pytest
 
 from turnkv.config import Settings
+from turnkv.engine.base import LoadSample
+from turnkv.engine.fake import FakeEngine
+from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
-from turnkv.gateway.registry import Registry
 from turnkv.gateway.release import Releaser
 from turnkv.logging import make_logger
 from turnkv.reuse.chain import chain_of
+from turnkv.routing import Router, build_profile
 from turnkv.state.base import ClaimStatus
 from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
@@ -26,17 +29,29 @@ D = "http://d1"
 def record(i: int, tokens: int = 1000, *, stored_at: float = 0.0) -> ConversationRecord:
     now = time.time()
     return ConversationRecord(
-        tenant="t", decode_url=D, prefill_url=None, handle={"remote_request_id": f"req-{i}", "remote_num_tokens":
-                                                            tokens}, engine_id="e", engine_epoch=None,
-        num_tokens=tokens, chain=chain_of(list(range(tokens)), 16), block_size=16, prompt_tokens=tokens - 10,
-        answer_digest="a", reasoning_digest=None, turn=2, created_at=stored_at or now, expires_at=now + 400)
+        tenant="t",
+        decode_url=D,
+        prefill_url=None,
+        handle={"remote_request_id": f"req-{i}", "remote_num_tokens": tokens},
+        engine_id="e",
+        engine_epoch=None,
+        num_tokens=tokens,
+        chain=chain_of(list(range(tokens)), 16),
+        block_size=16,
+        prompt_tokens=tokens - 10,
+        answer_digest="a",
+        reasoning_digest=None,
+        turn=2,
+        created_at=stored_at or now,
+        expires_at=now + 400,
+    )
 
 
 @dataclasses.dataclass
 class Rig:
     keeper: PinKeeper
     store: MemoryStore
-    registry: Registry
+    fleet: Fleet
     metrics: GatewayMetrics
 
     def released(self, why: str) -> float:
@@ -46,14 +61,16 @@ class Rig:
 @pytest.fixture
 def rig() -> Rig:
     settings = Settings(prefill=["http://p1"], decode=[D])
-    registry = Registry(settings.prefill, settings.decode)
-    registry.get(D).capacity_tokens = 10_000  # type: ignore[union-attr]  # from cache_config_info: budget 5,000
+    fleet = Fleet(settings.prefill, settings.decode)
+    fleet.apply_load(D, LoadSample(capacity_tokens=10_000))  # as cache_config_info says: a budget of 5,000
     metrics = GatewayMetrics()
     store = MemoryStore()
     guard = StoreGuard(store, retry_s=1)
-    releaser = Releaser(None, registry, metrics, None)  # type: ignore[arg-type]  # only submit() runs here
-    keeper = PinKeeper(settings, registry, guard, releaser, metrics, make_logger("test", json=True))
-    return Rig(keeper, store, registry, metrics)
+    router = Router(build_profile("affinity"), fleet.views)
+    # only submit() runs here (the releases are queued, and counted)
+    releaser = Releaser(FakeEngine(settings.prefill, settings.decode), router, metrics, lambda: None)
+    keeper = PinKeeper(settings, fleet, guard, releaser, metrics, make_logger("test", json=True))
+    return Rig(keeper, store, fleet, metrics)
 
 
 async def put(rig: Rig, i: int, tokens: int = 1000, stored_at: float = 0.0) -> None:
@@ -97,9 +114,7 @@ async def test_a_claimed_handle_is_never_released_by_the_budget(rig: Rig) -> Non
 async def test_pressure_releases_down_to_the_low_watermark(rig: Rig, usage: float, waiting: int, left: int) -> None:
     for i in range(4):
         await put(rig, i, stored_at=100.0 + i)
-    d = rig.registry.get(D)
-    assert d is not None
-    d.kv_usage, d.waiting = usage, waiting
+    rig.fleet.apply_load(D, LoadSample(kv_usage=usage, waiting=waiting, capacity_tokens=10_000))
     await rig.keeper.check()
     assert (await rig.store.pinned([D]))[D].tokens == left  # keep share 0.1 of 10,000 tokens
 
@@ -107,9 +122,7 @@ async def test_pressure_releases_down_to_the_low_watermark(rig: Rig, usage: floa
 async def test_the_janitor_forgets_pins_of_a_restarted_engine(rig: Rig) -> None:
     rec = dataclasses.replace(record(1), engine_epoch=1.0)
     await rig.store.put("k1", rec, 400)
-    d = rig.registry.get(D)
-    assert d is not None
-    d.epoch = 2.0  # the engine restarted: its pins are gone with it
+    rig.fleet.apply_load(D, LoadSample(epoch=2.0, capacity_tokens=10_000))  # it restarted: its pins are gone
     await rig.keeper.check()
     assert await rig.store.pinned([D]) == {}
     assert rig.released("budget") == rig.released("pressure") == 0  # nothing to give back

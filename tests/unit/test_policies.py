@@ -14,8 +14,9 @@ RDMA = CostParams(link_fixed_s=0.005, link_bytes_per_s=45e9)
 NVLINK = CostParams(link_fixed_s=0.002, link_bytes_per_s=300e9)
 
 
-def facts(prompt: int, reusable: int, p_cached: int = 0, *, local: bool = False, d_cached: int = 0,
-          busy: int = 0) -> TurnFacts:
+def facts(
+    prompt: int, reusable: int, p_cached: int = 0, *, local: bool = False, d_cached: int = 0, busy: int = 0
+) -> TurnFacts:
     return TurnFacts(prompt, reusable, p_cached, d_cached, local, busy)
 
 
@@ -116,8 +117,10 @@ def test_only_the_unchecked_baseline_skips_the_token_check() -> None:
     assert [n for n in POLICY_NAMES if not build_policy(n).checks_tokens] == ["always-reuse-unchecked"]
 
 
-@pytest.mark.parametrize(("name", "params"), [("nope", {}), ("adaptive", {"margin": -1}),
-                                              ("adaptive", {"unknown": 1}), ("never-pull", {"x": 1})])
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("nope", {}), ("adaptive", {"margin": -1}), ("adaptive", {"unknown": 1}), ("never-pull", {"x": 1})],
+)
 def test_bad_policy_config_fails_at_start(name: str, params: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         build_policy(name, params)
@@ -139,5 +142,6 @@ def test_bad_policy_config_fails_at_start(name: str, params: dict[str, object]) 
     ],
 )
 def test_a_handle_is_kept_pinned_only_where_a_pull_would_use_it(
-        name: str, params: dict[str, object], costs: CostParams, f: TurnFacts, keeps: bool) -> None:
+    name: str, params: dict[str, object], costs: CostParams, f: TurnFacts, keeps: bool
+) -> None:
     assert build_policy(name, params).keeps_pin(f, costs) is keeps

@@ -42,8 +42,10 @@ class TestRedisStoreOnFakeredis(StoreContract, RedisContract):
     @pytest.fixture
     async def backend(self) -> AsyncIterator[Backend]:
         server = fakeredis.FakeServer()
-        a, b, short = (RedisStore(fakeredis.aioredis.FakeRedis(server=server, decode_responses=True),
-                                  in_flight_ttl_s=ttl) for ttl in (60.0, 60.0, SHORT_MARKER_TTL_S))
+        a, b, short = (
+            RedisStore(fakeredis.aioredis.FakeRedis(server=server, decode_responses=True), in_flight_ttl_s=ttl)
+            for ttl in (60.0, 60.0, SHORT_MARKER_TTL_S)
+        )
         yield Backend(a, b, asyncio.sleep, short, SHORT_MARKER_TTL_S)  # Redis TTLs run on the wall clock
         for s in (a, b, short):
             await s.close()
@@ -80,8 +82,13 @@ async def test_guard_skips_a_failing_store_until_retry() -> None:
     store = _Failing(StoreError("down"))
     states: list[bool] = []
     errors: list[str] = []
-    g = StoreGuard(store, retry_s=5, clock=lambda: now[0], on_state=states.append,  # type: ignore[arg-type]
-                   on_error=errors.append)
+    g = StoreGuard(
+        store,  # type: ignore[arg-type]
+        retry_s=5,
+        clock=lambda: now[0],
+        on_state=states.append,
+        on_error=errors.append,
+    )
     for _ in range(3):
         with pytest.raises(StoreError):
             await g.claim("k", owner="o")
@@ -114,32 +121,40 @@ async def test_a_full_pool_raises_store_busy() -> None:
     await s.close()
 
 
-@pytest.mark.parametrize(("url", "target"), [
-    ("redis://127.0.0.1:6380/2", RedisTarget(Topology.SINGLE, False, (("127.0.0.1", 6380),), 2)),
-    ("redis://localhost", RedisTarget(Topology.SINGLE, False, (("localhost", 6379),), 0)),
-    ("rediss://u:p%40ss@h:1/0", RedisTarget(Topology.SINGLE, True, (("h", 1),), 0, "u", "p@ss")),
-    ("redis://:secret@[::1]:7000", RedisTarget(Topology.SINGLE, False, (("::1", 7000),), 0, None, "secret")),
-    ("unix:///run/redis.sock?db=3", RedisTarget(Topology.SINGLE, False, (), 3, path="/run/redis.sock")),
-    ("redis+sentinel://a:26379,b:26380/mymaster/1",
-     RedisTarget(Topology.SENTINEL, False, (("a", 26379), ("b", 26380)), 1, service="mymaster")),
-    ("rediss+sentinel://s1/svc", RedisTarget(Topology.SENTINEL, True, (("s1", 26379),), 0, service="svc")),
-    ("redis+cluster://n1:7000,n2:7001", RedisTarget(Topology.CLUSTER, False, (("n1", 7000), ("n2", 7001)), 0)),
-    ("rediss+cluster://u:pw@n1:7000/", RedisTarget(Topology.CLUSTER, True, (("n1", 7000),), 0, "u", "pw")),
-])
+@pytest.mark.parametrize(
+    ("url", "target"),
+    [
+        ("redis://127.0.0.1:6380/2", RedisTarget(Topology.SINGLE, False, (("127.0.0.1", 6380),), 2)),
+        ("redis://localhost", RedisTarget(Topology.SINGLE, False, (("localhost", 6379),), 0)),
+        ("rediss://u:p%40ss@h:1/0", RedisTarget(Topology.SINGLE, True, (("h", 1),), 0, "u", "p@ss")),
+        ("redis://:secret@[::1]:7000", RedisTarget(Topology.SINGLE, False, (("::1", 7000),), 0, None, "secret")),
+        ("unix:///run/redis.sock?db=3", RedisTarget(Topology.SINGLE, False, (), 3, path="/run/redis.sock")),
+        (
+            "redis+sentinel://a:26379,b:26380/mymaster/1",
+            RedisTarget(Topology.SENTINEL, False, (("a", 26379), ("b", 26380)), 1, service="mymaster"),
+        ),
+        ("rediss+sentinel://s1/svc", RedisTarget(Topology.SENTINEL, True, (("s1", 26379),), 0, service="svc")),
+        ("redis+cluster://n1:7000,n2:7001", RedisTarget(Topology.CLUSTER, False, (("n1", 7000), ("n2", 7001)), 0)),
+        ("rediss+cluster://u:pw@n1:7000/", RedisTarget(Topology.CLUSTER, True, (("n1", 7000),), 0, "u", "pw")),
+    ],
+)
 def test_redis_urls(url: str, target: RedisTarget) -> None:
     assert parse_redis_url(url) == target
 
 
-@pytest.mark.parametrize(("url", "message"), [
-    ("http://h:6379", "scheme"),
-    ("redis://h:6379/0?max_connections=5", "settings"),
-    ("redis://a:1,b:2/0", "one host"),
-    ("redis+sentinel://a:1", "service"),
-    ("redis+cluster://a:1/3", "database 0"),
-    ("redis://h:port/0", "bad port"),
-    ("redis://h:1/x", "database number"),
-    ("redis://user:hunter2@h:1/0?x=1", "***@"),  # and the password is not repeated
-])
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://h:6379", "scheme"),
+        ("redis://h:6379/0?max_connections=5", "settings"),
+        ("redis://a:1,b:2/0", "one host"),
+        ("redis+sentinel://a:1", "service"),
+        ("redis+cluster://a:1/3", "database 0"),
+        ("redis://h:port/0", "bad port"),
+        ("redis://h:1/x", "database number"),
+        ("redis://user:hunter2@h:1/0?x=1", "***@"),  # and the password is not repeated
+    ],
+)
 def test_bad_redis_urls_are_refused(url: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)) as err:
         parse_redis_url(url)
@@ -156,8 +171,13 @@ def test_settings_refuse_a_bad_redis_url_at_start() -> None:
 
 
 TLS = TLSOptions(ca_certs="/ca.pem", certfile="/c.pem", keyfile="/k.pem", cert_reqs="optional", check_hostname=False)
-TLS_KWARGS = {"ssl_ca_certs": "/ca.pem", "ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem",
-              "ssl_cert_reqs": "optional", "ssl_check_hostname": False}
+TLS_KWARGS = {
+    "ssl_ca_certs": "/ca.pem",
+    "ssl_certfile": "/c.pem",
+    "ssl_keyfile": "/k.pem",
+    "ssl_cert_reqs": "optional",
+    "ssl_check_hostname": False,
+}
 
 
 async def test_each_scheme_builds_its_client_with_the_pool_timeouts_and_tls() -> None:
@@ -176,8 +196,7 @@ async def test_each_scheme_builds_its_client_with_the_pool_timeouts_and_tls() ->
     assert plain._redis.connection_pool.connection_class is not SSLConnection  # type: ignore[union-attr]
     await plain.close()
 
-    cluster = RedisStore.from_url("rediss+cluster://h:7000,g:7001", command_timeout_s=0.3, max_connections=9,
-                                  tls=TLS)
+    cluster = RedisStore.from_url("rediss+cluster://h:7000,g:7001", command_timeout_s=0.3, max_connections=9, tls=TLS)
     assert isinstance(cluster._redis, RedisCluster)
     node_kw = cluster._redis.nodes_manager.connection_kwargs
     assert node_kw["connection_class"] is SSLConnection and node_kw["max_connections"] == 9

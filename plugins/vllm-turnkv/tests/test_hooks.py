@@ -22,7 +22,7 @@ from vllm_turnkv.middleware import HEADER, AdvertiseMiddleware
 
 PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1, 2]], "remote_num_tokens": 20}
 
-PROTOCOL = '''
+PROTOCOL = """
 class _Base:
     model_fields = {{"id": None, "choices": None{extra}}}
 
@@ -31,9 +31,9 @@ class ChatCompletionStreamResponse(_Base):
 
 class CompletionStreamResponse(_Base):
     pass
-'''
+"""
 
-CHAT_SERVING = '''
+CHAT_SERVING = """
 import json
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
 
@@ -60,9 +60,9 @@ class OpenAIServingChat:
         usage = {"id": request_id, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}}
         yield "data: " + json.dumps(usage, separators=(",", ":")) + "\\n\\n"
         yield "data: [DONE]\\n\\n"
-'''
+"""
 
-COMPLETION_SERVING = '''
+COMPLETION_SERVING = """
 import json
 from vllm.entrypoints.openai.completion.protocol import CompletionStreamResponse
 
@@ -74,9 +74,9 @@ class OpenAIServingCompletion:
                       "stop_reason": None, "token_ids": None}
             yield "data: " + json.dumps({"id": request_id, "choices": [choice]}, separators=(",", ":")) + "\\n\\n"
         yield "data: [DONE]\\n\\n"
-'''
+"""
 
-API_SERVER = '''
+API_SERVER = """
 class App:
     def __init__(self):
         self.middleware = []
@@ -88,7 +88,7 @@ def build_app(args, supported_tasks=None, model_config=None):
     import vllm.entrypoints.openai.chat_completion.serving  # noqa: F401 - as vLLM's build_app imports routers
     import vllm.entrypoints.openai.completion.serving  # noqa: F401
     return App()
-'''
+"""
 
 
 def write_fake_vllm(root: Path, version: str, native: bool) -> None:
@@ -98,12 +98,14 @@ def write_fake_vllm(root: Path, version: str, native: bool) -> None:
         "vllm/entrypoints/openai/__init__.py": "",
         "vllm/entrypoints/openai/api_server.py": API_SERVER,
         "vllm/entrypoints/openai/chat_completion/__init__.py": "",
-        "vllm/entrypoints/openai/chat_completion/protocol.py":
-            PROTOCOL.format(extra=', "kv_transfer_params": None' if native else ""),
+        "vllm/entrypoints/openai/chat_completion/protocol.py": PROTOCOL.format(
+            extra=', "kv_transfer_params": None' if native else ""
+        ),
         "vllm/entrypoints/openai/chat_completion/serving.py": CHAT_SERVING,
         "vllm/entrypoints/openai/completion/__init__.py": "",
-        "vllm/entrypoints/openai/completion/protocol.py":
-            PROTOCOL.format(extra=', "kv_transfer_params": None' if native else ""),
+        "vllm/entrypoints/openai/completion/protocol.py": PROTOCOL.format(
+            extra=', "kv_transfer_params": None' if native else ""
+        ),
         "vllm/entrypoints/openai/completion/serving.py": COMPLETION_SERVING,
     }
     for rel, text in files.items():
@@ -210,8 +212,9 @@ def test_patches_modules_when_imported_later(fake_vllm: Any) -> None:
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
     engine = Engine(2, pairs=True)
-    agen = OpenAIServingCompletion().completion_stream_generator(None, [], engine.gen(), "cmpl-1", 0, "m", 1, None,
-                                                                  None)
+    agen = OpenAIServingCompletion().completion_stream_generator(
+        None, [], engine.gen(), "cmpl-1", 0, "m", 1, None, None
+    )
     first, last, done = chunks(asyncio.run(collect(agen)))
     assert first["kv_transfer_params"] is None and last["kv_transfer_params"] == PARAMS and done == "[DONE]"
 
@@ -239,11 +242,14 @@ def test_closing_the_stream_closes_the_engine_generator(fake_vllm: Any) -> None:
     assert len(events) == 3 and engine.closed_early  # the client left: vLLM would abort the request now
 
 
-@pytest.mark.parametrize(("version", "native", "expect"), [
-    ("0.33.0", False, "natively; nothing patched"),
-    ("0.25.1", False, "nothing patched"),
-    ("0.29.0", True, "already has kv_transfer_params (native)"),
-])
+@pytest.mark.parametrize(
+    ("version", "native", "expect"),
+    [
+        ("0.33.0", False, "natively; nothing patched"),
+        ("0.25.1", False, "nothing patched"),
+        ("0.29.0", True, "already has kv_transfer_params (native)"),
+    ],
+)
 def test_no_op_where_not_needed(fake_vllm: Any, version: str, native: bool, expect: str) -> None:
     fake_vllm(version, native)
     import vllm.entrypoints.openai.chat_completion.serving as serving

@@ -42,16 +42,29 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 def workload_from_args(a: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(
-        conversations=a.conversations, turns=a.turns, system_tokens=a.system_tokens, user_tokens=a.user_tokens,
-        answer_tokens=a.answer_tokens, think_time_s=a.think_time_s, rate=a.rate, concurrency=a.concurrency,
-        session_header=a.session_header, model=a.model, seed=a.seed, duration_s=a.duration,
-        max_requests=a.max_requests, request_timeout_s=a.request_timeout,
+        conversations=a.conversations,
+        turns=a.turns,
+        system_tokens=a.system_tokens,
+        user_tokens=a.user_tokens,
+        answer_tokens=a.answer_tokens,
+        think_time_s=a.think_time_s,
+        rate=a.rate,
+        concurrency=a.concurrency,
+        session_header=a.session_header,
+        model=a.model,
+        seed=a.seed,
+        duration_s=a.duration,
+        max_requests=a.max_requests,
+        request_timeout_s=a.request_timeout,
     )
 
 
 def _command() -> str:
-    return "turnkv " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("turnkv") else (
-        "turnkv " + shlex.join(sys.argv[sys.argv.index("bench"):]) if "bench" in sys.argv else "turnkv bench")
+    return (
+        "turnkv " + shlex.join(sys.argv[1:])
+        if sys.argv and sys.argv[0].endswith("turnkv")
+        else ("turnkv " + shlex.join(sys.argv[sys.argv.index("bench") :]) if "bench" in sys.argv else "turnkv bench")
+    )
 
 
 def _out_dir(a: argparse.Namespace, what: str) -> Path:
@@ -77,16 +90,26 @@ def _run(a: argparse.Namespace) -> int:
     records = asyncio.run(run_load(spec, target, label=a.name, show_progress=a.progress))
     wall = time.perf_counter() - t0
     run = RunResult(suite="run", command=_command())
-    run.configs.append(ConfigResult(name=a.name, group="", description=a.description or f"load against {target.kind}",
-                                    workload=spec.to_dict(), target=target.to_dict(), requests=records, wall_s=wall))
+    run.configs.append(
+        ConfigResult(
+            name=a.name,
+            group="",
+            description=a.description or f"load against {target.kind}",
+            workload=spec.to_dict(),
+            target=target.to_dict(),
+            requests=records,
+            wall_s=wall,
+        )
+    )
     write_outputs(run, out, title="turnkv bench run")
     errors = sum(1 for r in records if not r.ok)
     print(f"{len(records)} requests, {errors} errors; results in {out}", file=sys.stderr)
     return 1 if errors and a.fail_on_error else 0
 
 
-def write_outputs(run: Any, out: Path, *, title: str, extra_markdown: str = "",
-                  groups: dict[str, list[str]] | None = None) -> None:
+def write_outputs(
+    run: Any, out: Path, *, title: str, extra_markdown: str = "", groups: dict[str, list[str]] | None = None
+) -> None:
     from turnkv.bench.report import markdown, plot_ttft_by_turn
 
     out.mkdir(parents=True, exist_ok=True)
@@ -98,8 +121,16 @@ def write_outputs(run: Any, out: Path, *, title: str, extra_markdown: str = "",
 def _scenarios(a: argparse.Namespace) -> int:
     from turnkv.bench.scenarios.suites import run_suite
 
-    return run_suite(a.suite, _out_dir(a, a.suite), only=a.only, show_progress=a.progress, command=_command(),
-                     conversations=a.conversations, resume=a.resume, gateway_workers=a.gateway_workers)
+    return run_suite(
+        a.suite,
+        _out_dir(a, a.suite),
+        only=a.only,
+        show_progress=a.progress,
+        command=_command(),
+        conversations=a.conversations,
+        resume=a.resume,
+        gateway_workers=a.gateway_workers,
+    )
 
 
 def _report(a: argparse.Namespace) -> int:
@@ -146,12 +177,22 @@ def add_bench_parser(sub: Any) -> None:
     s = bsub.add_parser("scenarios", help="start simulated deployments and run a benchmark suite")
     s.add_argument("--suite", required=True, choices=["fifth-turn", "overhead", "smoke", "decode-memory"])
     s.add_argument("--out", default=None, help="output directory (default bench-results/<suite>-<time>)")
-    s.add_argument("--only", action="append", default=None, metavar="SUBSTRING",
-                   help="run only configurations whose name contains this (repeatable)")
+    s.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        metavar="SUBSTRING",
+        help="run only configurations whose name contains this (repeatable)",
+    )
     s.add_argument("--conversations", type=int, default=None, help="override the suite's conversations per config")
     s.add_argument("--resume", action="store_true", help="keep the configurations already in OUT/results.json")
-    s.add_argument("--gateway-workers", type=int, default=1, metavar="N",
-                   help="run each gateway as N workers (turnkv serve --workers N, with Redis; pinned to CPUs 1..N)")
+    s.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run each gateway as N workers (turnkv serve --workers N, with Redis; pinned to CPUs 1..N)",
+    )
     _bool_flag(s, "progress", True, "progress line on stderr")
     s.set_defaults(func=_scenarios)
 

@@ -23,8 +23,14 @@ import aiohttp
 from turnkv.bench.records import DECISION_HEADERS
 
 _VISIBLE = re.compile(rb'"(?:content|reasoning|reasoning_content)":"(?!")|"tool_calls":\[')
-_P_ONLY = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-           "remote_block_ids": None, "remote_host": None, "remote_port": None}
+_P_ONLY = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def chat_url(base: str) -> str:
@@ -106,15 +112,15 @@ class TurnClient:
         p_body.update(max_tokens=1, stream=False, kv_transfer_params=_P_ONLY)
         p_data = _dumps(p_body)
         t0 = time.perf_counter()
-        async with self.session.post(chat_url(self.target.prefill), data=p_data, headers=hdrs,
-                                     timeout=self.timeout) as resp:
+        async with self.session.post(
+            chat_url(self.target.prefill), data=p_data, headers=hdrs, timeout=self.timeout
+        ) as resp:
             raw = await resp.read()
             if resp.status != 200:
                 out.status, out.error = resp.status, f"prefill HTTP {resp.status}: {raw[:300]!r}"
                 return
         params = json.loads(raw).get("kv_transfer_params")
-        await self._stream(chat_url(self.target.decode), _dumps({**body, "kv_transfer_params": params}), hdrs,
-                           t0, out)
+        await self._stream(chat_url(self.target.decode), _dumps({**body, "kv_transfer_params": params}), hdrs, t0, out)
 
     async def _stream(self, url: str, data: bytes, hdrs: dict[str, str], t0: float, out: TurnOutcome) -> None:
         events: list[bytes] = []
@@ -122,7 +128,7 @@ class TurnClient:
         done = False
         async with self.session.post(url, data=data, headers=hdrs, timeout=self.timeout) as resp:
             out.status = resp.status
-            out.decision = {h[len("x-turnkv-"):]: resp.headers[h] for h in DECISION_HEADERS if h in resp.headers}
+            out.decision = {h[len("x-turnkv-") :]: resp.headers[h] for h in DECISION_HEADERS if h in resp.headers}
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
                 return
@@ -178,4 +184,3 @@ class TurnClient:
                 out.completion_tokens = u.get("completion_tokens")
         out.content = "".join(content)
         out.reasoning = "".join(reasoning)
-

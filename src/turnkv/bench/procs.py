@@ -90,8 +90,23 @@ class RedisServer:
         self.port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="turnkv-bench-redis-")
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self._dir.name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self._dir.name,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if "Ready to accept connections" in line:

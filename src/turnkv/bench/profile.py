@@ -34,9 +34,26 @@ def profile_gateway(out: Path, *, requests: int, concurrency: int, session: bool
     try:
         with open(out / "gateway.log", "w") as log:
             gw = subprocess.Popen(
-                [sys.executable, "-m", "turnkv.bench.profile", str(prof), "serve", "--prefill", p.url, "--decode",
-                 d.url, *GATEWAY, "--port", "0"], stdout=subprocess.PIPE, stderr=log, text=True,
-                env={**os.environ, "TURNKV_DECISION_HEADERS": "full", **dict(GW_ENV)}, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "turnkv.bench.profile",
+                    str(prof),
+                    "serve",
+                    "--prefill",
+                    p.url,
+                    "--decode",
+                    d.url,
+                    *GATEWAY,
+                    "--port",
+                    "0",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env={**os.environ, "TURNKV_DECISION_HEADERS": "full", **dict(GW_ENV)},
+                start_new_session=True,
+            )
         try:
             assert gw.stdout is not None
             url = json.loads(gw.stdout.readline())["listening"]
@@ -50,8 +67,10 @@ def profile_gateway(out: Path, *, requests: int, concurrency: int, session: bool
         p.stop()
     buf = io.StringIO()
     errors = sum(1 for r in records if not r.ok)
-    buf.write(f"{len(records)} requests ({errors} failed), {concurrency} concurrent, "
-              f"{'with' if session else 'without'} session ids\n")
+    buf.write(
+        f"{len(records)} requests ({errors} failed), {concurrency} concurrent, "
+        f"{'with' if session else 'without'} session ids\n"
+    )
     stats = pstats.Stats(str(prof), stream=buf)
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(40)

@@ -23,8 +23,10 @@ class Progress:
         width = 24
         frac = min(self.done / self.total, 1.0) if self.total else 1.0
         bar = "#" * int(frac * width) + "." * (width - int(frac * width))
-        return (f"{self.label} [{bar}] {self.done}/{self.total} requests, {self.errors} errors, "
-                f"{self.active} active, {time.monotonic() - self.started:.0f} s")
+        return (
+            f"{self.label} [{bar}] {self.done}/{self.total} requests, {self.errors} errors, "
+            f"{self.active} active, {time.monotonic() - self.started:.0f} s"
+        )
 
     async def run(self, enabled: bool = True) -> None:
         """Redraws until cancelled."""

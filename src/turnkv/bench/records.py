@@ -16,8 +16,13 @@ from pathlib import Path
 from typing import Any
 
 FORMAT_VERSION = 1
-DECISION_HEADERS = ("x-turnkv-outcome", "x-turnkv-action", "x-turnkv-reason", "x-turnkv-matched-tokens",
-                    "x-turnkv-direct")
+DECISION_HEADERS = (
+    "x-turnkv-outcome",
+    "x-turnkv-action",
+    "x-turnkv-reason",
+    "x-turnkv-matched-tokens",
+    "x-turnkv-direct",
+)
 
 
 @dataclass
@@ -68,15 +73,29 @@ class ConfigResult:
     group: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "group": self.group, "description": self.description,
-                "workload": self.workload, "target": self.target, "wall_s": round(self.wall_s, 3),
-                "meta": self.meta, "requests": [r.to_dict() for r in self.requests]}
+        return {
+            "name": self.name,
+            "group": self.group,
+            "description": self.description,
+            "workload": self.workload,
+            "target": self.target,
+            "wall_s": round(self.wall_s, 3),
+            "meta": self.meta,
+            "requests": [r.to_dict() for r in self.requests],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ConfigResult:
-        return cls(name=d["name"], group=d.get("group", ""), description=d.get("description", ""),
-                   workload=d.get("workload", {}), target=d.get("target", {}), wall_s=d.get("wall_s", 0.0),
-                   meta=d.get("meta", {}), requests=[RequestRecord.from_dict(r) for r in d["requests"]])
+        return cls(
+            name=d["name"],
+            group=d.get("group", ""),
+            description=d.get("description", ""),
+            workload=d.get("workload", {}),
+            target=d.get("target", {}),
+            wall_s=d.get("wall_s", 0.0),
+            meta=d.get("meta", {}),
+            requests=[RequestRecord.from_dict(r) for r in d["requests"]],
+        )
 
 
 def machine() -> dict[str, Any]:
@@ -88,8 +107,13 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "python": platform.python_version(),
-            "platform": platform.platform(), "turnkv_source": revision()}
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "turnkv_source": revision(),
+    }
 
 
 def revision() -> str:
@@ -99,10 +123,12 @@ def revision() -> str:
         return given
     here = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                              timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here.parent, capture_output=True,
-                               text=True, timeout=5)
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "."], cwd=here.parent, capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     if head.returncode != 0:
@@ -122,14 +148,27 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT_VERSION, "tool": "turnkv bench", "suite": self.suite, "command": self.command,
-                "created": self.created, "machine": self.machine, "extra": self.extra,
-                "configs": [c.to_dict() for c in self.configs]}
+        return {
+            "format": FORMAT_VERSION,
+            "tool": "turnkv bench",
+            "suite": self.suite,
+            "command": self.command,
+            "created": self.created,
+            "machine": self.machine,
+            "extra": self.extra,
+            "configs": [c.to_dict() for c in self.configs],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunResult:
-        return cls(suite=d["suite"], command=d["command"], created=d["created"], machine=d["machine"],
-                   extra=d.get("extra", {}), configs=[ConfigResult.from_dict(c) for c in d["configs"]])
+        return cls(
+            suite=d["suite"],
+            command=d["command"],
+            created=d["created"],
+            machine=d["machine"],
+            extra=d.get("extra", {}),
+            configs=[ConfigResult.from_dict(c) for c in d["configs"]],
+        )
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

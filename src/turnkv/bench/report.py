@@ -24,30 +24,63 @@ def per_turn_table(configs: Sequence[ConfigResult]) -> str:
     rows: list[list[object]] = []
     for c in configs:
         for s in by_turn(c.requests):
-            rows.append([c.name, s.turn, s.n, s.errors, fmt_ms(s.ttft_p50), fmt_ms(s.ttft_p90), fmt_ms(s.ttft_p99),
-                         fmt_ms(s.itl_p99), s.actions_text()])
-    return md_table(["config", "turn", "n", "errors", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p99 ms",
-                     "turnkv action (count)"], rows)
+            rows.append(
+                [
+                    c.name,
+                    s.turn,
+                    s.n,
+                    s.errors,
+                    fmt_ms(s.ttft_p50),
+                    fmt_ms(s.ttft_p90),
+                    fmt_ms(s.ttft_p99),
+                    fmt_ms(s.itl_p99),
+                    s.actions_text(),
+                ]
+            )
+    return md_table(
+        [
+            "config",
+            "turn",
+            "n",
+            "errors",
+            "TTFT p50 ms",
+            "TTFT p90 ms",
+            "TTFT p99 ms",
+            "ITL p99 ms",
+            "turnkv action (count)",
+        ],
+        rows,
+    )
 
 
 def markdown(run: RunResult, title: str = "turnkv bench") -> str:
     m = run.machine
     parts = [
-        f"# {title}", "",
+        f"# {title}",
+        "",
         f"- command: `{run.command}`",
         f"- created: {run.created}; machine: {m.get('cpus')} CPUs ({m.get('cpu_model')}), Python {m.get('python')}",
         "- times are client-side wall-clock milliseconds; TTFT is from sending the request to the first SSE "
-        "event carrying generated text", "",
+        "event carrying generated text",
+        "",
     ]
     for c in run.configs:
-        parts += [f"- **{c.name}**: {c.description} (target: {c.target.get('kind')}; {len(c.requests)} requests "
-                  f"in {c.wall_s:.1f} s)"]
+        parts += [
+            f"- **{c.name}**: {c.description} (target: {c.target.get('kind')}; {len(c.requests)} requests "
+            f"in {c.wall_s:.1f} s)"
+        ]
     parts += ["", "## TTFT per turn", "", per_turn_table(run.configs), ""]
     return "\n".join(parts)
 
 
-def plot_ttft_by_turn(configs: Sequence[ConfigResult], path: Path, *, title: str = "TTFT by turn",
-                      groups: dict[str, list[str]] | None = None, dpi: int = 80) -> None:
+def plot_ttft_by_turn(
+    configs: Sequence[ConfigResult],
+    path: Path,
+    *,
+    title: str = "TTFT by turn",
+    groups: dict[str, list[str]] | None = None,
+    dpi: int = 80,
+) -> None:
     """One panel per group (all configurations in one panel by default): p50 lines, p90 dashed."""
     import matplotlib
 

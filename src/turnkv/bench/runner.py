@@ -33,9 +33,15 @@ class _Budget:
         return True
 
 
-async def run_load(spec: WorkloadSpec, target: Target, *, label: str = "bench", show_progress: bool = True,
-                   conversation: Callable[[int, WorkloadSpec], Conversation] = Conversation,
-                   records: list[RequestRecord] | None = None) -> list[RequestRecord]:
+async def run_load(
+    spec: WorkloadSpec,
+    target: Target,
+    *,
+    label: str = "bench",
+    show_progress: bool = True,
+    conversation: Callable[[int, WorkloadSpec], Conversation] = Conversation,
+    records: list[RequestRecord] | None = None,
+) -> list[RequestRecord]:
     """Runs the workload against ``target`` and returns one record per request sent (appended to
     ``records`` as each finishes, where given). ``conversation`` makes each conversation."""
     records = [] if records is None else records
@@ -71,8 +77,16 @@ async def run_load(spec: WorkloadSpec, target: Target, *, label: str = "bench", 
     return records
 
 
-async def _turns(conv: Conversation, client: TurnClient, spec: WorkloadSpec, start: float, deadline: float,
-                 budget: _Budget, records: list[RequestRecord], progress: Progress) -> None:
+async def _turns(
+    conv: Conversation,
+    client: TurnClient,
+    spec: WorkloadSpec,
+    start: float,
+    deadline: float,
+    budget: _Budget,
+    records: list[RequestRecord],
+    progress: Progress,
+) -> None:
     headers = {"x-session-id": conv.session_id} if spec.session_header else {}
     for t in range(spec.turns):
         if time.perf_counter() >= deadline or not budget.take():
@@ -81,11 +95,18 @@ async def _turns(conv: Conversation, client: TurnClient, spec: WorkloadSpec, sta
         sent = time.perf_counter()
         out = await client.send(body, headers)
         rec = RequestRecord(
-            conversation=conv.index, turn=conv.turn, start_s=sent - start,
+            conversation=conv.index,
+            turn=conv.turn,
+            start_s=sent - start,
             ttft_ms=None if out.ttft_s is None else out.ttft_s * 1e3,
-            latency_ms=None if out.latency_s is None else out.latency_s * 1e3, itl_ms=out.itl_ms,
-            chunks=out.chunks, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-            status=out.status, error=out.error, decision=out.decision,
+            latency_ms=None if out.latency_s is None else out.latency_s * 1e3,
+            itl_ms=out.itl_ms,
+            chunks=out.chunks,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            status=out.status,
+            error=out.error,
+            decision=out.decision,
         )
         records.append(rec)
         progress.done += 1

@@ -46,13 +46,22 @@ def summarize(records: Iterable[RequestRecord]) -> TurnStats:
     itl = [x for r in ok for x in r.itl_ms]
     lat = [r.latency_ms for r in ok if r.latency_ms is not None]
     # a decode-local turn that skipped the render is its own path ("decode_local direct")
-    actions = Counter(r.decision["action"] + (" direct" if r.decision.get("direct") == "true" else "")
-                      for r in recs if "action" in r.decision)
+    actions = Counter(
+        r.decision["action"] + (" direct" if r.decision.get("direct") == "true" else "")
+        for r in recs
+        if "action" in r.decision
+    )
     return TurnStats(
-        turn=recs[0].turn if recs and len({r.turn for r in recs}) == 1 else 0, n=len(recs),
-        errors=len(recs) - len(ok), ttft_p50=percentile(ttft, 50), ttft_p90=percentile(ttft, 90),
-        ttft_p99=percentile(ttft, 99), ttft_mean=sum(ttft) / len(ttft) if ttft else math.nan,
-        itl_p50=percentile(itl, 50), itl_p99=percentile(itl, 99), latency_p50=percentile(lat, 50),
+        turn=recs[0].turn if recs and len({r.turn for r in recs}) == 1 else 0,
+        n=len(recs),
+        errors=len(recs) - len(ok),
+        ttft_p50=percentile(ttft, 50),
+        ttft_p90=percentile(ttft, 90),
+        ttft_p99=percentile(ttft, 99),
+        ttft_mean=sum(ttft) / len(ttft) if ttft else math.nan,
+        itl_p50=percentile(itl, 50),
+        itl_p99=percentile(itl, 99),
+        latency_p50=percentile(lat, 50),
         actions=dict(actions),
     )
 

@@ -68,8 +68,14 @@ class Conversation:
     ``vocab``: the words to draw from (default: the simulator's); ``extra_body``: more request fields,
     which win over the workload's."""
 
-    def __init__(self, index: int, spec: WorkloadSpec, *, vocab: Sequence[str] | None = None,
-                 extra_body: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        spec: WorkloadSpec,
+        *,
+        vocab: Sequence[str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+    ) -> None:
         self.index = index
         self.spec = spec
         self.vocab = tuple(vocab) if vocab else None
@@ -89,8 +95,13 @@ class Conversation:
         """Adds the next user message and returns the request body (the whole history)."""
         self.messages.append({"role": "user", "content": words(self.rng, self.spec.user_tokens, self.vocab)})
         return {
-            "model": self.spec.model, "messages": self.messages, "max_tokens": self.spec.answer_tokens,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **self.extra_body,
+            "model": self.spec.model,
+            "messages": self.messages,
+            "max_tokens": self.spec.answer_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **self.extra_body,
         }
 
     def answered(self, content: str, reasoning: str) -> None:

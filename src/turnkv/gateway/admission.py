@@ -24,11 +24,15 @@ class Admission:
     def check(self, tenant: str) -> None:
         """Raise the refusal a request of ``tenant`` would get now, if any."""
         if self.per_tenant is not None and self.by_tenant.get(tenant, 0) >= self.per_tenant:
-            raise TenantLimit(f"Too many requests in flight for this API key (limit {self.per_tenant}); retry "
-                              "after the ones running finish.", retry_after_s=self.retry_after_s)
+            raise TenantLimit(
+                f"Too many requests in flight for this API key (limit {self.per_tenant}); retry "
+                "after the ones running finish.",
+                retry_after_s=self.retry_after_s,
+            )
         if self.inflight >= self.max_inflight:
-            raise Overloaded("The gateway is serving as many requests as it takes; retry shortly.",
-                             retry_after_s=self.retry_after_s)
+            raise Overloaded(
+                "The gateway is serving as many requests as it takes; retry shortly.", retry_after_s=self.retry_after_s
+            )
 
     @contextlib.contextmanager
     def hold(self, tenant: str) -> Iterator[None]:

@@ -53,15 +53,33 @@ def _calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return out
 
 
+def reasoning_of(m: Mapping[str, Any]) -> Any:
+    """A message's (or a delta's) reasoning: ``reasoning``, or ``reasoning_content`` as older vLLM and
+    some clients name it."""
+    return m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
+
+
+# Which message is "the last answer" depends on the question, so both rules live here, side by side:
+def last_assistant(messages: Sequence[Any]) -> int | None:
+    """Index of the last assistant message, whatever follows it; None when there is none (a
+    conversation's first turn)."""
+    i = len(messages) - 1
+    while i >= 0 and not (isinstance(messages[i], Mapping) and messages[i].get("role") == "assistant"):
+        i -= 1
+    return i if i >= 0 else None
+
+
 def echoed_answer(messages: Sequence[Any]) -> EchoedAnswer | None:
-    """The last assistant message before the trailing user/tool messages, as digests."""
+    """The answer the client continues, as digests: the assistant message right before the trailing
+    user and tool messages (None when anything else comes between: then it is not the answer D's
+    record ends with)."""
     i = len(messages) - 1
     while i >= 0 and isinstance(messages[i], Mapping) and messages[i].get("role") in ("user", "tool"):
         i -= 1
     if i < 0 or not isinstance(messages[i], Mapping) or messages[i].get("role") != "assistant":
         return None
     m = messages[i]
-    reasoning = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
+    reasoning = reasoning_of(m)
     rd = reasoning_digest(reasoning if isinstance(reasoning, str) else None)
     return EchoedAnswer(answer_digest(_text(m.get("content")), _calls(m)), rd is not None, rd)
 
@@ -77,7 +95,7 @@ class AnswerAccumulator:
     def delta(self, d: Mapping[str, Any]) -> None:
         if isinstance(d.get("content"), str):
             self.content.append(d["content"])
-        r = d.get("reasoning") if d.get("reasoning") is not None else d.get("reasoning_content")
+        r = reasoning_of(d)
         if isinstance(r, str):
             self.reasoning.append(r)
         for tc in d.get("tool_calls") or []:
@@ -92,7 +110,7 @@ class AnswerAccumulator:
 
     def message(self, m: Mapping[str, Any]) -> None:
         self.content.append(_text(m.get("content")))
-        r = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
+        r = reasoning_of(m)
         if isinstance(r, str):
             self.reasoning.append(r)
         for i, (name, args) in enumerate(_calls(m)):

@@ -1,22 +1,21 @@
 """``create_app(settings)``: the gateway as an ASGI app, with everything it owns built in its lifespan.
 
-The lifespan owns one aiohttp session, one store (Redis pool or in-process), the engine registry
-and its background loops (engine health and metrics, the pinned-memory report, the releaser, the
-template audit), all cancelled, and waited for, when the app stops.
+The lifespan owns the engine (``turnkv.engine``: for vLLM, one aiohttp session), one store (Redis pool
+or in-process), the engine registry and its background loops (engine health and metrics, the
+pinned-memory report, the releaser, the template audit), all cancelled, and waited for, when the app
+stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any, TypedDict
+from typing import TypedDict
 
-import aiohttp
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -25,24 +24,26 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from turnkv.config import Settings
+from turnkv.engine import open_engine
+from turnkv.engine.base import Engine
 from turnkv.errors import GatewayError, UpstreamError, UpstreamStatus
 from turnkv.gateway import routes
 from turnkv.gateway.audit import classify, engine_renderer
 from turnkv.gateway.edge import EdgeMiddleware
 from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpected
+from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
-from turnkv.gateway.registry import Registry
 from turnkv.gateway.release import Releaser
 from turnkv.gateway.responses import routes as responses_routes
-from turnkv.gateway.services import Services, TemplateAudit
-from turnkv.gateway.upstream import Upstream
+from turnkv.gateway.services import Catalog, Services, TemplateAudit
 from turnkv.logging import make_logger
 from turnkv.reuse.assess import TemplateClass
 from turnkv.reuse.cost import CostParams
 from turnkv.reuse.estimator import CostEstimator
 from turnkv.reuse.policies import build_policy
+from turnkv.routing import Router, build_profile
 from turnkv.state.base import ConversationStore
 from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
@@ -65,11 +66,15 @@ class State(TypedDict):
 def cost_priors(settings: Settings) -> CostParams:
     c = settings.costs
     return CostParams(
-        link_fixed_s=c.link_fixed_ms / 1e3, link_bytes_per_s=c.link_gbps * 1e9,
+        link_fixed_s=c.link_fixed_ms / 1e3,
+        link_bytes_per_s=c.link_gbps * 1e9,
         push_fixed_s=None if c.push_link_fixed_ms is None else c.push_link_fixed_ms / 1e3,
         push_bytes_per_s=None if c.push_link_gbps is None else c.push_link_gbps * 1e9,
-        kv_bytes_per_token=settings.kv_bytes_per_token, prefill_per_token_s=c.prefill_us_per_token / 1e6,
-        prefill_attn_s=c.prefill_attn_ns / 1e9, prefill_floor_s=c.prefill_floor_ms / 1e3, hop_s=c.hop_ms / 1e3,
+        kv_bytes_per_token=settings.kv_bytes_per_token,
+        prefill_per_token_s=c.prefill_us_per_token / 1e6,
+        prefill_attn_s=c.prefill_attn_ns / 1e9,
+        prefill_floor_s=c.prefill_floor_ms / 1e3,
+        hop_s=c.hop_ms / 1e3,
         recompute_threshold=c.recompute_threshold,
     )
 
@@ -77,11 +82,22 @@ def cost_priors(settings: Settings) -> CostParams:
 def _store(settings: Settings) -> ConversationStore:
     s = settings
     if s.redis_url:
-        tls = TLSOptions(ca_certs=s.redis_tls_ca_certs, certfile=s.redis_tls_certfile, keyfile=s.redis_tls_keyfile,
-                         cert_reqs=s.redis_tls_cert_reqs, check_hostname=s.redis_tls_check_hostname)
-        return RedisStore.from_url(s.redis_url, namespace=s.redis_namespace, command_timeout_s=s.timeouts.redis_s,
-                                   pool_timeout_s=s.redis_pool_timeout_s, max_connections=s.redis_max_connections,
-                                   in_flight_ttl_s=s.redis_in_flight_ttl_s, tls=tls)
+        tls = TLSOptions(
+            ca_certs=s.redis_tls_ca_certs,
+            certfile=s.redis_tls_certfile,
+            keyfile=s.redis_tls_keyfile,
+            cert_reqs=s.redis_tls_cert_reqs,
+            check_hostname=s.redis_tls_check_hostname,
+        )
+        return RedisStore.from_url(
+            s.redis_url,
+            namespace=s.redis_namespace,
+            command_timeout_s=s.timeouts.redis_s,
+            pool_timeout_s=s.redis_pool_timeout_s,
+            max_connections=s.redis_max_connections,
+            in_flight_ttl_s=s.redis_in_flight_ttl_s,
+            tls=tls,
+        )
     return MemoryStore()
 
 
@@ -96,42 +112,34 @@ async def _report_links(svc: Services) -> None:
 
 async def _audit_once(svc: Services) -> bool:
     """Learn the served model names and classify the chat template; False when no engine answered."""
-    inst = svc.registry.pick("prefill")
+    inst = svc.router.pick("prefill")
     base = svc.settings.render or (inst.url if inst else None)
     if base is None:
         return False
     try:
-        if not svc.models:
-            status, raw = await svc.upstream.get(base, "/v1/models")
-            if status == 200:
-                listed = json.loads(raw).get("data", [])
-                svc.models = [str(m["id"]) for m in listed]
-                svc.model_len = {str(m["id"]): m["max_model_len"] for m in listed
-                                 if isinstance(m.get("max_model_len"), int)}  # vLLM lists it; OpenAI does not
+        if not svc.catalog.models:
+            cards = await svc.engine.models(base)
+            if cards is not None:
+                svc.catalog.learned(
+                    [c.name for c in cards], {c.name: c.max_model_len for c in cards if c.max_model_len is not None}
+                )
         if not svc.settings.template_audit:
             return True
-        model = next(iter(svc.settings.models or svc.models), None)
-
-        async def post(body: dict[str, Any]) -> dict[str, Any]:
-            return await svc.upstream.post_json("render", base, "/v1/chat/completions/render", body,
-                                                svc.upstream.headers(None, None))
-
+        model = next(iter(svc.models), None)
         try:
-            cls, detail = await classify(engine_renderer(post, model))
+            cls, detail = await classify(engine_renderer(svc.engine, base, model))
         except UpstreamStatus as exc:
             if exc.upstream_status >= 500:
                 raise
             # the template may not take tools: classify on a conversation without tool calls
-            cls, detail = await classify(engine_renderer(post, model, tools=False), tools=False)
+            cls, detail = await classify(engine_renderer(svc.engine, base, model, tools=False), tools=False)
             detail += " (probed without tools: the tool probe was refused)"
     except (UpstreamError, ValueError, KeyError) as exc:
-        if svc.audit.detail == "not audited yet":
+        if svc.catalog.template.detail == "not audited yet":
             svc.log.warning("template.audit_failed", engine=base, error=str(exc))
-        svc.audit = TemplateAudit(TemplateClass.UNKNOWN, f"audit failed: {exc}")
+        svc.catalog.audited(TemplateAudit(TemplateClass.UNKNOWN, f"audit failed: {exc}"))
         return False
-    svc.audit = TemplateAudit(cls, detail)
-    if svc.releaser.model is None and svc.models:
-        svc.releaser.model = svc.models[0]
+    svc.catalog.audited(TemplateAudit(cls, detail))
     for c in TemplateClass:
         svc.metrics.template_class.labels(c.value).set(1 if c is cls else 0)
     svc.log.info("template.audit", template_class=cls.value, detail=detail)
@@ -185,44 +193,69 @@ async def _shut_down(svc: Services) -> None:
         await svc.releaser.drain(SHUTDOWN_RELEASE_S)
 
 
-def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain: Drain | None = None) -> Starlette:
+def create_app(
+    settings: Settings,
+    *,
+    multiprocess_dir: str | None = None,
+    drain: Drain | None = None,
+    engine: Engine | None = None,
+    store: ConversationStore | None = None,
+) -> Starlette:
     """The gateway; ``multiprocess_dir`` is set by ``serve --workers N`` (workers.py): where the workers'
     metrics meet, so that /metrics reports all of them. ``drain`` is how the server that runs the app
-    tells it a shutdown began (``launch.run_uvicorn``)."""
+    tells it a shutdown began (``launch.run_uvicorn``). ``engine`` and ``store``: used instead of the ones
+    the settings name (tests pass ``engine.fake.FakeEngine`` and a store of their own)."""
     drain = drain or Drain(settings.drain_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[State]:
-        connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0, keepalive_timeout=30)
         metrics = GatewayMetrics(multiprocess_dir=multiprocess_dir)
         log = make_logger("turnkv.turn", json=settings.log_json)
         if multiprocess_dir is not None:
             log = log.bind(worker=os.getpid())  # which of the workers served a turn
-        store = StoreGuard(
-            _store(settings), retry_s=settings.store_retry_s,
+        guard = StoreGuard(
+            store if store is not None else _store(settings),
+            retry_s=settings.store_retry_s,
             on_error=lambda op: metrics.redis_errors.labels(op).inc(),
             on_state=lambda up: metrics.store_up.set(1 if up else 0),
             on_busy=lambda op: metrics.store_busy.labels(op).inc(),
         )
-        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-            upstream = Upstream(session, settings.timeouts, settings.upstream_api_key)
-            registry = Registry(settings.prefill, settings.decode, settings.block_size, settings.routing)
+        async with contextlib.AsyncExitStack() as stack:
+            eng = engine if engine is not None else await stack.enter_async_context(open_engine(settings))
+            fleet = Fleet(settings.prefill, settings.decode, settings.block_size)
+            router = Router(build_profile(settings.routing, settings.routing_profiles), fleet.views)
             estimator = CostEstimator(cost_priors(settings))
-            registry.on_link_sample = estimator.observe_link
-            registry.on_restart = lambda inst: metrics.engine_restarts.labels(inst.role).inc()
-            releaser = Releaser(upstream, registry, metrics, next(iter(settings.models), None))
-            pins = PinKeeper(settings, registry, store, releaser, metrics, log)
-            registry.on_scraped = pins.on_scraped
+            fleet.on_link_sample = estimator.observe_link
+            fleet.on_restart = lambda view: metrics.engine_restarts.labels(view.role).inc()
+            catalog = Catalog()
+            releaser = Releaser(eng, router, metrics, lambda: next(iter(settings.models or catalog.models), None))
+            pins = PinKeeper(settings, fleet, guard, releaser, metrics, log)
+            fleet.on_scraped = pins.on_scraped
             svc = Services(
-                settings=settings, upstream=upstream, registry=registry, store=store,
-                policy=build_policy(settings.policy.name, settings.policy.params), estimator=estimator,
-                metrics=metrics, log=log, releaser=releaser, pins=pins, drain=drain,
+                settings=settings,
+                engine=eng,
+                fleet=fleet,
+                router=router,
+                store=guard,
+                policy=build_policy(settings.policy.name, settings.policy.params),
+                estimator=estimator,
+                metrics=metrics,
+                log=log,
+                releaser=releaser,
+                pins=pins,
+                drain=drain,
+                catalog=catalog,
             )
             audited = False
             with anyio.move_on_after(STARTUP_AUDIT_S):
                 audited = await _audit_once(svc)  # engines already up: know the template before serving
-            loops = [registry.run(upstream, settings.health_interval_s, settings.scrape_interval_s),
-                     _report_links(svc), releaser.run(), pins.run(), *([] if audited else [_audit_until_done(svc)])]
+            loops = [
+                fleet.run(eng, settings.health_interval_s, settings.scrape_interval_s),
+                _report_links(svc),
+                releaser.run(),
+                pins.run(),
+                *([] if audited else [_audit_until_done(svc)]),
+            ]
             tasks = [asyncio.create_task(c) for c in loops]
             for t in tasks:
                 t.add_done_callback(_log_crash)
@@ -231,15 +264,30 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
             finally:
                 await _shut_down(svc)
                 await stop_tasks(tasks)
-        await store.close()
+        if store is None:  # a store passed in is its owner's to close
+            await guard.close()
 
     cors = settings.cors
     middleware = [Middleware(EdgeMiddleware, settings=settings)]
     if cors.allow_origins:  # outermost: a browser's preflight is answered without credentials
-        middleware.insert(0, Middleware(
-            CORSMiddleware, allow_origins=cors.allow_origins, allow_methods=["GET", "POST"],
-            allow_headers=cors.allow_headers, allow_credentials=cors.allow_credentials, max_age=cors.max_age_s,
-            expose_headers=["x-request-id", "retry-after", "x-turnkv-outcome", "x-turnkv-action", "x-turnkv-reason"]))
+        middleware.insert(
+            0,
+            Middleware(
+                CORSMiddleware,
+                allow_origins=cors.allow_origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=cors.allow_headers,
+                allow_credentials=cors.allow_credentials,
+                max_age=cors.max_age_s,
+                expose_headers=[
+                    "x-request-id",
+                    "retry-after",
+                    "x-turnkv-outcome",
+                    "x-turnkv-action",
+                    "x-turnkv-reason",
+                ],
+            ),
+        )
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
@@ -257,8 +305,7 @@ def create_app(settings: Settings, *, multiprocess_dir: str | None = None, drain
         ],
         middleware=middleware,
         lifespan=lifespan,
-        exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_exception,
-                            Exception: on_unexpected},
+        exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_exception, Exception: on_unexpected},
     )
     app.state.drain = drain  # for the server: launch.run_uvicorn tells it when a shutdown begins
     app.state.shutdown_delay_s = settings.shutdown_delay_s

@@ -12,19 +12,32 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from turnkv.engine.base import CallMeta, Engine
 from turnkv.reuse.assess import TemplateClass
 
 Render = Callable[[list[dict[str, Any]], bool], Awaitable[Sequence[int]]]
 
-PROBE_TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 _HISTORY: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a careful assistant."},
     {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": "", "reasoning": "The user wants the weather. I should call the tool.",
-     "tool_calls": [{"id": "call_1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "The user wants the weather. I should call the tool.",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
     {"role": "assistant", "content": "It is sunny and 21 C in Paris.", "reasoning": "The tool answered."},
     {"role": "user", "content": "And tomorrow?"},
@@ -51,14 +64,15 @@ async def classify(render: Render, *, tools: bool = True) -> tuple[TemplateClass
     bare = await render([*history, {k: v for k, v in _ANSWER.items() if k != "reasoning"}], False)
     if _starts(turn_next, bare):
         return TemplateClass.DROPS_REASONING, "turn N+1 drops the reasoning of turn N's answer"
-    common = next((i for i, (a, b) in enumerate(zip(turn_next, answered, strict=False)) if a != b),
-                  min(len(turn_next), len(answered)))
+    common = next(
+        (i for i, (a, b) in enumerate(zip(turn_next, answered, strict=False)) if a != b),
+        min(len(turn_next), len(answered)),
+    )
     return TemplateClass.REWRITES_HISTORY, f"turn N+1 leaves turn N's tokens at position {common}"
 
 
-def engine_renderer(post: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]], model: str | None,
-                    *, tools: bool = True) -> Render:
-    """A ``Render`` over an engine's ``/v1/chat/completions/render``."""
+def engine_renderer(engine: Engine, base: str, model: str | None, *, tools: bool = True) -> Render:
+    """A ``Render`` over an engine's own render."""
 
     async def render(messages: list[dict[str, Any]], generation: bool) -> Sequence[int]:
         body: dict[str, Any] = {"messages": messages, "add_generation_prompt": generation}
@@ -66,10 +80,6 @@ def engine_renderer(post: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
             body["tools"] = PROBE_TOOLS
         if model:
             body["model"] = model
-        data = await post(body)
-        ids = data.get("token_ids")
-        if not isinstance(ids, list):
-            raise ValueError("render answered no token_ids")
-        return ids
+        return await engine.render(base, body, CallMeta())
 
     return render

@@ -82,7 +82,7 @@ def parse_key_line(line: str) -> tuple[str, str] | None:
         raise KeyFileError("a key line is '<key or sha256:hex> [tenant]'")
     key = parts[0]
     if key.lower().startswith("sha256:"):
-        digest = key[len("sha256:"):].lower()
+        digest = key[len("sha256:") :].lower()
         if not _DIGEST.fullmatch(digest):
             raise KeyFileError("sha256: must be followed by 64 hex digits")
     else:
@@ -161,8 +161,10 @@ class Authenticator:
             name = headers.get(self._tenant_header) if self._tenant_header else None
             if name:
                 if not _TENANT_NAME.fullmatch(name):
-                    raise ClientError(f"{self._tenant_header} must be 1-128 characters of letters, digits and "
-                                      "._:@/+=-", param=self._tenant_header)
+                    raise ClientError(
+                        f"{self._tenant_header} must be 1-128 characters of letters, digits and ._:@/+=-",
+                        param=self._tenant_header,
+                    )
                 return self._named(name)
             if token is None or not self._keys:
                 return Principal(ANONYMOUS, None, True, False, None)

@@ -63,17 +63,30 @@ def edge_limits(settings: Settings) -> EdgeLimits:
     cap = min(lim.max_client_connections, room)
     if cap < lim.max_client_connections:
         cap = max(cap, nofile // 4, 1)
-        log.warning("connections.cap_lowered configured=%s cap=%s open_file_limit=%s", lim.max_client_connections,
-                    cap, nofile)
+        log.warning(
+            "connections.cap_lowered configured=%s cap=%s open_file_limit=%s", lim.max_client_connections, cap, nofile
+        )
     return EdgeLimits(lim.header_timeout_s, cap, lim.max_connections_per_ip, lim.retry_after_s, lim.send_timeout_s)
 
 
 def raw_error(status: int, reason: str, message: str, code: str, retry_after_s: int | None = None) -> bytes:
     """A whole HTTP/1.1 response in OpenAI's error shape, for answers given below the app."""
-    body = json.dumps({"error": {"message": message, "type": "server_error" if status >= 500 else
-                                 "invalid_request_error", "param": None, "code": code}}).encode()
-    head = [f"HTTP/1.1 {status} {reason}", "content-type: application/json", f"content-length: {len(body)}",
-            "connection: close"]
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "server_error" if status >= 500 else "invalid_request_error",
+                "param": None,
+                "code": code,
+            }
+        }
+    ).encode()
+    head = [
+        f"HTTP/1.1 {status} {reason}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+    ]
     if retry_after_s is not None:
         head.append(f"retry-after: {retry_after_s}")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
@@ -132,8 +145,15 @@ class _Edge(asyncio.Protocol):
         if refused is not None:
             self._edge_count(refused)
             t = cast(asyncio.Transport, transport)
-            t.write(raw_error(503, "Service Unavailable", "The gateway holds as many connections as it takes; "
-                              "retry shortly.", "server_overloaded", self.guard.limits.retry_after_s))
+            t.write(
+                raw_error(
+                    503,
+                    "Service Unavailable",
+                    "The gateway holds as many connections as it takes; retry shortly.",
+                    "server_overloaded",
+                    self.guard.limits.retry_after_s,
+                )
+            )
             t.close()
             return
         self._edge_ip, self._edge_admitted = ip, True
@@ -195,8 +215,9 @@ class _Edge(asyncio.Protocol):
             return
         self._edge_count("header_timeout")
         if self._edge_partial:
-            self.transport.write(raw_error(408, "Request Timeout", "The request headers did not arrive in time.",
-                                           "request_timeout"))
+            self.transport.write(
+                raw_error(408, "Request Timeout", "The request headers did not arrive in time.", "request_timeout")
+            )
         self.transport.close()
 
     def _edge_count(self, reason: str) -> None:

@@ -28,8 +28,9 @@ class EdgeMiddleware:
         self.app = app
         self.auth = Authenticator(settings)
         lim = settings.limits
-        self.admission = Admission(lim.max_inflight, lim.max_inflight_per_tenant if self.auth.required else None,
-                                   lim.retry_after_s)
+        self.admission = Admission(
+            lim.max_inflight, lim.max_inflight_per_tenant if self.auth.required else None, lim.retry_after_s
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

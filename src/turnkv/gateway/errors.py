@@ -42,8 +42,9 @@ async def on_gateway_error(request: Request, exc: Exception) -> Response:
         log.debug("client.gone path=%s", request.url.path)
         return Response(status_code=exc.status)  # nobody reads it
     if isinstance(exc, UpstreamError):
-        log.warning("upstream.error leg=%s instance=%s status=%s message=%s", exc.leg, exc.instance, exc.status,
-                    exc.message)
+        log.warning(
+            "upstream.error leg=%s instance=%s status=%s message=%s", exc.leg, exc.instance, exc.status, exc.message
+        )
     given = request.headers.get("x-request-id", "")
     return error_response(exc, given if _REQUEST_ID.fullmatch(given) else None)
 
@@ -57,6 +58,5 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error", exc_info=exc)
-    body = {"error": {"message": "internal error in turnkv", "type": "internal_error", "param": None,
-                      "code": None}}
+    body = {"error": {"message": "internal error in turnkv", "type": "internal_error", "param": None, "code": None}}
     return JSONResponse(body, status_code=500)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from turnkv.errors import ClientError
+from turnkv.gateway.answer import last_assistant
 
 _ID = re.compile(r"[A-Za-z0-9._:@/+=\-]+\Z")  # \Z, not $: "id\n" is not "id" (used with match)
 BODY_FIELDS = ("session_id", "conversation_id")
@@ -67,8 +68,9 @@ def _hash(*parts: str) -> str:
     return hashlib.blake2b("\x00".join(parts).encode(), digest_size=16).hexdigest()
 
 
-def _named(headers: Mapping[str, str], body: Mapping[str, Any], session_headers: Sequence[str],
-           max_length: int) -> tuple[str, Source] | None:
+def _named(
+    headers: Mapping[str, str], body: Mapping[str, Any], session_headers: Sequence[str], max_length: int
+) -> tuple[str, Source] | None:
     """An id the client chose (header, then body), checked: a bad one is a 400."""
     session: Any = None
     where = ""
@@ -88,7 +90,8 @@ def _named(headers: Mapping[str, str], body: Mapping[str, Any], session_headers:
         raise ClientError(f"{where} must be a non-empty string", param=where)
     if len(session) > max_length or not _ID.match(session):
         raise ClientError(
-            f"{where} must be at most {max_length} characters of letters, digits and ._:@/+=-", param=where)
+            f"{where} must be at most {max_length} characters of letters, digits and ._:@/+=-", param=where
+        )
     return session, source
 
 
@@ -118,9 +121,15 @@ def _openai_id(body: Mapping[str, Any]) -> tuple[str, Source] | None:
 
 
 def conversation_of(
-    headers: Mapping[str, str], body: Mapping[str, Any], *, session_headers: Sequence[str],
-    tenant: str, max_length: int, messages: Sequence[Any] | None = None,
-    response_key: str | None = None, from_history: bool = True,
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    *,
+    session_headers: Sequence[str],
+    tenant: str,
+    max_length: int,
+    messages: Sequence[Any] | None = None,
+    response_key: str | None = None,
+    from_history: bool = True,
 ) -> Conversation | None:
     """The turn's conversation (precedence in the module docstring), or None for a stateless request.
 
@@ -134,8 +143,9 @@ def conversation_of(
     if named is not None:
         return Conversation(tenant, named[0], _hash(tenant, named[0]), named[1])
     if response_key is not None:
-        return Conversation(tenant, response_key, response_key, "response",
-                            history_keys(tenant, messages)[1] if messages else None)
+        return Conversation(
+            tenant, response_key, response_key, "response", history_keys(tenant, messages)[1] if messages else None
+        )
     other = _openai_id(body)
     if other is not None:
         return Conversation(tenant, other[0], _hash(tenant, other[0]), other[1])
@@ -163,8 +173,11 @@ def _text(content: Any) -> Any:
     if isinstance(content, list):
         out: list[Any] = []
         for part in content:
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str) and part.get("type") in (
-                    "text", "input_text", "output_text"):
+            if (
+                isinstance(part, Mapping)
+                and isinstance(part.get("text"), str)
+                and part.get("type") in ("text", "input_text", "output_text")
+            ):
                 out.append(part["text"])
             else:
                 out.append(part)  # an image or file: the part itself
@@ -210,10 +223,8 @@ def history_keys(tenant: str, messages: Sequence[Any]) -> tuple[str, str]:
     digest of no messages, which no request is stored under."""
     h = hashlib.blake2b(digest_size=16, person=b"turnkv-history")
     h.update(tenant.encode() + b"\x00")
-    last = len(messages) - 1
-    while last >= 0 and not (isinstance(messages[last], Mapping) and messages[last].get("role") == "assistant"):
-        last -= 1
-    claim = h.hexdigest() if last < 0 else ""
+    last = last_assistant(messages)
+    claim = h.hexdigest() if last is None else ""
     for i, m in enumerate(messages):
         if i == last:
             claim = h.hexdigest()

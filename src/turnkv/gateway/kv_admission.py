@@ -31,8 +31,15 @@ class _Engine:
 
 
 class DecodeAdmission:
-    def __init__(self, *, capacity: Callable[[str], int | None], pinned: Callable[[str], int], admit_share: float,
-                 wait_s: float, on_wait: Callable[[str], None] = lambda url: None) -> None:
+    def __init__(
+        self,
+        *,
+        capacity: Callable[[str], int | None],
+        pinned: Callable[[str], int],
+        admit_share: float,
+        wait_s: float,
+        on_wait: Callable[[str], None] = lambda url: None,
+    ) -> None:
         self._capacity = capacity  # the engine's KV tokens, when known
         self._pinned = pinned  # what stored handles pin there (gateway.pins' estimate)
         self._share = admit_share
@@ -71,8 +78,10 @@ class DecodeAdmission:
                 if not fut.done():
                     e.queue.remove((tokens, fut))
                     self._wake(url)
-                    raise Overloaded("the decode engines are full; send the turn again",
-                                     retry_after_s=max(1, round(self._wait_s / 4))) from None
+                    raise Overloaded(
+                        "the decode engines are full; send the turn again",
+                        retry_after_s=max(1, round(self._wait_s / 4)),
+                    ) from None
             except BaseException:
                 if (tokens, fut) in e.queue:
                     e.queue.remove((tokens, fut))

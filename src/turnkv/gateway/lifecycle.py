@@ -38,8 +38,12 @@ class Drain:
 
     def _schedule(self, refuse_after_s: float) -> None:
         assert self._loop is not None
-        log.warning("shutdown.draining turns=%d refuse_after_s=%.1f drain_s=%.1f", len(self._aborts),
-                    refuse_after_s, self.drain_s)
+        log.warning(
+            "shutdown.draining turns=%d refuse_after_s=%.1f drain_s=%.1f",
+            len(self._aborts),
+            refuse_after_s,
+            self.drain_s,
+        )
         self._loop.call_later(refuse_after_s, self._refuse)
         self._loop.call_later(refuse_after_s + self.drain_s, self._expire)
 

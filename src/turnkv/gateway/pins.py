@@ -24,9 +24,10 @@ from typing import Any
 
 from turnkv.config import Settings
 from turnkv.errors import StoreError
+from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.metrics import GatewayMetrics
-from turnkv.gateway.registry import Instance, Registry
 from turnkv.gateway.release import Releaser
+from turnkv.routing.base import InstanceView
 from turnkv.state.base import PinEntry
 from turnkv.state.guard import StoreGuard
 
@@ -34,11 +35,12 @@ log = logging.getLogger("turnkv.pins")
 
 
 class PinKeeper:
-    def __init__(self, settings: Settings, registry: Registry, store: StoreGuard, releaser: Releaser,
-                 metrics: GatewayMetrics, log: Any) -> None:
+    def __init__(
+        self, settings: Settings, fleet: Fleet, store: StoreGuard, releaser: Releaser, metrics: GatewayMetrics, log: Any
+    ) -> None:
         self._s = settings
         self._dm = settings.decode_memory
-        self._registry = registry
+        self._fleet = fleet
         self._store = store
         self._releaser = releaser
         self._metrics = metrics
@@ -50,7 +52,7 @@ class PinKeeper:
 
     # -- budgets -----------------------------------------------------------------------------
     def capacity(self, url: str) -> int | None:
-        inst = self._registry.get(url)
+        inst = self._fleet.view(url)
         cap = inst.capacity_tokens if inst is not None else None
         return cap if cap is not None else self._dm.capacity_tokens
 
@@ -58,13 +60,18 @@ class PinKeeper:
         cap = self.capacity(url)
         return None if cap is None else int(cap * self._dm.pin_budget_share)
 
-    def room_for_local(self, inst: Instance) -> bool:
+    def _set(self, url: str, tokens: int) -> None:
+        """What this process believes is pinned on ``url``; the fleet's views say it too (for routing)."""
+        self._estimate[url] = tokens
+        self._fleet.pinned(url, tokens, self.budget(url))
+
+    def room_for_local(self, inst: InstanceView) -> bool:
         """Whether D can take a decode-local turn: its KV is not nearly full and nothing waits on it. A
         D short of blocks has evicted the freed blocks of idle conversations first, so a decode-local
         turn would likely recompute the whole history there, and wait for blocks besides."""
         return inst.kv_usage < self._dm.pressure_kv_usage and inst.waiting == 0
 
-    def under_pressure(self, inst: Instance) -> bool:
+    def under_pressure(self, inst: InstanceView) -> bool:
         """D's cache is nearly full, or requests wait on D while pins hold more than the low watermark."""
         if inst.kv_usage >= self._dm.pressure_kv_usage:
             return True
@@ -79,22 +86,22 @@ class PinKeeper:
         budget = self.budget(url)
         est = self._estimate.get(url, 0) + tokens
         if budget is None or est <= budget:
-            self._estimate[url] = est
+            self._set(url, est)
             return
         entries = await self._store.evict(url, keep_tokens=max(budget - tokens, 0), why="budget")
         self.release(entries, "budget")
-        self._estimate[url] = min(est, budget)
+        self._set(url, min(est, budget))
 
     def release(self, entries: Iterable[PinEntry], why: str) -> None:
         for e in entries:
             self._releaser.submit(e.handle, why)
-            self._estimate[e.decode_url] = max(0, self._estimate.get(e.decode_url, 0) - e.tokens)
+            self._set(e.decode_url, max(0, self._estimate.get(e.decode_url, 0) - e.tokens))
 
     def urgent(self, url: str) -> None:
         """Relieve ``url`` now (its first-token deadline passed, or its metrics show pressure)."""
         self._urgent.put_nowait(url)
 
-    def on_scraped(self, inst: Instance) -> None:
+    def on_scraped(self, inst: InstanceView) -> None:
         if inst.role == "decode" and self.under_pressure(inst):
             self.urgent(inst.url)
 
@@ -109,23 +116,28 @@ class PinKeeper:
             return 0
         self.release(entries, "pressure")
         if entries:
-            self._log.warning("pins.pressure", decode=url, released=len(entries),
-                              tokens=sum(e.tokens for e in entries), keep_tokens=keep)
+            self._log.warning(
+                "pins.pressure",
+                decode=url,
+                released=len(entries),
+                tokens=sum(e.tokens for e in entries),
+                keep_tokens=keep,
+            )
         return len(entries)
 
     async def check(self) -> None:
         """One janitor pass: forget dead entries, refresh the totals, and hold every engine to its budget."""
-        urls = [i.url for i in self._registry.role("decode")]
+        urls = self._fleet.urls("decode")
         now = time.time()
         try:
-            for inst in self._registry.role("decode"):
+            for inst in self._fleet.views("decode"):
                 await self._store.prune(inst.url, now=now, epoch=inst.epoch)
             pinned = await self._store.pinned(urls)
         except StoreError:
             return
         for url in urls:
             p = pinned.get(url)
-            self._estimate[url] = p.tokens if p else 0
+            self._set(url, p.tokens if p else 0)
             self._handles[url] = p.handles if p else 0
             budget = self.budget(url)
             if budget is not None and self._estimate[url] > budget:
@@ -134,15 +146,14 @@ class PinKeeper:
                 except StoreError:
                     return
                 self.release(entries, "budget")
-            engine = self._registry.get(url)
+            engine = self._fleet.view(url)
             if engine is not None and self.under_pressure(engine):
                 await self.relieve(url)
         self.report()
 
     def report(self) -> None:
         m, bpt = self._metrics, self._s.kv_bytes_per_token
-        for inst in self._registry.role("decode"):
-            url = inst.url
+        for url in self._fleet.urls("decode"):
             tokens = self._estimate.get(url, 0)
             m.pinned_tokens.labels(url).set(tokens)
             m.pinned_bytes.labels(url).set(tokens * bpt)
@@ -170,9 +181,9 @@ class PinKeeper:
     async def release_all(self) -> int:
         """At shutdown, with a store nobody else reads: give every pin back (bounded by the caller)."""
         n = 0
-        for inst in self._registry.role("decode"):
+        for url in self._fleet.urls("decode"):
             try:
-                entries = await self._store.evict(inst.url, keep_tokens=0, why="shutdown")
+                entries = await self._store.evict(url, keep_tokens=0, why="shutdown")
             except StoreError:
                 continue
             self.release(entries, "shutdown")

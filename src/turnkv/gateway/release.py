@@ -1,9 +1,9 @@
 """Gives decode memory back: handles that will not be used are released through a prefill engine.
 
-A handle sent to P with ``remote_num_tokens: 0`` makes P pull nothing and notify D, which frees the
-pinned blocks at once (verified on vLLM 0.26). Without it D keeps them for ``decoder_kv_blocks_ttl``.
-A handle is released at most once (a second notice names a request D no longer tracks: D logs it
-and frees nothing); releases run a few at a time, each bounded, off the turns' path.
+The engine turns a handle into a release (vLLM: P pulls nothing and notifies D, which frees the pinned
+blocks at once); without one D keeps them for ``decoder_kv_blocks_ttl``. A handle is released at most
+once (a second notice names a request D no longer tracks: D logs it and frees nothing); releases run a
+few at a time, each bounded, off the turns' path.
 """
 
 from __future__ import annotations
@@ -11,33 +11,33 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
 
+from turnkv.engine.base import Engine, Handle
 from turnkv.errors import UpstreamError
 from turnkv.gateway.metrics import GatewayMetrics
-from turnkv.gateway.registry import Registry
-from turnkv.gateway.upstream import Upstream
-from turnkv.reuse.assess import release_handle
+from turnkv.routing import Router
 
 log = logging.getLogger("turnkv.release")
 QUEUE_SIZE = 4096
 WORKERS = 8  # releases in flight at once: each is one 1-token request to a prefill engine
 REMEMBERED = 8192  # pin ids already released, to never release one twice
-RELEASE_TIMEOUT_S = 10.0
 
 
 class Releaser:
-    def __init__(self, upstream: Upstream, registry: Registry, metrics: GatewayMetrics, model: str | None) -> None:
-        self._upstream = upstream
-        self._registry = registry
+    def __init__(
+        self, engine: Engine, router: Router, metrics: GatewayMetrics, model: Callable[[], str | None]
+    ) -> None:
+        self._engine = engine
+        self._router = router
         self._metrics = metrics
-        self.model = model
-        self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(QUEUE_SIZE)
+        self._model = model  # the model a release names: the first served, once known
+        self._queue: asyncio.Queue[Handle] = asyncio.Queue(QUEUE_SIZE)
         self._done: OrderedDict[str, None] = OrderedDict()
         self._busy = 0
 
-    def submit(self, handle: dict[str, Any], why: str) -> None:
-        pin = str(handle.get("remote_request_id"))
+    def submit(self, handle: Handle, why: str) -> None:
+        pin = self._engine.pin_id(handle)
         if pin in self._done:
             self._metrics.releases.labels("duplicate").inc()
             return
@@ -49,10 +49,6 @@ class Releaser:
             self._metrics.releases.labels(why).inc()
         except asyncio.QueueFull:
             self._metrics.releases.labels("dropped").inc()
-
-    @property
-    def pending(self) -> int:
-        return self._queue.qsize() + self._busy
 
     async def run(self) -> None:
         await asyncio.gather(*(self._work() for _ in range(WORKERS)))
@@ -75,16 +71,12 @@ class Releaser:
             return False
         return True
 
-    async def release(self, handle: dict[str, Any]) -> bool:
-        inst = self._registry.pick("prefill")
+    async def release(self, handle: Handle) -> bool:
+        inst = self._router.pick("prefill")
         if inst is None:
             return False
-        body: dict[str, Any] = {"prompt": ".", "max_tokens": 1, "kv_transfer_params": release_handle(handle)}
-        if self.model:
-            body["model"] = self.model
         try:
-            await self._upstream.post_json("prefill", inst.url, "/v1/completions", body,
-                                           self._upstream.headers(None, None), timeout_s=RELEASE_TIMEOUT_S)
+            await self._engine.release(inst.url, handle, self._model())
         except UpstreamError as exc:
             self._metrics.releases.labels("failed").inc()
             log.warning("release.failed instance=%s error=%s", inst.url, exc)

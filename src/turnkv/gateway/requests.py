@@ -12,7 +12,7 @@ import asyncio
 import json
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.requests import ClientDisconnect, Request
@@ -82,6 +82,7 @@ class CompletionBody(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
 
 
+Body = TypeVar("Body", ChatBody, CompletionBody)
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
 
 
@@ -123,8 +124,9 @@ def check_tree(body: Any, max_depth: int, strings: bool) -> None:
     raise ClientError(f"request body is nested more than {max_depth} levels deep")
 
 
-async def read_json(request: Request, max_bytes: int, *, timeout_s: float | None = None,
-                    max_depth: int = 64) -> dict[str, Any]:
+async def read_json(
+    request: Request, max_bytes: int, *, timeout_s: float | None = None, max_depth: int = 64
+) -> dict[str, Any]:
     """The body as a JSON object, read within ``timeout_s`` (408 past it)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -148,7 +150,7 @@ async def read_json(request: Request, max_bytes: int, *, timeout_s: float | None
     return body
 
 
-def validate(body: dict[str, Any], model: type[_Common]) -> _Common:
+def validate(body: dict[str, Any], model: type[Body]) -> Body:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -170,5 +172,8 @@ def check_output_length(body: Mapping[str, Any], model_len: int | None) -> None:
     for field in ("max_tokens", "max_completion_tokens"):
         value = body.get(field)
         if isinstance(value, int) and value >= model_len:
-            raise ClientError(f"{field}={value} leaves no room for a prompt: the model's context length is "
-                              f"{model_len} tokens. Please request fewer output tokens.", param=field)
+            raise ClientError(
+                f"{field}={value} leaves no room for a prompt: the model's context length is "
+                f"{model_len} tokens. Please request fewer output tokens.",
+                param=field,
+            )

@@ -17,6 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from turnkv.engine.base import CallMeta
 from turnkv.errors import ClientError, ModelNotFound, ShuttingDown, UpstreamError, UpstreamUnavailable
 from turnkv.gateway.auth import Principal, cache_salt, require_admin
 from turnkv.gateway.identity import BODY_FIELDS, conversation_of
@@ -29,8 +30,8 @@ from turnkv.gateway.requests import (
     validate,
 )
 from turnkv.gateway.services import Services
-from turnkv.gateway.turn.context import TurnContext, TurnState
 from turnkv.gateway.turn.driver import run_turn
+from turnkv.gateway.turn.request import Turn
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -52,43 +53,46 @@ def _request_id(request: Request) -> str:
 
 async def _body(svc: Services, request: Request) -> dict[str, Any]:
     s = svc.settings
-    return await read_json(request, s.max_body_bytes, timeout_s=s.limits.body_timeout_s,
-                           max_depth=s.limits.max_json_depth)
+    return await read_json(
+        request, s.max_body_bytes, timeout_s=s.limits.body_timeout_s, max_depth=s.limits.max_json_depth
+    )
 
 
-def _known_models(svc: Services) -> list[str]:
-    return svc.settings.models or svc.models
-
-
-def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: bool) -> TurnContext:
+def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: bool) -> Turn:
     s = svc.settings
     who = principal(request)
-    validate(body, ChatBody if chat else CompletionBody)
-    check_model(body.get("model"), _known_models(svc))
-    model = body.get("model") or next(iter(_known_models(svc)), None)
-    check_output_length(body, svc.model_len.get(model) if isinstance(model, str) else None)
-    conversation = conversation_of(request.headers, body, session_headers=s.session_headers,
-                                   tenant=who.tenant, max_length=s.max_session_id_length,
-                                   from_history=s.conversation_from_history) if chat else None
+    parsed: ChatBody | CompletionBody = validate(body, ChatBody) if chat else validate(body, CompletionBody)
+    check_model(body.get("model"), svc.models)
+    model = body.get("model") or next(iter(svc.models), None)
+    check_output_length(body, svc.catalog.model_len.get(model) if isinstance(model, str) else None)
+    conversation = (
+        conversation_of(
+            request.headers,
+            body,
+            session_headers=s.session_headers,
+            tenant=who.tenant,
+            max_length=s.max_session_id_length,
+            from_history=s.conversation_from_history,
+        )
+        if chat
+        else None
+    )
     if "kv_transfer_params" in body and not s.allow_client_kv_transfer_params:
         raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
     clean = {k: v for k, v in body.items() if k not in BODY_FIELDS}
     clean["cache_salt"] = cache_salt(who.tenant, body.get("cache_salt"))
-    messages = body.get("messages") or []
-    turn = 1 + sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
-    ctx = TurnContext(
-        svc=svc, request_id=_request_id(request), body=clean, stream=bool(body.get("stream")),
-        authorization=who.forward_authorization, conversation=conversation, turn_index=turn,
-        path="/v1/chat/completions" if chat else "/v1/completions",
+    return Turn.of(
+        request_id=_request_id(request),
+        body=clean,
+        parsed=parsed,
+        authorization=who.forward_authorization,
+        conversation=conversation,
     )
-    if not chat:
-        ctx.state = TurnState.PREFILL
-    return ctx
 
 
-def conversation_header(ctx: TurnContext, response: Response) -> Response:
+def conversation_header(turn: Turn, response: Response) -> Response:
     """Where the turn's conversation came from (identity.py), for clients that want to see it."""
-    response.headers["x-turnkv-conversation"] = ctx.conversation.source if ctx.conversation else "none"
+    response.headers["x-turnkv-conversation"] = turn.conversation.source if turn.conversation else "none"
     return response
 
 
@@ -96,10 +100,9 @@ async def _turn(request: Request, *, chat: bool) -> Response:
     svc = services(request)
     if svc.drain.refusing:
         raise ShuttingDown("the gateway is shutting down; send the turn again")
-    ctx = _prepare(svc, request, await _body(svc, request), chat=chat)
-    svc.drain.track(ctx, lambda: ctx.abort("shutdown"))
-    response = await run_turn(ctx)
-    return conversation_header(ctx, response) if chat else response
+    turn = _prepare(svc, request, await _body(svc, request), chat=chat)
+    response = await run_turn(svc, turn)
+    return conversation_header(turn, response) if chat else response
 
 
 async def chat_completions(request: Request) -> Response:
@@ -113,7 +116,7 @@ async def completions(request: Request) -> Response:
 def _render_base(svc: Services) -> str:
     if svc.settings.render:
         return svc.settings.render
-    inst = svc.registry.pick("prefill")
+    inst = svc.router.pick("prefill")
     if inst is None:
         raise UpstreamUnavailable("no prefill engine is available", leg="render")
     return inst.url
@@ -124,9 +127,9 @@ async def _passthrough_post(request: Request, path: str) -> Response:
     its 4xx bodies pass as they are, its failures become ours."""
     svc = services(request)
     body = await _body(svc, request)
-    check_model(body.get("model"), _known_models(svc))
-    headers = svc.upstream.headers(_request_id(request), principal(request).forward_authorization)
-    data = await svc.upstream.post_json("render", _render_base(svc), path, body, headers)
+    check_model(body.get("model"), svc.models)
+    meta = CallMeta(_request_id(request), principal(request).forward_authorization)
+    data = await svc.engine.api_post(_render_base(svc), path, body, meta)
     return JSONResponse(data)
 
 
@@ -140,7 +143,7 @@ async def detokenize(request: Request) -> Response:
 
 async def version(request: Request) -> Response:
     svc = services(request)
-    status, raw = await svc.upstream.get(_render_base(svc), "/version")
+    status, raw = await svc.engine.api_get(_render_base(svc), "/version")
     if status != 200:
         raise UpstreamError(f"render engine answered HTTP {status} for /version", leg="render")
     return Response(raw, media_type="application/json")
@@ -148,13 +151,13 @@ async def version(request: Request) -> Response:
 
 async def _engine_models(svc: Services) -> bytes | None:
     """A prefill engine's ``/v1/models`` body; None when it cannot say and the names are known anyway."""
-    inst = svc.registry.pick("prefill")
+    inst = svc.router.pick("prefill")
     if inst is None:
         raise UpstreamUnavailable("no prefill engine is configured", leg="probe")
     try:
-        status, raw = await svc.upstream.get(inst.url, "/v1/models")
+        status, raw = await svc.engine.api_get(inst.url, "/v1/models")
     except UpstreamError:
-        if not _known_models(svc):
+        if not svc.models:
             raise
         return None
     return raw if status == 200 else None
@@ -162,8 +165,10 @@ async def _engine_models(svc: Services) -> bytes | None:
 
 def _listed(svc: Services) -> dict[str, Any]:
     now = int(time.time())
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "turnkv"}
-                                       for n in _known_models(svc)]}
+    return {
+        "object": "list",
+        "data": [{"id": n, "object": "model", "created": now, "owned_by": "turnkv"} for n in svc.models],
+    }
 
 
 async def models(request: Request) -> Response:
@@ -198,19 +203,30 @@ async def ready(request: Request) -> Response:
     svc = services(request)
 
     def view(role: str) -> list[dict[str, Any]]:
-        return [{"url": i.url, "healthy": i.healthy, "version": i.version, "in_flight": i.in_flight,
-                 "running": i.running, "kv_cache_usage": i.kv_usage, "prefix_cache_factor": round(i.cache_factor, 3),
-                 **({"stream_handles": i.stream_handles} if role == "decode" else {})}
-                for i in svc.registry.role(role)]
+        return [
+            {
+                "url": i.url,
+                "healthy": i.healthy,
+                "version": i.version,
+                "in_flight": i.in_flight,
+                "running": i.running,
+                "kv_cache_usage": i.kv_usage,
+                "prefix_cache_factor": round(i.cache_factor, 3),
+                **({"stream_handles": i.stream_handles} if role == "decode" else {}),
+            }
+            for i in svc.fleet.views(role)
+        ]
 
     p, d = view("prefill"), view("decode")
     ok = any(i["healthy"] for i in p) and any(i["healthy"] for i in d) and not svc.drain.draining
     if not principal(request).admin:  # engine URLs and load are an operator's business
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
     body = {
-        "ready": ok, "prefill": p, "decode": d,
+        "ready": ok,
+        "prefill": p,
+        "decode": d,
         "store": {"kind": "redis" if svc.settings.redis_url else "memory", "up": svc.store.up},
-        "template": {"class": svc.audit.cls.value, "detail": svc.audit.detail},
+        "template": {"class": svc.catalog.template.cls.value, "detail": svc.catalog.template.detail},
         "policy": svc.policy.name,
     }
     return JSONResponse(body, status_code=200 if ok else 503)

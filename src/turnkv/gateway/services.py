@@ -1,4 +1,8 @@
-"""The long-lived objects a turn uses, built once per app in its lifespan."""
+"""The long-lived objects a turn uses, built once per app in its lifespan and never replaced.
+
+``Catalog`` is what the engines said about what they serve (model names, context lengths) and what the
+start-up audit found of the chat template; the audit is its only writer, and readers see whole values.
+"""
 
 from __future__ import annotations
 
@@ -6,29 +10,44 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.config import Settings
+from turnkv.engine.base import Engine
+from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
-from turnkv.gateway.registry import Registry
 from turnkv.gateway.release import Releaser
-from turnkv.gateway.upstream import Upstream
 from turnkv.reuse.assess import TemplateClass
 from turnkv.reuse.estimator import CostEstimator
 from turnkv.reuse.policies import ReusePolicy
+from turnkv.routing import Router
 from turnkv.state.guard import StoreGuard
 
 
-@dataclass
+@dataclass(frozen=True)
 class TemplateAudit:
     cls: TemplateClass = TemplateClass.UNKNOWN
     detail: str = "not audited yet"
 
 
 @dataclass
+class Catalog:
+    models: list[str] = field(default_factory=list)  # served model names, as the engines list them
+    model_len: dict[str, int] = field(default_factory=dict)  # the engines' max_model_len per model name
+    template: TemplateAudit = field(default_factory=TemplateAudit)
+
+    def learned(self, models: list[str], model_len: dict[str, int]) -> None:
+        self.models, self.model_len = models, model_len
+
+    def audited(self, audit: TemplateAudit) -> None:
+        self.template = audit
+
+
+@dataclass(frozen=True)
 class Services:
     settings: Settings
-    upstream: Upstream
-    registry: Registry
+    engine: Engine
+    fleet: Fleet
+    router: Router
     store: StoreGuard
     policy: ReusePolicy
     estimator: CostEstimator
@@ -37,6 +56,9 @@ class Services:
     releaser: Releaser
     pins: PinKeeper
     drain: Drain
-    audit: TemplateAudit = field(default_factory=TemplateAudit)
-    models: list[str] = field(default_factory=list)
-    model_len: dict[str, int] = field(default_factory=dict)  # the engines' max_model_len per model name
+    catalog: Catalog = field(default_factory=Catalog)
+
+    @property
+    def models(self) -> list[str]:
+        """The model names requests may name: the configured ones, else what the engines serve."""
+        return self.settings.models or self.catalog.models

@@ -87,8 +87,9 @@ class Supervisor:
         self._restarts: list[float] = []
 
     def start(self, index: int | None = None) -> None:
-        p = self._ctx.Process(target=_worker, args=(self.settings, self._ready, self._lifeline, self.metrics_dir),
-                              name="turnkv-worker")
+        p = self._ctx.Process(
+            target=_worker, args=(self.settings, self._ready, self._lifeline, self.metrics_dir), name="turnkv-worker"
+        )
         p.start()
         if index is None:
             self.workers.append(p)
@@ -182,8 +183,10 @@ def _remove_stale_metrics() -> None:
 def serve_workers(settings: Settings) -> int:
     """Run ``settings.workers`` gateway processes until SIGTERM or SIGINT; the exit status."""
     if not sys.platform.startswith("linux"):
-        print("turnkv serve: --workers needs Linux (SO_REUSEPORT); run replicas behind a load balancer instead",
-              file=sys.stderr)
+        print(
+            "turnkv serve: --workers needs Linux (SO_REUSEPORT); run replicas behind a load balancer instead",
+            file=sys.stderr,
+        )
         return 2
     lock: socket.socket | None = None
     try:

@@ -112,8 +112,16 @@ def record_unusable(claim: Claim, *, tenant: str, now: float, decode: EngineView
 
 
 def assess(
-    claim: Claim, prompt: Sequence[int], *, tenant: str, now: float, decode: EngineView | None,
-    echoed: EchoedAnswer | None, template: TemplateClass, block_size: int, prompt_chain: ChainBuilder | None = None,
+    claim: Claim,
+    prompt: Sequence[int],
+    *,
+    tenant: str,
+    now: float,
+    decode: EngineView | None,
+    echoed: EchoedAnswer | None,
+    template: TemplateClass,
+    block_size: int,
+    prompt_chain: ChainBuilder | None = None,
 ) -> Assessment:
     why = record_unusable(claim, tenant=tenant, now=now, decode=decode)
     if why is not None:
@@ -132,7 +140,10 @@ def assess(
 
 
 def explain(
-    r: ConversationRecord, diverge_start: int, echoed: EchoedAnswer | None, template: TemplateClass,
+    r: ConversationRecord,
+    diverge_start: int,
+    echoed: EchoedAnswer | None,
+    template: TemplateClass,
     block_size: int,
 ) -> Reason:
     """Why the prompt leaves D's sequence at token ``diverge_start`` (the start of the first differing block)."""
@@ -151,19 +162,6 @@ def explain(
     return Reason.RETOKENIZED
 
 
-def trim_handle(handle: dict[str, object], tokens: int, block_size: int) -> dict[str, object]:
-    """D's handle cut to its first ``tokens`` tokens, as P should pull it on the next turn."""
-    blocks = -(-tokens // block_size)
-    groups = handle.get("remote_block_ids") or []
-    assert isinstance(groups, list)
-    out = dict(handle)
-    out["remote_block_ids"] = [list(g)[:blocks] for g in groups]
-    out["remote_num_tokens"] = tokens
-    out["do_remote_decode"] = True
-    out["do_remote_prefill"] = False
-    return out
-
-
 def unpinned_reason(record: ConversationRecord) -> Reason:
     """Why a record that holds no handle cannot be pulled: D gave none, the policy judged a pull would not
     pay when the answer was captured (its handle was not kept), or the handle was given back for memory."""
@@ -172,12 +170,3 @@ def unpinned_reason(record: ConversationRecord) -> Reason:
     if record.unpinned in ("not_needed", "decode_local"):
         return Reason.CHEAPER_TO_RECOMPUTE
     return Reason.PIN_RELEASED
-
-
-def release_handle(handle: dict[str, object]) -> dict[str, object]:
-    """D's handle with nothing to pull: P only notifies D, which frees the pinned blocks at once."""
-    out = dict(handle)
-    out["remote_num_tokens"] = 0
-    out["do_remote_decode"] = True
-    out["do_remote_prefill"] = False
-    return out

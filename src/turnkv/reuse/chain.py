@@ -44,7 +44,7 @@ class ChainBuilder:
         raw, step = buf.tobytes(), bs * buf.itemsize
         last = self.full[-1] if self.full else _ROOT
         for off in range(0, cut * buf.itemsize, step):
-            last = _link(last, raw[off:off + step])
+            last = _link(last, raw[off : off + step])
             self.full.append(last)
         self._tail = buf[cut:].tolist()
         self.num_tokens += len(tokens)
@@ -79,8 +79,9 @@ class Agreement:
     prompt_ended: bool = False  # no difference found, but the prompt is shorter than the stored sequence
 
 
-def agreement(stored: bytes, stored_tokens: int, prompt: Sequence[int], block_size: int,
-              prompt_chain: ChainBuilder | None = None) -> Agreement:
+def agreement(
+    stored: bytes, stored_tokens: int, prompt: Sequence[int], block_size: int, prompt_chain: ChainBuilder | None = None
+) -> Agreement:
     """Compare a stored chain with a new prompt, block by block, up to the first difference.
 
     ``prompt_chain``, the prompt's own chain when the caller has it, saves building it again.
@@ -94,7 +95,7 @@ def agreement(stored: bytes, stored_tokens: int, prompt: Sequence[int], block_si
     d = DIGEST_SIZE
     comparable = min(full_blocks, len(prompt) // block_size)
     for i in range(comparable):
-        if mine[i] != stored[i * d:(i + 1) * d]:
+        if mine[i] != stored[i * d : (i + 1) * d]:
             return Agreement(i * block_size, False, i)
     n = comparable * block_size
     if n < full_blocks * block_size:
@@ -104,6 +105,6 @@ def agreement(stored: bytes, stored_tokens: int, prompt: Sequence[int], block_si
     if len(prompt) < stored_tokens:
         return Agreement(n, False, full_blocks, prompt_ended=True)
     prev = mine[full_blocks - 1] if full_blocks else _ROOT
-    if _link(prev, _pack(prompt[n:stored_tokens])) == stored[full_blocks * d:]:
+    if _link(prev, _pack(prompt[n:stored_tokens])) == stored[full_blocks * d :]:
         return Agreement(stored_tokens, True, None)
     return Agreement(n, False, full_blocks)

@@ -37,8 +37,10 @@ class CostParams:
         """(fixed seconds per transfer, bytes per second) of D -> P, or of P -> D with ``push``."""
         if not push:
             return self.link_fixed_s, self.link_bytes_per_s
-        return (self.link_fixed_s if self.push_fixed_s is None else self.push_fixed_s,
-                self.link_bytes_per_s if self.push_bytes_per_s is None else self.push_bytes_per_s)
+        return (
+            self.link_fixed_s if self.push_fixed_s is None else self.push_fixed_s,
+            self.link_bytes_per_s if self.push_bytes_per_s is None else self.push_bytes_per_s,
+        )
 
 
 @dataclass(frozen=True)

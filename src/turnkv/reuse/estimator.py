@@ -136,8 +136,9 @@ class CostEstimator:
             push = pull  # unless the operator said what P -> D is
         return {"pull": LinkEstimate(*pull, self.pull.samples), "push": LinkEstimate(*push, self.push.samples)}
 
-    def observe_prefill(self, *, new_tokens: int, context_tokens: int, pulled_tokens: int, seconds: float,
-                        block_size: int) -> None:
+    def observe_prefill(
+        self, *, new_tokens: int, context_tokens: int, pulled_tokens: int, seconds: float, block_size: int
+    ) -> None:
         """A prefill call's wall time; the estimated pull time is taken out first."""
         pull = transfer_s(self.params(), pulled_tokens, block_size) if pulled_tokens > 0 else 0.0
         self.prefill.observe(new_tokens, context_tokens, seconds - pull)
@@ -145,6 +146,13 @@ class CostEstimator:
     def params(self) -> CostParams:
         links = self.links()
         hop, per_token, attn = self.prefill.params()
-        return replace(self.prior, link_fixed_s=links["pull"].fixed_s, link_bytes_per_s=links["pull"].bytes_per_s,
-                       push_fixed_s=links["push"].fixed_s, push_bytes_per_s=links["push"].bytes_per_s, hop_s=hop,
-                       prefill_per_token_s=per_token, prefill_attn_s=attn)
+        return replace(
+            self.prior,
+            link_fixed_s=links["pull"].fixed_s,
+            link_bytes_per_s=links["pull"].bytes_per_s,
+            push_fixed_s=links["push"].fixed_s,
+            push_bytes_per_s=links["push"].bytes_per_s,
+            hop_s=hop,
+            prefill_per_token_s=per_token,
+            prefill_attn_s=attn,
+        )

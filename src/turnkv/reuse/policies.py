@@ -60,7 +60,8 @@ class AdaptiveParams(_Params):
     decode_local: bool = True
     decode_local_max_new_tokens: int = Field(8192, ge=0, description="larger deltas always go through P")
     decode_local_max_stall_ms: float = Field(
-        150.0, ge=0, description="longest estimated prefill D may run for one turn (its streams wait that long)")
+        150.0, ge=0, description="longest estimated prefill D may run for one turn (its streams wait that long)"
+    )
     decode_local_max_busy: int = Field(64, ge=0, description="streams on D above which D is not asked to prefill")
     margin: float = Field(0.0, ge=0, description="pull only when it beats recompute by this fraction")
 
@@ -76,7 +77,8 @@ class AdaptivePolicy:
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
         new = facts.prompt_tokens - facts.decode_cached_tokens
         local_ok = (
-            self.p.decode_local and facts.decode_local_possible
+            self.p.decode_local
+            and facts.decode_local_possible
             and new <= self.p.decode_local_max_new_tokens
             and facts.decode_busy <= self.p.decode_local_max_busy
             and prefill_s(costs, new, facts.decode_cached_tokens) * 1e3 <= self.p.decode_local_max_stall_ms

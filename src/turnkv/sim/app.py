@@ -72,8 +72,14 @@ class SimServer:
         self.template = ChatTemplate.load(settings.template, settings.chat_template)
         self.metrics = EngineMetrics(settings.model)
         e = settings.engine
-        self.metrics.cache_config({"block_size": str(e.block_size), "num_gpu_blocks": str(e.num_blocks),
-                                   "enable_prefix_caching": str(e.prefix_caching), "cache_dtype": "auto"})
+        self.metrics.cache_config(
+            {
+                "block_size": str(e.block_size),
+                "num_gpu_blocks": str(e.num_blocks),
+                "enable_prefix_caching": str(e.prefix_caching),
+                "cache_dtype": "auto",
+            }
+        )
         self.engine = Engine(settings.engine, self.tok, self.metrics)
         self.faults = FaultInjector(settings.faults)
         digest = hashlib.sha256(settings.model_dump_json().encode()).hexdigest()[:8]
@@ -90,8 +96,12 @@ class SimServer:
         # --exclude-tools-when-tool-choice-none, off by default (vllm-pd-protocol.md §7).
         try:
             text = self.template.render(
-                req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, kwargs=kwargs)
+                req.messages,
+                tools=req.tools,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                kwargs=kwargs,
+            )
         except RenderError as exc:
             raise ApiError(400, str(exc)) from exc
         return self.tok.encode(text), thinking
@@ -103,8 +113,11 @@ class SimServer:
         if override is not None and self.settings.engine.compat == "0.33":
             # 0.32+: the renderer takes these ids instead of templating (vllm-pd-protocol.md §4.1).
             if not (isinstance(override, list) and override and all(isinstance(i, int) for i in override)):
-                raise ApiError(400, "kv_transfer_params.prompt_token_ids must be a non-empty list of "
-                                    "token ids", param="kv_transfer_params")
+                raise ApiError(
+                    400,
+                    "kv_transfer_params.prompt_token_ids must be a non-empty list of token ids",
+                    param="kv_transfer_params",
+                )
             self.check_ids(override)
             return list(override), thinking, False
         return ids, thinking, True
@@ -117,9 +130,14 @@ class SimServer:
     def chat_max_tokens(self, req: ChatRequest, prompt_len: int, text_prompt: bool) -> int:
         used = req.max_completion_tokens is not None
         return max_tokens(
-            req, prompt_len, self.settings.engine.max_model_len,
+            req,
+            prompt_len,
+            self.settings.engine.max_model_len,
             param="max_completion_tokens" if used else "max_tokens",
-            value=req.max_completion_tokens if used else req.max_tokens, default=None, text_prompt=text_prompt)
+            value=req.max_completion_tokens if used else req.max_tokens,
+            default=None,
+            text_prompt=text_prompt,
+        )
 
     async def _admit(self) -> float:
         arrival = time.perf_counter()
@@ -131,8 +149,9 @@ class SimServer:
             raise internal_error()
         return arrival
 
-    def _prepare(self, req: GenerationRequest, prompt: list[int], sampling: Sampling, rid: str,
-                 arrival: float) -> _Prepared:
+    def _prepare(
+        self, req: GenerationRequest, prompt: list[int], sampling: Sampling, rid: str, arrival: float
+    ) -> _Prepared:
         kv = None
         if req.kv_transfer_params is not None:
             kv = {k: v for k, v in req.kv_transfer_params.items() if k != "prompt_token_ids"}
@@ -141,9 +160,14 @@ class SimServer:
     def _sampling(self, req: GenerationRequest, prompt: Sequence[int], limit: int, **extra: Any) -> Sampling:
         # What the model says depends on its prompt alone, so whether it reasons is read from
         # the prompt, not from the route or the request's template kwargs.
-        return Sampling(max_tokens=limit, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-                        thinking=self.settings.thinking and opens_thinking(self.tok, prompt),
-                        drift=self.settings.retokenize_drift, **extra)
+        return Sampling(
+            max_tokens=limit,
+            min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
+            thinking=self.settings.thinking and opens_thinking(self.tok, prompt),
+            drift=self.settings.retokenize_drift,
+            **extra,
+        )
 
     # -- chat --------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -162,21 +186,28 @@ class SimServer:
         rid = "chatcmpl-" + (request.headers.get("x-request-id") or random_uuid())
         opts = req.stream_options or {}
         fmt = ChatFormatter(
-            request_id=rid, model=req.model or self.settings.model, compat=self.settings.engine.compat,
-            fingerprint=self.fingerprint, return_token_ids=bool(req.return_token_ids),
+            request_id=rid,
+            model=req.model or self.settings.model,
+            compat=self.settings.engine.compat,
+            fingerprint=self.fingerprint,
+            return_token_ids=bool(req.return_token_ids),
             include_usage=bool(opts.get("include_usage")),
             continuous_usage=bool(opts.get("continuous_usage_stats")),
-            prompt_tokens_details=self.settings.prompt_tokens_details)
+            prompt_tokens_details=self.settings.prompt_tokens_details,
+        )
         parser = OutputParser(self.tok, parse_tools=bool(req.tools) and tool_choice != "none", thinking=thinking)
         required = tool_choice == "required" or isinstance(tool_choice, dict)
         prep = self._prepare(req, prompt, sampling, rid, arrival)
         if req.stream:
-            return StreamingResponse(self._chat_stream(prep, fmt, parser, named=isinstance(tool_choice, dict)),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._chat_stream(prep, fmt, parser, named=isinstance(tool_choice, dict)),
+                media_type="text/event-stream",
+            )
         out_ids: list[int] = []
         try:
-            async with contextlib.aclosing(self.engine.generate(
-                    prompt, sampling, prep.kv, rid, arrival, prep.cache_salt)) as outputs:
+            async with contextlib.aclosing(
+                self.engine.generate(prompt, sampling, prep.kv, rid, arrival, prep.cache_salt)
+            ) as outputs:
                 async for out in outputs:
                     out_ids += out.token_ids
                     for t in out.token_ids:
@@ -186,17 +217,30 @@ class SimServer:
                     parser.finish()
                     calls = parser.final_tool_calls()
                     reason = "tool_calls" if calls and not isinstance(tool_choice, dict) else out.finish_reason
-                    return JSONResponse(fmt.full(
-                        content=parser.final_content(required=required), reasoning=parser.reasoning or None,
-                        tool_calls=calls, finish_reason=reason, prompt_ids=prompt, output_ids=out_ids,
-                        cached=out.num_cached_tokens, reasoning_tokens=count_reasoning_tokens(self.tok, out_ids),
-                        kv_transfer_params=out.kv_transfer_params))
+                    return JSONResponse(
+                        fmt.full(
+                            content=parser.final_content(required=required),
+                            reasoning=parser.reasoning or None,
+                            tool_calls=calls,
+                            finish_reason=reason,
+                            prompt_ids=prompt,
+                            output_ids=out_ids,
+                            cached=out.num_cached_tokens,
+                            reasoning_tokens=count_reasoning_tokens(self.tok, out_ids),
+                            kv_transfer_params=out.kv_transfer_params,
+                        )
+                    )
         except EngineError:
             pass
         return internal_error().response()
 
     async def _chat_stream(
-        self, prep: _Prepared, fmt: ChatFormatter, parser: OutputParser, *, named: bool,
+        self,
+        prep: _Prepared,
+        fmt: ChatFormatter,
+        parser: OutputParser,
+        *,
+        named: bool,
     ) -> AsyncIterator[bytes]:
         n_prompt = len(prep.prompt)
         out_ids: list[int] = []
@@ -204,8 +248,11 @@ class SimServer:
         started = False
         drop = self.faults.take_drop()
         try:
-            async with contextlib.aclosing(self.engine.generate(
-                    prep.prompt, prep.sampling, prep.kv, prep.request_id, prep.arrival, prep.cache_salt)) as outputs:
+            async with contextlib.aclosing(
+                self.engine.generate(
+                    prep.prompt, prep.sampling, prep.kv, prep.request_id, prep.arrival, prep.cache_salt
+                )
+            ) as outputs:
                 async for out in outputs:
                     if not started:
                         started = True
@@ -219,8 +266,14 @@ class SimServer:
                         _merge(delta, parser.finish())
                         reason = "tool_calls" if parser.tool_calls and not named else out.finish_reason
                         cached = out.num_cached_tokens
-                    chunk = fmt.token_chunk(delta, out.token_ids, n_prompt, len(out_ids), finish_reason=reason,
-                                            kv_transfer_params=out.kv_transfer_params)
+                    chunk = fmt.token_chunk(
+                        delta,
+                        out.token_ids,
+                        n_prompt,
+                        len(out_ids),
+                        finish_reason=reason,
+                        kv_transfer_params=out.kv_transfer_params,
+                    )
                     if chunk is not None:
                         yield chunk
                         sent += 1
@@ -247,32 +300,51 @@ class SimServer:
             if req.n != 1:
                 raise ApiError(400, "the simulator supports n=1 only", param="n")
             prompt, text_prompt = self._completion_prompt(req.prompt)
-            limit = max_tokens(req, len(prompt), self.settings.engine.max_model_len, param="max_tokens",
-                               value=req.max_tokens, default=16, text_prompt=text_prompt)
+            limit = max_tokens(
+                req,
+                len(prompt),
+                self.settings.engine.max_model_len,
+                param="max_tokens",
+                value=req.max_tokens,
+                default=16,
+                text_prompt=text_prompt,
+            )
             arrival = await self._admit()
         except ApiError as exc:
             return exc.response()
         rid = "cmpl-" + (request.headers.get("x-request-id") or random_uuid())
         fmt = CompletionFormatter(
-            request_id=rid, model=req.model or self.settings.model, compat=self.settings.engine.compat,
-            fingerprint=self.fingerprint, return_token_ids=bool(req.return_token_ids),
+            request_id=rid,
+            model=req.model or self.settings.model,
+            compat=self.settings.engine.compat,
+            fingerprint=self.fingerprint,
+            return_token_ids=bool(req.return_token_ids),
             include_usage=bool((req.stream_options or {}).get("include_usage")),
-            prompt_tokens_details=self.settings.prompt_tokens_details)
+            prompt_tokens_details=self.settings.prompt_tokens_details,
+        )
         # one prompt of a batch: the engine request is "cmpl-<id>-0" (vllm-shapes.md §4)
         prep = self._prepare(req, prompt, self._sampling(req, prompt, limit), rid + "-0", arrival)
         if req.stream:
             return StreamingResponse(self._completion_stream(prep, fmt), media_type="text/event-stream")
         out_ids: list[int] = []
         try:
-            async with contextlib.aclosing(self.engine.generate(
-                    prompt, prep.sampling, prep.kv, prep.request_id, arrival, prep.cache_salt)) as outputs:
+            async with contextlib.aclosing(
+                self.engine.generate(prompt, prep.sampling, prep.kv, prep.request_id, arrival, prep.cache_salt)
+            ) as outputs:
                 async for out in outputs:
                     out_ids += out.token_ids
                     if out.finish_reason is not None:
                         text = self.tok.decode(out_ids, skip_special_tokens=True)
-                        return JSONResponse(fmt.full(
-                            text=text, finish_reason=out.finish_reason, prompt_ids=prompt, output_ids=out_ids,
-                            cached=out.num_cached_tokens, kv_transfer_params=out.kv_transfer_params))
+                        return JSONResponse(
+                            fmt.full(
+                                text=text,
+                                finish_reason=out.finish_reason,
+                                prompt_ids=prompt,
+                                output_ids=out_ids,
+                                cached=out.num_cached_tokens,
+                                kv_transfer_params=out.kv_transfer_params,
+                            )
+                        )
         except EngineError:
             pass
         return internal_error().response()
@@ -285,15 +357,17 @@ class SimServer:
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
             self.check_ids(prompt)
             return list(prompt), False
-        raise ApiError(400, "the simulator accepts one prompt per request (text or token ids)",
-                       param="prompt")
+        raise ApiError(400, "the simulator accepts one prompt per request (text or token ids)", param="prompt")
 
     async def _completion_stream(self, prep: _Prepared, fmt: CompletionFormatter) -> AsyncIterator[bytes]:
         detok = IncrementalDetokenizer(self.tok)
         completion = cached = 0
         try:
-            async with contextlib.aclosing(self.engine.generate(
-                    prep.prompt, prep.sampling, prep.kv, prep.request_id, prep.arrival, prep.cache_salt)) as outputs:
+            async with contextlib.aclosing(
+                self.engine.generate(
+                    prep.prompt, prep.sampling, prep.kv, prep.request_id, prep.arrival, prep.cache_salt
+                )
+            ) as outputs:
                 async for out in outputs:
                     first = completion == 0
                     completion += len(out.token_ids)
@@ -301,8 +375,13 @@ class SimServer:
                     text = detok.push(visible) + (detok.flush() if out.finish_reason else "")
                     if out.finish_reason is not None:
                         cached = out.num_cached_tokens
-                    yield fmt.chunk(text, out.token_ids, prep.prompt if first else None,
-                                    finish_reason=out.finish_reason, kv_transfer_params=out.kv_transfer_params)
+                    yield fmt.chunk(
+                        text,
+                        out.token_ids,
+                        prep.prompt if first else None,
+                        finish_reason=out.finish_reason,
+                        kv_transfer_params=out.kv_transfer_params,
+                    )
         except EngineError:
             if not (fmt.compat == "0.26" and completion == 0):
                 yield error_event(fmt.compat, error_body("Internal server error", "InternalServerError", 500))

@@ -26,7 +26,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, root: int) -> list[int]
     out: list[int] = []
     parent = root
     for i in range(len(tokens) // block_size):
-        parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
         out.append(parent)
     return out
 

@@ -47,8 +47,9 @@ class ChatTemplate:
     def __init__(self, source: str, name: str = "custom") -> None:
         # transformers utils/chat_template_utils.py: trim_blocks, lstrip_blocks, loopcontrols,
         # a tojson that keeps key order and default separators, raise_exception, strftime_now.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, autoescape=False, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
@@ -79,8 +80,10 @@ class ChatTemplate:
         msgs = [_normalize_message(m) for m in messages]
         try:
             text = self._template.render(
-                messages=msgs, tools=[_normalize_tool(t) for t in tools] if tools else None,
-                add_generation_prompt=add_generation_prompt, **dict(kwargs or {}),
+                messages=msgs,
+                tools=[_normalize_tool(t) for t in tools] if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                **dict(kwargs or {}),
             )
         except TemplateError as exc:
             raise RenderError(f"chat template error: {exc}") from exc
@@ -149,8 +152,11 @@ def _normalize_tool(t: Mapping[str, Any]) -> dict[str, Any]:
         raise RenderError("each tool must be an object with a 'function' object")
     fn = t["function"]
     declared = ("name", "description", "parameters", "strict", "defer_loading")
-    f: dict[str, Any] = {"name": fn.get("name"), "description": fn.get("description"),
-                         "parameters": fn.get("parameters")}
+    f: dict[str, Any] = {
+        "name": fn.get("name"),
+        "description": fn.get("description"),
+        "parameters": fn.get("parameters"),
+    }
     for k in ("strict", "defer_loading"):
         if fn.get(k) is not None:
             f[k] = fn[k]
@@ -287,8 +293,10 @@ class OutputParser:
             self._failed = True
             return
         tc = ToolCall(
-            id=f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", name=name,
-            arguments=json.dumps(args, ensure_ascii=False), index=len(self.tool_calls),
+            id=f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
+            name=name,
+            arguments=json.dumps(args, ensure_ascii=False),
+            index=len(self.tool_calls),
         )
         self.tool_calls.append(tc)
         d.tool_calls.append(tc)

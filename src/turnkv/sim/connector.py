@@ -80,9 +80,8 @@ class Connector:
         local_blocks = seq.load_blocks
         if len(local_blocks) > len(remote):
             # vLLM asserts num_local_blocks <= len(remote_group) and the engine dies.
-            raise EngineError(
-                f"AssertionError: {len(local_blocks)} local blocks > {len(remote)} remote blocks")
-        remote = remote[len(remote) - len(local_blocks):] if local_blocks else []
+            raise EngineError(f"AssertionError: {len(local_blocks)} local blocks > {len(remote)} remote blocks")
+        remote = remote[len(remote) - len(local_blocks) :] if local_blocks else []
         started = time.perf_counter()
         try:
             async with SideChannelClient(str(p["remote_host"]), int(p["remote_port"])) as sc:
@@ -93,7 +92,8 @@ class Connector:
                 if local_blocks and self.e.cfg.bidirectional and expired:
                     self.e.metrics.kv_expired.inc()
                     raise TransferError(
-                        f"Declining expired remote read for {seq.request_id} from engine {peer.engine_id}.")
+                        f"Declining expired remote read for {seq.request_id} from engine {peer.engine_id}."
+                    )
                 if local_blocks:
                     nbytes = len(local_blocks) * self.e.cfg.block_size * self.e.cfg.costs.kv_bytes_per_token
                     async with self._link_lock:
@@ -137,7 +137,7 @@ class Connector:
         ttl = self.e.cfg.kv_lease_duration if is_p_node else self.e.cfg.decoder_kv_blocks_ttl
         deadline = self.e.clock() + ttl
         blocks = seq.block_ids[: -(-seq.num_computed // self.e.cfg.block_size)]
-        self.e.release_blocks(seq.block_ids[len(blocks):])
+        self.e.release_blocks(seq.block_ids[len(blocks) :])
         tracked = is_p_node or bool(p.get("do_remote_prefill"))
         self.pins[seq.request_id] = Pin(blocks, deadline, decode_side=not is_p_node, tracked=tracked)
         self.e.metrics.pinned(self.pinned_tokens())
@@ -170,8 +170,11 @@ class Connector:
         pin = self.pins.get(request_id)
         if pin is None or not pin.tracked:
             self.unrecognized_notices += 1
-            log.error("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode "
-                      "worker. They may have expired.", request_id)
+            log.error(
+                "Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode "
+                "worker. They may have expired.",
+                request_id,
+            )
             return
         self.unpin(request_id)
 

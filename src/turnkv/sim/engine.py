@@ -40,7 +40,6 @@ log = logging.getLogger("turnkv.sim")
 STALL_WAIT_S = 0.05
 
 
-
 class EngineConfig(BaseModel):
     role: Literal["prefill", "decode", "colocated"] = "colocated"
     compat: Literal["0.26", "0.33"] = "0.26"
@@ -89,7 +88,8 @@ class Engine:
     async def start(self) -> None:
         if self.cfg.has_connector:
             self.side_channel_port = await self._sidechannel.start(
-                self.cfg.side_channel_host, self.cfg.side_channel_port)
+                self.cfg.side_channel_host, self.cfg.side_channel_port
+            )
         self._tasks = [asyncio.create_task(self._step_loop()), asyncio.create_task(self.connector.expiry_loop())]
 
     async def stop(self) -> None:
@@ -125,8 +125,7 @@ class Engine:
         self._preempted.clear()
         self.connector.pins.clear()
         self.engine_id = str(uuid.uuid4())
-        self.pool = BlockPool(self.cfg.num_blocks, self.cfg.block_size,
-                              enable_caching=self.cfg.prefix_caching)
+        self.pool = BlockPool(self.cfg.num_blocks, self.cfg.block_size, enable_caching=self.cfg.prefix_caching)
         self.release_blocks([])  # requests waiting for blocks try the new pool
         self.metrics.process_start.set(time.time())
 
@@ -141,20 +140,27 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(
-        self, prompt: Sequence[int], sampling: Sampling, kv_params: dict[str, Any] | None, request_id: str,
-        arrival: float | None = None, cache_salt: str | None = None,
+        self,
+        prompt: Sequence[int],
+        sampling: Sampling,
+        kv_params: dict[str, Any] | None,
+        request_id: str,
+        arrival: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[Output, None]:
         """Run one request; yields token outputs, the last one with ``finish_reason`` set. As in vLLM, a
         ``cache_salt`` keys the prefix cache: blocks cached under another salt (or none) never match."""
         seq = Seq(
-            request_id=f"{request_id}-{secrets.token_hex(4)}", prompt=list(prompt), sampling=sampling,
+            request_id=f"{request_id}-{secrets.token_hex(4)}",
+            prompt=list(prompt),
+            sampling=sampling,
             params=dict(kv_params) if kv_params and self.cfg.has_connector else None,
-            arrival=time.perf_counter() if arrival is None else arrival, gen=Generator(self.tok, sampling),
+            arrival=time.perf_counter() if arrival is None else arrival,
+            gen=Generator(self.tok, sampling),
             cache_root=self._cache_root if cache_salt is None else hash((self._cache_root, cache_salt)),
         )
         if kv_params and not self.cfg.has_connector:
-            log.warning("Got kv_transfer_params, but no KVConnector found. "
-                        "Disabling KVTransfer for this request.")
+            log.warning("Got kv_transfer_params, but no KVConnector found. Disabling KVTransfer for this request.")
         try:
             await self._admit_when_blocks_free(seq)
             if seq.load:
@@ -217,7 +223,7 @@ class Engine:
         seq.external = external
         if external:
             first = local // bs
-            seq.load_blocks = seq.block_ids[first: -(-(local + external) // bs)]
+            seq.load_blocks = seq.block_ids[first : -(-(local + external) // bs)]
         if self.cfg.has_connector:
             self.metrics.external_queries.inc(n - local)
 
@@ -273,7 +279,7 @@ class Engine:
         while i < len(values):
             off = pos % bs
             take = min(bs - off, len(values) - i)
-            self.pool.write(seq.block_ids[pos // bs], off, values[i:i + take])
+            self.pool.write(seq.block_ids[pos // bs], off, values[i : i + take])
             if off + take == bs and pos // bs < len(seq.hashes):
                 self.pool.commit(seq.block_ids[pos // bs], seq.hashes[pos // bs])
             pos += take
@@ -307,7 +313,7 @@ class Engine:
 
     def _prefill_chunk(self, seq: Seq, n: int) -> None:
         start = seq.num_computed
-        values = kv_extend(self._prev_kv(seq, start), seq.prefill_tokens[start:start + n], start)
+        values = kv_extend(self._prev_kv(seq, start), seq.prefill_tokens[start : start + n], start)
         self._write(seq, start, values)
         seq.num_computed += n
         self.metrics.prompt_tokens.inc(n)
@@ -351,7 +357,7 @@ class Engine:
     @staticmethod
     def _tokens(seq: Seq, start: int, end: int) -> list[int]:
         n = len(seq.prompt)
-        return seq.prompt[start:min(end, n)] + seq.output[max(start - n, 0):max(end - n, 0)]
+        return seq.prompt[start : min(end, n)] + seq.output[max(start - n, 0) : max(end - n, 0)]
 
     def _sample(self, seq: Seq, kv: int) -> None:
         token = seq.gen.next_token(kv, len(seq.output))

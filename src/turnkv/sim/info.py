@@ -28,8 +28,16 @@ def sampling_params(req: ChatRequest, limit: int, kv: dict[str, Any] | None, com
     struct order (vllm-shapes.md §5)."""
     # As recorded from vLLM 0.26 (tests/fixtures/vllm): the model's default sampling parameters come
     # first, even where they equal SamplingParams' own defaults.
-    sp: dict[str, Any] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                          "temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "stop": [], "stop_token_ids": []}
+    sp: dict[str, Any] = {
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "stop": [],
+        "stop_token_ids": [],
+    }
     if req.ignore_eos:
         sp["ignore_eos"] = True
     if limit != 16:
@@ -61,14 +69,24 @@ class InfoRoutes:
             return exc.response()
         kv = {k: v for k, v in (req.kv_transfer_params or {}).items() if k != "prompt_token_ids"} or None
         compat = s.settings.engine.compat
-        return JSONResponse({
-            "request_id": f"chatcmpl-{random_uuid()}", "token_ids": ids, "assistant_tokens_mask": None,
-            "token_offsets": None, "features": None, "sampling_params": sampling_params(req, limit, kv, compat),
-            "model": req.model or s.settings.model, "stream": bool(req.stream),
-            "stream_options": req.stream_options if req.stream else None, "cache_salt": req.cache_salt, "priority": 0,
-            # 0.26 leaves kv_transfer_params in sampling_params.extra_args; 0.33 hoists it here.
-            "kv_transfer_params": kv if compat == "0.33" else None, "ec_transfer_params": None,
-        })
+        return JSONResponse(
+            {
+                "request_id": f"chatcmpl-{random_uuid()}",
+                "token_ids": ids,
+                "assistant_tokens_mask": None,
+                "token_offsets": None,
+                "features": None,
+                "sampling_params": sampling_params(req, limit, kv, compat),
+                "model": req.model or s.settings.model,
+                "stream": bool(req.stream),
+                "stream_options": req.stream_options if req.stream else None,
+                "cache_salt": req.cache_salt,
+                "priority": 0,
+                # 0.26 leaves kv_transfer_params in sampling_params.extra_args; 0.33 hoists it here.
+                "kv_transfer_params": kv if compat == "0.33" else None,
+                "ec_transfer_params": None,
+            }
+        )
 
     async def tokenize(self, request: Request) -> Response:
         s = self.s
@@ -89,8 +107,9 @@ class InfoRoutes:
         except ApiError as exc:
             return exc.response()
         strs = [s.tok.decode([i]) for i in ids] if body.get("return_token_strs") else None
-        return JSONResponse({"count": len(ids), "max_model_len": s.settings.engine.max_model_len,
-                             "tokens": ids, "token_strs": strs})
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": s.settings.engine.max_model_len, "tokens": ids, "token_strs": strs}
+        )
 
     async def detokenize(self, request: Request) -> Response:
         try:
@@ -109,13 +128,38 @@ class InfoRoutes:
     async def models(self, request: Request) -> Response:
         now = int(time.time())
         st = self.s.settings
-        return JSONResponse({"object": "list", "data": [{
-            "id": st.model, "object": "model", "created": now, "owned_by": "vllm", "root": st.model,
-            "parent": None, "max_model_len": st.engine.max_model_len,
-            "permission": [{"id": f"modelperm-{random_uuid()}", "object": "model_permission", "created": now,
-                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                            "organization": "*", "group": None, "is_blocking": False}]}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": st.model,
+                        "object": "model",
+                        "created": now,
+                        "owned_by": "vllm",
+                        "root": st.model,
+                        "parent": None,
+                        "max_model_len": st.engine.max_model_len,
+                        "permission": [
+                            {
+                                "id": f"modelperm-{random_uuid()}",
+                                "object": "model_permission",
+                                "created": now,
+                                "allow_create_engine": False,
+                                "allow_sampling": True,
+                                "allow_logprobs": True,
+                                "allow_search_indices": False,
+                                "allow_view": True,
+                                "allow_fine_tuning": False,
+                                "organization": "*",
+                                "group": None,
+                                "is_blocking": False,
+                            }
+                        ],
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -140,19 +184,30 @@ class InfoRoutes:
             s.engine.restart()
         if upd.reset_prefix_cache:
             s.engine.reset_prefix_cache()
-        return JSONResponse({"faults": s.faults.faults.model_dump(), "engine_id": s.engine.engine_id,
-                             "expired_handles": expired})
+        return JSONResponse(
+            {"faults": s.faults.faults.model_dump(), "engine_id": s.engine.engine_id, "expired_handles": expired}
+        )
 
     async def state(self, request: Request) -> Response:
         s, e = self.s, self.s.engine
-        return JSONResponse({
-            "engine_id": e.engine_id, "role": s.settings.engine.role, "compat": s.settings.engine.compat,
-            "side_channel_port": e.side_channel_port, "pins": len(e.pins), "pinned_tokens": e.pinned_tokens(),
-            "untracked_pins": sum(1 for p in e.pins.values() if not p.tracked),
-            "unrecognized_notices": e.connector.unrecognized_notices, "blocked": e.blocked,
-            "kv_cache_usage": e.pool.usage(), "free_blocks": e.pool.num_free,
-            "faults": s.faults.faults.model_dump(), "delayed": s.faults.delayed, "renders": self.renders,
-        })
+        return JSONResponse(
+            {
+                "engine_id": e.engine_id,
+                "role": s.settings.engine.role,
+                "compat": s.settings.engine.compat,
+                "side_channel_port": e.side_channel_port,
+                "pins": len(e.pins),
+                "pinned_tokens": e.pinned_tokens(),
+                "untracked_pins": sum(1 for p in e.pins.values() if not p.tracked),
+                "unrecognized_notices": e.connector.unrecognized_notices,
+                "blocked": e.blocked,
+                "kv_cache_usage": e.pool.usage(),
+                "free_blocks": e.pool.num_free,
+                "faults": s.faults.faults.model_dump(),
+                "delayed": s.faults.delayed,
+                "renders": self.renders,
+            }
+        )
 
 
 def routes(server: SimServer) -> list[Route]:

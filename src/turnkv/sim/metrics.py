@@ -9,8 +9,30 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Bucket lists as vLLM registers them (vllm-pd-protocol.md §8: v1/metrics/loggers.py, nixl/stats.py).
 _XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 _BYTES_BUCKETS = tuple(float(2**i) for i in range(11, 35, 2))  # 2^11 ... 2^33
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 
 
 class EngineMetrics:
@@ -24,42 +46,48 @@ class EngineMetrics:
             return Counter(name, doc, labels, registry=r)
 
         self.prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.").labels(**lv)
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        ).labels(**lv)
         self.prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.").labels(**lv)
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        ).labels(**lv)
         self.external_queries = counter(
-            "vllm:external_prefix_cache_queries", "External prefix cache queries (tokens)").labels(**lv)
-        self.external_hits = counter(
-            "vllm:external_prefix_cache_hits", "External prefix cache hits (tokens)").labels(**lv)
-        by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by source",
-                            [*labels, "source"], registry=r)
+            "vllm:external_prefix_cache_queries", "External prefix cache queries (tokens)"
+        ).labels(**lv)
+        self.external_hits = counter("vllm:external_prefix_cache_hits", "External prefix cache hits (tokens)").labels(
+            **lv
+        )
+        by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by source", [*labels, "source"], registry=r)
         self.tokens_local_compute = by_source.labels(**lv, source="local_compute")
         self.tokens_local_cache_hit = by_source.labels(**lv, source="local_cache_hit")
         self.tokens_external = by_source.labels(**lv, source="external_kv_transfer")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed").labels(**lv)
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed").labels(**lv)
-        self.xfer_time = Histogram("vllm:nixl_xfer_time_seconds", "KV transfer time", labels,
-                                   buckets=_XFER_TIME_BUCKETS, registry=r).labels(**lv)
-        self.xfer_bytes = Histogram("vllm:nixl_bytes_transferred", "KV bytes per transfer", labels,
-                                    buckets=_BYTES_BUCKETS, registry=r).labels(**lv)
+        self.xfer_time = Histogram(
+            "vllm:nixl_xfer_time_seconds", "KV transfer time", labels, buckets=_XFER_TIME_BUCKETS, registry=r
+        ).labels(**lv)
+        self.xfer_bytes = Histogram(
+            "vllm:nixl_bytes_transferred", "KV bytes per transfer", labels, buckets=_BYTES_BUCKETS, registry=r
+        ).labels(**lv)
         self.failed_transfers = counter("vllm:nixl_num_failed_transfers", "Failed KV transfers").labels(**lv)
         self.kv_expired = counter("vllm:nixl_num_kv_expired_reqs", "Requests whose KV expired").labels(**lv)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels,
-                              buckets=_TTFT_BUCKETS, registry=r).labels(**lv)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", labels,
-                              registry=r).labels(**lv)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", labels, buckets=_TTFT_BUCKETS, registry=r
+        ).labels(**lv)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", labels, registry=r).labels(**lv)
         self.running = Gauge("vllm:num_requests_running", "Running requests", labels, registry=r).labels(**lv)
         self.waiting = Gauge("vllm:num_requests_waiting", "Waiting requests", labels, registry=r).labels(**lv)
-        self.process_start = Gauge("process_start_time_seconds",
-                                   "Start time of the process since unix epoch in seconds.", registry=r)
+        self.process_start = Gauge(
+            "process_start_time_seconds", "Start time of the process since unix epoch in seconds.", registry=r
+        )
         self.process_start.set(time.time())
-        self.success = Counter("vllm:request_success", "Finished requests", [*labels, "finished_reason"],
-                               registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests", [*labels, "finished_reason"], registry=r)
         self.preemptions = counter("vllm:num_preemptions", "Preempted requests").labels(**lv)
         # the simulator's own (no vLLM name): what D-side handles pin now, and the most they ever pinned
         self.pinned_tokens = Gauge("sim:pinned_tokens", "KV tokens pinned by decode-side handles", registry=r)
-        self.pinned_peak = Gauge("sim:pinned_tokens_peak", "Most KV tokens decode-side handles pinned at once",
-                                 registry=r)
+        self.pinned_peak = Gauge(
+            "sim:pinned_tokens_peak", "Most KV tokens decode-side handles pinned at once", registry=r
+        )
         self._peak = 0
         self._lv = lv
 
@@ -71,8 +99,12 @@ class EngineMetrics:
 
     def cache_config(self, info: dict[str, str]) -> None:
         """vLLM's ``vllm:cache_config_info``: a gauge set to 1 whose labels are the CacheConfig fields."""
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*info, "engine"],
-              registry=self.registry).labels(**info, engine="").set(1)
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [*info, "engine"],
+            registry=self.registry,
+        ).labels(**info, engine="").set(1)
 
     def finished(self, reason: str) -> None:
         self.success.labels(**self._lv, finished_reason=reason).inc()

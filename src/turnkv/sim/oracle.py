@@ -155,8 +155,13 @@ class Generator:
         args = _arguments(fn.get("parameters") or {}, kv, self.tok)
         text = json.dumps({"name": fn.get("name", "tool"), "arguments": args}, ensure_ascii=False)
         t = self.tok
-        return [t.special_id("<tool_call>"), t.piece_id("\n"), *t.encode(text), t.piece_id("\n"),
-                t.special_id("</tool_call>")]
+        return [
+            t.special_id("<tool_call>"),
+            t.piece_id("\n"),
+            *t.encode(text),
+            t.piece_id("\n"),
+            t.special_id("</tool_call>"),
+        ]
 
 
 def _arguments(schema: Mapping[str, Any], kv: int, tok: Tokenizer) -> dict[str, Any]:

@@ -19,8 +19,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "BadRequestError",
-                 param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
 
@@ -81,8 +80,9 @@ def validate(body: dict[str, Any], model: type[M]) -> M:
         lines = [str({**e, "loc": ("body", *e["loc"])}) for e in errs]
         param = "body." + ".".join(str(x) for x in errs[0]["loc"]) if errs else None
         n = len(errs)
-        raise ApiError(400, f"{n} validation error{'s' if n > 1 else ''}:\n  " + "\n  ".join(lines),
-                       "Bad Request", param) from exc
+        raise ApiError(
+            400, f"{n} validation error{'s' if n > 1 else ''}:\n  " + "\n  ".join(lines), "Bad Request", param
+        ) from exc
 
 
 def check_model(name: str | None, served: str) -> None:
@@ -91,30 +91,43 @@ def check_model(name: str | None, served: str) -> None:
 
 
 def max_tokens(
-    req: GenerationRequest, prompt_len: int, limit: int, *, param: str, value: int | None,
-    default: int | None, text_prompt: bool,
+    req: GenerationRequest,
+    prompt_len: int,
+    limit: int,
+    *,
+    param: str,
+    value: int | None,
+    default: int | None,
+    text_prompt: bool,
 ) -> int:
     """The engine's ``max_tokens``, after vLLM's renderer and ``SamplingParams`` checks."""
     if value is not None and value > limit:
-        raise ApiError(400, f"{param}={value} cannot be greater than max_model_len=max_total_tokens={limit}. "
-                            f"Please request fewer output tokens. (parameter={param}, value={value})",
-                       param=param)
+        raise ApiError(
+            400,
+            f"{param}={value} cannot be greater than max_model_len=max_total_tokens={limit}. "
+            f"Please request fewer output tokens. (parameter={param}, value={value})",
+            param=param,
+        )
     max_input = limit - value if value else limit
     if prompt_len > max_input:
         # Text prompts are tokenized with truncation to max_input + 1, so vLLM reports "at least"
         # that many; token-id prompts report their exact length (vllm-shapes.md §9).
         n = min(prompt_len, max_input + 1) if text_prompt else prompt_len
         least = "at least " if n == max_input + 1 else ""
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                            f"{value or 0} output tokens and your prompt contains {least}{n} input tokens, for "
-                            f"a total of {least}{n + (value or 0)} tokens. Please reduce the length of the "
-                            f"input prompt or the number of requested output tokens. (parameter=input_tokens, "
-                            f"value={n})", param="input_tokens")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{value or 0} output tokens and your prompt contains {least}{n} input tokens, for "
+            f"a total of {least}{n + (value or 0)} tokens. Please reduce the length of the "
+            f"input prompt or the number of requested output tokens. (parameter=input_tokens, "
+            f"value={n})",
+            param="input_tokens",
+        )
     out = value if value is not None else (default if default is not None else limit - prompt_len)
     if out < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {out}. (parameter=max_tokens, value={out})",
-                       param="max_tokens")
+        raise ApiError(
+            400, f"max_tokens must be at least 1, got {out}. (parameter=max_tokens, value={out})", param="max_tokens"
+        )
     if not 0 <= req.min_tokens <= out:
-        raise ApiError(400, f"min_tokens must be in [0, max_tokens={out}], got {req.min_tokens}.",
-                       param="min_tokens")
+        raise ApiError(400, f"min_tokens must be in [0, max_tokens={out}], got {req.min_tokens}.", param="min_tokens")
     return out

@@ -44,11 +44,15 @@ def error_body(message: str, type_: str, code: int, param: str | None = None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def usage(prompt: int, completion: int, cached: int | None = None, details: bool = False,
-          reasoning_tokens: int | None = None) -> dict[str, Any]:
+def usage(
+    prompt: int, completion: int, cached: int | None = None, details: bool = False, reasoning_tokens: int | None = None
+) -> dict[str, Any]:
     """Usage as a stream chunk writes it: null members left out."""
-    out: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                           "completion_tokens": completion}
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
     if details:
         out["prompt_tokens_details"] = {"cached_tokens": cached or 0}
     if reasoning_tokens is not None:
@@ -56,15 +60,16 @@ def usage(prompt: int, completion: int, cached: int | None = None, details: bool
     return out
 
 
-def full_usage(prompt: int, completion: int, cached: int, *, details: bool, compat: str,
-               reasoning_tokens: int | None) -> dict[str, Any]:
+def full_usage(
+    prompt: int, completion: int, cached: int, *, details: bool, compat: str, reasoning_tokens: int | None
+) -> dict[str, Any]:
     """Usage as a full body writes it: every field, nulls included."""
     u = usage(prompt, completion)
-    u["prompt_tokens_details"] = {"cached_tokens": cached, "created_cache_tokens": None,
-                                  "multimodal_tokens": None} if details else None
+    u["prompt_tokens_details"] = (
+        {"cached_tokens": cached, "created_cache_tokens": None, "multimodal_tokens": None} if details else None
+    )
     if compat == "0.33":
-        u["completion_tokens_details"] = (
-            None if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens})
+        u["completion_tokens_details"] = None if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens}
     return u
 
 
@@ -85,8 +90,7 @@ class ChatFormatter:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _head(self) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model}
+        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
 
     def _usage(self, chunk: dict[str, Any], prompt: int, completion: int) -> None:
         if self.include_usage and self.continuous_usage:
@@ -94,16 +98,23 @@ class ChatFormatter:
 
     def role_chunk(self, prompt_ids: Sequence[int]) -> bytes:
         c = self._head()
-        c["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}]
+        c["choices"] = [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ]
         self._usage(c, len(prompt_ids), 0)
         c["prompt_token_ids"] = list(prompt_ids) if self.return_token_ids else None
         c["prompt_text"] = None
         return sse(c)
 
     def token_chunk(
-        self, delta: Delta, token_ids: Sequence[int], prompt: int, completion: int, *,
-        finish_reason: str | None = None, kv_transfer_params: dict[str, Any] | None = None,
+        self,
+        delta: Delta,
+        token_ids: Sequence[int],
+        prompt: int,
+        completion: int,
+        *,
+        finish_reason: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> bytes | None:
         d = _delta(delta)
         if not d and finish_reason is None and not self.return_token_ids:
@@ -126,35 +137,69 @@ class ChatFormatter:
     def usage_chunk(self, prompt: int, completion: int, cached: int, reasoning_tokens: int) -> bytes:
         c = self._head()
         c["choices"] = []
-        c["usage"] = usage(prompt, completion, cached, self.prompt_tokens_details,
-                           reasoning_tokens if self.compat == "0.33" else None)
+        c["usage"] = usage(
+            prompt, completion, cached, self.prompt_tokens_details, reasoning_tokens if self.compat == "0.33" else None
+        )
         c["system_fingerprint"] = self.fingerprint
         return sse(c)
 
     def full(
-        self, *, content: str | None, reasoning: str | None, tool_calls: Sequence[ToolCall],
-        finish_reason: str, prompt_ids: Sequence[int], output_ids: Sequence[int], cached: int,
-        reasoning_tokens: int, kv_transfer_params: dict[str, Any] | None,
+        self,
+        *,
+        content: str | None,
+        reasoning: str | None,
+        tool_calls: Sequence[ToolCall],
+        finish_reason: str,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        cached: int,
+        reasoning_tokens: int,
+        kv_transfer_params: dict[str, Any] | None,
     ) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None,
-                                   "annotations": None, "audio": None, "function_call": None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+        }
         if tool_calls:
             message["tool_calls"] = [_tool_call_full(tc) for tc in tool_calls]
         message["reasoning"] = reasoning
-        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
-                                  "finish_reason": finish_reason, "stop_reason": None,
-                                  "token_ids": list(output_ids) if self.return_token_ids else None,
-                                  "routed_experts": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "token_ids": list(output_ids) if self.return_token_ids else None,
+            "routed_experts": None,
+        }
         if self.compat == "0.33":
             choice["weight_versions"] = None
-        u = full_usage(len(prompt_ids), len(output_ids), cached, details=self.prompt_tokens_details,
-                       compat=self.compat, reasoning_tokens=reasoning_tokens)
+        u = full_usage(
+            len(prompt_ids),
+            len(output_ids),
+            cached,
+            details=self.prompt_tokens_details,
+            compat=self.compat,
+            reasoning_tokens=reasoning_tokens,
+        )
         return {
-            "id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [choice], "service_tier": None, "system_fingerprint": self.fingerprint, "usage": u,
+            "id": self.request_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": self.fingerprint,
+            "usage": u,
             "prompt_logprobs": None,
             "prompt_token_ids": list(prompt_ids) if self.return_token_ids else None,
-            "prompt_text": None, "kv_transfer_params": kv_transfer_params, "ec_transfer_params": None,
+            "prompt_text": None,
+            "kv_transfer_params": kv_transfer_params,
+            "ec_transfer_params": None,
             "metrics": None,
         }
 
@@ -188,17 +233,31 @@ class CompletionFormatter:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def chunk(
-        self, text: str, token_ids: Sequence[int], prompt_ids: Sequence[int] | None, *,
-        finish_reason: str | None, kv_transfer_params: dict[str, Any] | None = None,
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        prompt_ids: Sequence[int] | None,
+        *,
+        finish_reason: str | None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> bytes:
         show_prompt = self.return_token_ids and prompt_ids is not None
         choice: dict[str, Any] = {
-            "index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
             "prompt_token_ids": list(prompt_ids) if show_prompt and prompt_ids is not None else None,
             "token_ids": list(token_ids) if self.return_token_ids else None,
         }
-        c: dict[str, Any] = {"id": self.request_id, "object": "text_completion", "created": self.created,
-                             "model": self.model, "choices": [choice]}
+        c: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
         if finish_reason is not None and not self.include_usage:
             c["system_fingerprint"] = self.fingerprint
         if self.compat == "0.33":
@@ -207,23 +266,57 @@ class CompletionFormatter:
         return sse(c)
 
     def usage_chunk(self, prompt: int, completion: int, cached: int) -> bytes:
-        return sse({"id": self.request_id, "object": "text_completion", "created": self.created,
-                    "model": self.model, "choices": [],
-                    "usage": usage(prompt, completion, cached, self.prompt_tokens_details),
-                    "system_fingerprint": self.fingerprint})
+        return sse(
+            {
+                "id": self.request_id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage(prompt, completion, cached, self.prompt_tokens_details),
+                "system_fingerprint": self.fingerprint,
+            }
+        )
 
     def full(
-        self, *, text: str, finish_reason: str, prompt_ids: Sequence[int], output_ids: Sequence[int],
-        cached: int, kv_transfer_params: dict[str, Any] | None,
+        self,
+        *,
+        text: str,
+        finish_reason: str,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        cached: int,
+        kv_transfer_params: dict[str, Any] | None,
     ) -> dict[str, Any]:
-        u = full_usage(len(prompt_ids), len(output_ids), cached, details=self.prompt_tokens_details,
-                       compat=self.compat, reasoning_tokens=None)  # no reasoning parser on completions
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                  "stop_reason": None, "token_ids": list(output_ids) if self.return_token_ids else None,
-                  "prompt_logprobs": None,
-                  "prompt_token_ids": list(prompt_ids) if self.return_token_ids else None,
-                  "routed_experts": None}
-        return {"id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [choice], "service_tier": None,
-                "system_fingerprint": self.fingerprint, "usage": u,
-                "kv_transfer_params": kv_transfer_params, "ec_transfer_params": None, "metrics": None}
+        u = full_usage(
+            len(prompt_ids),
+            len(output_ids),
+            cached,
+            details=self.prompt_tokens_details,
+            compat=self.compat,
+            reasoning_tokens=None,
+        )  # no reasoning parser on completions
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "token_ids": list(output_ids) if self.return_token_ids else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": list(prompt_ids) if self.return_token_ids else None,
+            "routed_experts": None,
+        }
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": self.fingerprint,
+            "usage": u,
+            "kv_transfer_params": kv_transfer_params,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }

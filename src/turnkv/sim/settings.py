@@ -34,10 +34,13 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--model", default="sim-model", help="served model name")
-    p.add_argument("--template", choices=["keep", "strip"], default="keep",
-                   help="built-in chat template: keep earlier reasoning, or strip it as Qwen3 does")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file (as vLLM's --chat-template)")
+    p.add_argument(
+        "--template",
+        choices=["keep", "strip"],
+        default="keep",
+        help="built-in chat template: keep earlier reasoning, or strip it as Qwen3 does",
+    )
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (as vLLM's --chat-template)")
     p.add_argument("--vllm-compat", choices=["0.26", "0.33"], default="0.26")
     bool_flag(p, "prefix-caching", True, "local prefix caching (vLLM --enable-prefix-caching)")
     bool_flag(p, "bidirectional", True, "kv_connector_extra_config.bidirectional_kv_xfer")
@@ -51,17 +54,17 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=40960)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--side-channel-host", default="127.0.0.1")
-    p.add_argument("--side-channel-port", type=int, default=0,
-                   help="NIXL side channel port (0: any free port)")
-    p.add_argument("--clock-skew", type=float, default=0.0,
-                   help="seconds added to this engine's perf_counter")
-    p.add_argument("--retokenize-drift", action="store_true",
-                   help="some generated id sequences re-tokenize to different ids, as with BPE")
+    p.add_argument("--side-channel-port", type=int, default=0, help="NIXL side channel port (0: any free port)")
+    p.add_argument("--clock-skew", type=float, default=0.0, help="seconds added to this engine's perf_counter")
+    p.add_argument(
+        "--retokenize-drift",
+        action="store_true",
+        help="some generated id sequences re-tokenize to different ids, as with BPE",
+    )
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("cost model")
-    g.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiplies every simulated duration; 0 = free")
+    g.add_argument("--time-scale", type=float, default=1.0, help="multiplies every simulated duration; 0 = free")
     g.add_argument("--link", choices=sorted(LINKS), default="host")
     g.add_argument("--link-latency-ms", type=float, default=None, help="fixed cost per KV transfer")
     g.add_argument("--link-gbps", type=float, default=None, help="KV transfer bandwidth in GB/s")
@@ -85,31 +88,53 @@ def bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help_: str) 
 
 def settings_from_args(a: argparse.Namespace) -> SimSettings:
     cost_overrides = {
-        k: v for k, v in {
+        k: v
+        for k, v in {
             "prefill_per_token_s": None if a.prefill_us_per_token is None else a.prefill_us_per_token / 1e6,
             "prefill_floor_s": None if a.prefill_floor_ms is None else a.prefill_floor_ms / 1e3,
             "decode_base_s": None if a.decode_itl_ms is None else a.decode_itl_ms / 1e3,
             "api_overhead_s": None if a.api_overhead_ms is None else a.api_overhead_ms / 1e3,
-        }.items() if v is not None
+        }.items()
+        if v is not None
     }
     costs = CostModel(
-        time_scale=a.time_scale, link=a.link, model_shape=a.model_shape,
+        time_scale=a.time_scale,
+        link=a.link,
+        model_shape=a.model_shape,
         link_fixed_s=None if a.link_latency_ms is None else a.link_latency_ms / 1e3,
-        link_bytes_per_s=None if a.link_gbps is None else a.link_gbps * 1e9, **cost_overrides,
+        link_bytes_per_s=None if a.link_gbps is None else a.link_gbps * 1e9,
+        **cost_overrides,
     )
     engine = EngineConfig(
-        role=a.role, compat=a.vllm_compat, block_size=a.block_size, num_blocks=a.num_gpu_blocks,
-        prefix_caching=a.prefix_caching, bidirectional=a.bidirectional,
-        kv_recompute_threshold=a.kv_recompute_threshold, decoder_kv_blocks_ttl=a.decoder_kv_blocks_ttl,
-        kv_lease_duration=a.kv_lease_duration, kv_load_failure_policy=a.kv_load_failure_policy,
-        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        side_channel_host=a.side_channel_host, side_channel_port=a.side_channel_port,
-        clock_skew_s=a.clock_skew, seed=a.seed, costs=costs,
+        role=a.role,
+        compat=a.vllm_compat,
+        block_size=a.block_size,
+        num_blocks=a.num_gpu_blocks,
+        prefix_caching=a.prefix_caching,
+        bidirectional=a.bidirectional,
+        kv_recompute_threshold=a.kv_recompute_threshold,
+        decoder_kv_blocks_ttl=a.decoder_kv_blocks_ttl,
+        kv_lease_duration=a.kv_lease_duration,
+        kv_load_failure_policy=a.kv_load_failure_policy,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        side_channel_host=a.side_channel_host,
+        side_channel_port=a.side_channel_port,
+        clock_skew_s=a.clock_skew,
+        seed=a.seed,
+        costs=costs,
     )
     return SimSettings(
-        host=a.host, port=a.port, model=a.model, template=a.template, chat_template=a.chat_template,
-        thinking=a.thinking, retokenize_drift=a.retokenize_drift,
-        prompt_tokens_details=a.enable_prompt_tokens_details, engine=engine,
-        faults=Faults(fail_next=a.fail_next, delay_ms=a.delay_ms, drop_next=a.drop_next,
-                      drop_after_chunks=a.drop_after_chunks),
+        host=a.host,
+        port=a.port,
+        model=a.model,
+        template=a.template,
+        chat_template=a.chat_template,
+        thinking=a.thinking,
+        retokenize_drift=a.retokenize_drift,
+        prompt_tokens_details=a.enable_prompt_tokens_details,
+        engine=engine,
+        faults=Faults(
+            fail_next=a.fail_next, delay_ms=a.delay_ms, drop_next=a.drop_next, drop_after_chunks=a.drop_after_chunks
+        ),
     )

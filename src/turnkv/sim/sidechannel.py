@@ -69,7 +69,8 @@ class SideChannelClient:
     async def __aenter__(self) -> SideChannelClient:
         try:
             self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_connection(*self._addr, limit=_LIMIT), self._timeout)
+                asyncio.open_connection(*self._addr, limit=_LIMIT), self._timeout
+            )
         except (OSError, TimeoutError) as exc:
             raise TransferError(f"handshake with {self._addr[0]}:{self._addr[1]} failed: {exc}") from exc
         return self
@@ -97,8 +98,8 @@ class SideChannelClient:
         reply = await self._call({"op": "handshake"})
         if reply["engine_id"] != expected_engine_id:
             raise TransferError(
-                f"Remote NIXL agent engine ID mismatch. Expected {expected_engine_id},"
-                f" received {reply['engine_id']}.")
+                f"Remote NIXL agent engine ID mismatch. Expected {expected_engine_id}, received {reply['engine_id']}."
+            )
         return Peer(reply["engine_id"], float(reply["clock"]))
 
     async def read(self, engine_id: str, block_ids: Sequence[int]) -> list[list[int]]:

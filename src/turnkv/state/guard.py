@@ -26,8 +26,13 @@ log = logging.getLogger("turnkv.store")
 
 class StoreGuard:
     def __init__(
-        self, store: ConversationStore, *, retry_s: float, on_error: Callable[[str], None] = lambda op: None,
-        on_state: Callable[[bool], None] = lambda up: None, on_busy: Callable[[str], None] = lambda op: None,
+        self,
+        store: ConversationStore,
+        *,
+        retry_s: float,
+        on_error: Callable[[str], None] = lambda op: None,
+        on_state: Callable[[bool], None] = lambda up: None,
+        on_busy: Callable[[str], None] = lambda op: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store

@@ -109,8 +109,13 @@ class TLSOptions:
     check_hostname: bool = True
 
     def kwargs(self) -> dict[str, Any]:
-        return {"ssl_ca_certs": self.ca_certs, "ssl_certfile": self.certfile, "ssl_keyfile": self.keyfile,
-                "ssl_cert_reqs": self.cert_reqs, "ssl_check_hostname": self.check_hostname}
+        return {
+            "ssl_ca_certs": self.ca_certs,
+            "ssl_certfile": self.certfile,
+            "ssl_keyfile": self.keyfile,
+            "ssl_cert_reqs": self.cert_reqs,
+            "ssl_check_hostname": self.check_hostname,
+        }
 
 
 # --- scripts on a conversation's slot (KEYS[1] = ns:c:{key}) ---
@@ -180,7 +185,9 @@ end
 """
 
 # ARGV: conversation key, stored_at, entry JSON, tokens
-_PIN_ADD = _INDEX_LIB + """
+_PIN_ADD = (
+    _INDEX_LIB
+    + """
 local old = redis.call('HGET', KEYS[2], ARGV[1])
 if old then drop(ARGV[1], old) end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
@@ -188,18 +195,24 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 redis.call('INCRBY', KEYS[3], ARGV[4])
 return 1
 """
+)
 
 # ARGV: conversation key, pin id: drop the entry only if it is still that pin's
-_UNPIN = _INDEX_LIB + """
+_UNPIN = (
+    _INDEX_LIB
+    + """
 local old = redis.call('HGET', KEYS[2], ARGV[1])
 if not old or cjson.decode(old).pin ~= ARGV[2] then return 0 end
 drop(ARGV[1], old)
 settle()
 return 1
 """
+)
 
 # ARGV: tokens to keep, most entries to take. Returns {more, {key, entry, key, entry, ...}}.
-_EVICT_PICK = _INDEX_LIB + """
+_EVICT_PICK = (
+    _INDEX_LIB
+    + """
 local total = tonumber(redis.call('GET', KEYS[3]) or '0')
 local keep = tonumber(ARGV[1])
 local out = {}
@@ -223,9 +236,12 @@ local more = 0
 if total > keep and redis.call('ZCARD', KEYS[1]) > 0 then more = 1 end
 return {more, out}
 """
+)
 
 # ARGV: key, entry JSON, key, entry JSON...: drop each entry still stored with exactly that value
-_DROP = _INDEX_LIB + """
+_DROP = (
+    _INDEX_LIB
+    + """
 local out = {}
 for i = 1, #ARGV, 2 do
   if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[i + 1] then
@@ -238,6 +254,7 @@ end
 settle()
 return out
 """
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,9 +283,16 @@ def _pin_of(handle: dict[str, Any]) -> str:
 
 
 class RedisStore:
-    def __init__(self, client: Redis | RedisCluster, *, namespace: str = "turnkv",
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
-                 in_flight_ttl_s: float = DEFAULT_IN_FLIGHT_TTL_S, closers: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        *,
+        namespace: str = "turnkv",
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
+        in_flight_ttl_s: float = DEFAULT_IN_FLIGHT_TTL_S,
+        closers: Sequence[Any] = (),
+    ) -> None:
         """``client`` must decode responses to str; its pools should allow ``max_connections``.
         ``closers``: more objects with ``aclose()`` that the store owns (a Sentinel's clients)."""
         if "{" in namespace or "}" in namespace:
@@ -281,17 +305,37 @@ class RedisStore:
         self._closers = list(closers)
 
     @classmethod
-    def from_url(cls, url: str, *, namespace: str = "turnkv", command_timeout_s: float = 0.25,
-                 pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 in_flight_ttl_s: float = DEFAULT_IN_FLIGHT_TTL_S, tls: TLSOptions | None = None) -> RedisStore:
+    def from_url(
+        cls,
+        url: str,
+        *,
+        namespace: str = "turnkv",
+        command_timeout_s: float = 0.25,
+        pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        in_flight_ttl_s: float = DEFAULT_IN_FLIGHT_TTL_S,
+        tls: TLSOptions | None = None,
+    ) -> RedisStore:
         """A store on the deployment ``url`` names (see ``state.redis_url``). Nothing connects yet."""
         target = parse_redis_url(url)
-        client, closers = _client(target, command_timeout_s=command_timeout_s, max_connections=max_connections,
-                                  tls=tls or TLSOptions())
-        log.info("store.redis target=%s max_connections=%d pool_timeout_s=%s command_timeout_s=%s",
-                 target.describe(), max_connections, pool_timeout_s, command_timeout_s)
-        return cls(client, namespace=namespace, max_connections=max_connections, pool_timeout_s=pool_timeout_s,
-                   in_flight_ttl_s=in_flight_ttl_s, closers=closers)
+        client, closers = _client(
+            target, command_timeout_s=command_timeout_s, max_connections=max_connections, tls=tls or TLSOptions()
+        )
+        log.info(
+            "store.redis target=%s max_connections=%d pool_timeout_s=%s command_timeout_s=%s",
+            target.describe(),
+            max_connections,
+            pool_timeout_s,
+            command_timeout_s,
+        )
+        return cls(
+            client,
+            namespace=namespace,
+            max_connections=max_connections,
+            pool_timeout_s=pool_timeout_s,
+            in_flight_ttl_s=in_flight_ttl_s,
+            closers=closers,
+        )
 
     # --- keys ---
 
@@ -338,12 +382,22 @@ class RedisStore:
             return [(PUT, [k], [body, "", "", "", ttl_ms])]
         pin = _pin_of(record.handle)
         index = self._index(record.decode_url)
-        entry = json.dumps({
-            "pin": pin, "tokens": record.num_tokens, "handle": record.handle, "stored_at": record.created_at,
-            "expires_at": record.expires_at, "epoch": record.engine_epoch, "n": secrets.token_hex(4),
-        }, separators=(",", ":"))
-        return [(PUT, [k], [body, json.dumps(record.handle, separators=(",", ":")), pin, index.id, ttl_ms]),
-                (PIN_ADD, index.keys, [key, repr(record.created_at), entry, record.num_tokens])]
+        entry = json.dumps(
+            {
+                "pin": pin,
+                "tokens": record.num_tokens,
+                "handle": record.handle,
+                "stored_at": record.created_at,
+                "expires_at": record.expires_at,
+                "epoch": record.engine_epoch,
+                "n": secrets.token_hex(4),
+            },
+            separators=(",", ":"),
+        )
+        return [
+            (PUT, [k], [body, json.dumps(record.handle, separators=(",", ":")), pin, index.id, ttl_ms]),
+            (PIN_ADD, index.keys, [key, repr(record.created_at), entry, record.num_tokens]),
+        ]
 
     async def release(self, key: str, *, owner: str) -> None:
         async with self._op("release"):
@@ -394,17 +448,20 @@ class RedisStore:
         async with self._op("prune"):
             raw: dict[str, str] = await cast(Any, self._redis).hgetall(index.keys[1])
             entries = {k: _entry(decode_url, k, v) for k, v in raw.items()}
-            doomed = {k for k, (e, _) in entries.items() if e.expires_at <= now or (
-                epoch is not None and e.engine_epoch is not None and e.engine_epoch != epoch)}
+            doomed = {
+                k
+                for k, (e, _) in entries.items()
+                if e.expires_at <= now or (epoch is not None and e.engine_epoch is not None and e.engine_epoch != epoch)
+            }
             ask = [k for k in entries if k not in doomed]
             for i in range(0, len(ask), PRUNE_CHUNK):
-                chunk = ask[i:i + PRUNE_CHUNK]
+                chunk = ask[i : i + PRUNE_CHUNK]
                 holds = await self._batch([(HOLDS, [self.conversation_key(k)], [entries[k][1]]) for k in chunk])
                 doomed.update(k for k, h in zip(chunk, holds, strict=True) if int(h) != 1)
             out: list[PinEntry] = []
             todo = [k for k in entries if k in doomed]
             for i in range(0, len(todo), PRUNE_CHUNK):
-                chunk = todo[i:i + PRUNE_CHUNK]
+                chunk = todo[i : i + PRUNE_CHUNK]
                 args: list[str | int | float] = []
                 for k in chunk:
                     args += [k, raw[k]]
@@ -514,9 +571,15 @@ def _entry(decode_url: str, key: str, raw: str) -> tuple[PinEntry, str]:
     """An index entry and its pin id."""
     try:
         d = json.loads(raw)
-        return PinEntry(key=key, decode_url=decode_url, tokens=int(d["tokens"]), handle=dict(d["handle"]),
-                        stored_at=float(d["stored_at"]), expires_at=float(d["expires_at"]),
-                        engine_epoch=None if d["epoch"] is None else float(d["epoch"])), str(d["pin"])
+        return PinEntry(
+            key=key,
+            decode_url=decode_url,
+            tokens=int(d["tokens"]),
+            handle=dict(d["handle"]),
+            stored_at=float(d["stored_at"]),
+            expires_at=float(d["expires_at"]),
+            engine_epoch=None if d["epoch"] is None else float(d["epoch"]),
+        ), str(d["pin"])
     except (ValueError, TypeError, KeyError) as exc:
         raise StoreError(f"redis: unreadable pin index entry for {key!r}: {exc}") from exc
 
@@ -537,40 +600,71 @@ class _SentinelSSLConnection(_SentinelConnection, SSLConnection):
     pass
 
 
-def _client(target: RedisTarget, *, command_timeout_s: float, max_connections: int,
-            tls: TLSOptions) -> tuple[Redis | RedisCluster, list[Any]]:
+def _client(
+    target: RedisTarget, *, command_timeout_s: float, max_connections: int, tls: TLSOptions
+) -> tuple[Redis | RedisCluster, list[Any]]:
     """The redis-py client for ``target``: pools of ``max_connections`` and explicit timeouts (a slow
     Redis must not hold a turn). Retry: once at once, on a connection error only (redis-py keeps
     the retry of the connections its pool makes: the pool's connection kwargs carry it; a Redis
     client's own ``retry=`` is ignored when it is handed a pool)."""
     retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
     common: dict[str, Any] = {
-        "socket_timeout": command_timeout_s, "socket_connect_timeout": command_timeout_s,
-        "decode_responses": True, "username": target.username, "password": target.password,
+        "socket_timeout": command_timeout_s,
+        "socket_connect_timeout": command_timeout_s,
+        "decode_responses": True,
+        "username": target.username,
+        "password": target.password,
     }
     ssl = tls.kwargs() if target.tls else {}
     if target.topology is Topology.CLUSTER:
         nodes = [ClusterNode(h, p) for h, p in target.nodes]
         # a Cluster client retries (once here) on connection errors and timeouts, with a fresh
         # view of the slots; its per-node pools are not shared with anything else
-        return RedisCluster(startup_nodes=nodes, max_connections=max_connections, retry=Retry(NoBackoff(), 1),
-                            ssl=target.tls, **common, **ssl), []
+        return RedisCluster(
+            startup_nodes=nodes,
+            max_connections=max_connections,
+            retry=Retry(NoBackoff(), 1),
+            ssl=target.tls,
+            **common,
+            **ssl,
+        ), []
     conn_kwargs: dict[str, Any] = {**common, "retry": retry, "retry_on_error": [RedisConnectionError]}
     if target.topology is Topology.SENTINEL:
         assert target.service is not None
         sentinel_kwargs: dict[str, Any] = {
-            "socket_timeout": command_timeout_s, "socket_connect_timeout": command_timeout_s,
-            "decode_responses": True, "retry": retry, **({"ssl": True, **ssl} if target.tls else {})}
+            "socket_timeout": command_timeout_s,
+            "socket_connect_timeout": command_timeout_s,
+            "decode_responses": True,
+            "retry": retry,
+            **({"ssl": True, **ssl} if target.tls else {}),
+        }
         sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
         master = sentinel.master_for(
-            target.service, max_connections=max_connections, db=target.db,
-            connection_class=_SentinelSSLConnection if target.tls else _SentinelConnection, **conn_kwargs, **ssl)
+            target.service,
+            max_connections=max_connections,
+            db=target.db,
+            connection_class=_SentinelSSLConnection if target.tls else _SentinelConnection,
+            **conn_kwargs,
+            **ssl,
+        )
         return master, [sentinel]
     if target.path is not None:
-        pool = ConnectionPool(connection_class=UnixDomainSocketConnection, path=target.path, db=target.db,
-                              max_connections=max_connections, **conn_kwargs)
+        pool = ConnectionPool(
+            connection_class=UnixDomainSocketConnection,
+            path=target.path,
+            db=target.db,
+            max_connections=max_connections,
+            **conn_kwargs,
+        )
     else:
         host, port = target.nodes[0]
-        pool = ConnectionPool(connection_class=SSLConnection if target.tls else Connection, host=host, port=port,
-                              db=target.db, max_connections=max_connections, **conn_kwargs, **ssl)
+        pool = ConnectionPool(
+            connection_class=SSLConnection if target.tls else Connection,
+            host=host,
+            port=port,
+            db=target.db,
+            max_connections=max_connections,
+            **conn_kwargs,
+            **ssl,
+        )
     return Redis.from_pool(pool), []

@@ -41,13 +41,17 @@ class RedisTarget:
         """The URL without credentials, for logs."""
         where = self.path or ",".join(f"{h}:{p}" for h, p in self.nodes)
         return f"{self.topology.value}{'+tls' if self.tls else ''} {where}" + (
-            f" service={self.service}" if self.service else "")
+            f" service={self.service}" if self.service else ""
+        )
 
 
 _SCHEMES = {
-    "redis": (Topology.SINGLE, False), "rediss": (Topology.SINGLE, True),
-    "redis+sentinel": (Topology.SENTINEL, False), "rediss+sentinel": (Topology.SENTINEL, True),
-    "redis+cluster": (Topology.CLUSTER, False), "rediss+cluster": (Topology.CLUSTER, True),
+    "redis": (Topology.SINGLE, False),
+    "rediss": (Topology.SINGLE, True),
+    "redis+sentinel": (Topology.SENTINEL, False),
+    "rediss+sentinel": (Topology.SENTINEL, True),
+    "redis+cluster": (Topology.CLUSTER, False),
+    "rediss+cluster": (Topology.CLUSTER, True),
 }
 DEFAULT_PORTS = {Topology.SINGLE: 6379, Topology.SENTINEL: 26379, Topology.CLUSTER: 6379}
 
@@ -57,8 +61,10 @@ def parse_redis_url(url: str) -> RedisTarget:
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
     if not sep or (scheme not in _SCHEMES and scheme != "unix"):
-        raise ValueError(f"redis_url {_redact(url)!r}: the scheme must be one of redis://, rediss://, unix://, "
-                         "redis+sentinel://, rediss+sentinel://, redis+cluster://, rediss+cluster://")
+        raise ValueError(
+            f"redis_url {_redact(url)!r}: the scheme must be one of redis://, rediss://, unix://, "
+            "redis+sentinel://, rediss+sentinel://, redis+cluster://, rediss+cluster://"
+        )
     if scheme == "unix":
         return _parse_unix(url)
     topology, tls = _SCHEMES[scheme]
@@ -75,8 +81,10 @@ def parse_redis_url(url: str) -> RedisTarget:
     db = 0
     if topology is Topology.SENTINEL:
         if not parts:
-            raise ValueError(f"redis_url {_redact(url)!r}: name the Sentinel service: "
-                             "redis+sentinel://host:port[,host:port]/service[/db]")
+            raise ValueError(
+                f"redis_url {_redact(url)!r}: name the Sentinel service: "
+                "redis+sentinel://host:port[,host:port]/service[/db]"
+            )
         service, parts = parts[0], parts[1:]
     if parts:
         if len(parts) > 1 or not parts[0].isdigit():
@@ -85,8 +93,9 @@ def parse_redis_url(url: str) -> RedisTarget:
     if topology is Topology.CLUSTER and db != 0:
         raise ValueError(f"redis_url {_redact(url)!r}: Redis Cluster has only database 0")
     if topology is Topology.SINGLE and len(nodes) > 1:
-        raise ValueError(f"redis_url {_redact(url)!r}: one host for redis://; several are for "
-                         "redis+sentinel:// or redis+cluster://")
+        raise ValueError(
+            f"redis_url {_redact(url)!r}: one host for redis://; several are for redis+sentinel:// or redis+cluster://"
+        )
     return RedisTarget(topology, tls, nodes, db, username, password, service)
 
 
@@ -94,13 +103,21 @@ def _parse_unix(url: str) -> RedisTarget:
     parts = urlsplit(url)
     query = parse_qs(parts.query)
     if set(query) - {"db"}:
-        raise ValueError(f"redis_url {_redact(url)!r}: only ?db= is accepted on unix://; options go in "
-                         "turnkv's redis_* settings")
+        raise ValueError(
+            f"redis_url {_redact(url)!r}: only ?db= is accepted on unix://; options go in turnkv's redis_* settings"
+        )
     db_text = query.get("db", ["0"])[0]
     if not db_text.isdigit() or not parts.path:
         raise ValueError(f"redis_url {_redact(url)!r}: expected unix:///path/to/redis.sock[?db=N]")
-    return RedisTarget(Topology.SINGLE, False, (), int(db_text), unquote(parts.username) if parts.username else None,
-                       unquote(parts.password) if parts.password else None, path=unquote(parts.path))
+    return RedisTarget(
+        Topology.SINGLE,
+        False,
+        (),
+        int(db_text),
+        unquote(parts.username) if parts.username else None,
+        unquote(parts.password) if parts.password else None,
+        path=unquote(parts.path),
+    )
 
 
 def _split_userinfo(authority: str) -> tuple[str | None, str | None, str]:

@@ -54,10 +54,22 @@ class StreamTarget:
 
 
 TARGETS = (
-    StreamTarget(CHAT_MODULE, "OpenAIServingChat", "chat_completion_stream_generator",
-                 "ChatCompletionStreamResponse", "chat", "chat"),
-    StreamTarget(COMPLETION_MODULE, "OpenAIServingCompletion", "completion_stream_generator",
-                 "CompletionStreamResponse", "completion", "completions"),
+    StreamTarget(
+        CHAT_MODULE,
+        "OpenAIServingChat",
+        "chat_completion_stream_generator",
+        "ChatCompletionStreamResponse",
+        "chat",
+        "chat",
+    ),
+    StreamTarget(
+        COMPLETION_MODULE,
+        "OpenAIServingCompletion",
+        "completion_stream_generator",
+        "CompletionStreamResponse",
+        "completion",
+        "completions",
+    ),
 )
 
 
@@ -86,6 +98,7 @@ def vllm_version() -> str:
 
 
 # -- the stream wrapper ---------------------------------------------------------------------
+
 
 class _Last:
     """The ``kv_transfer_params`` of the engine output the stream generator is working on."""
@@ -167,6 +180,7 @@ def patch_stream(module: ModuleType, target: StreamTarget) -> str | None:
 
 # -- the header -----------------------------------------------------------------------------
 
+
 def add_middleware(app: Any, cls: Any, **options: Any) -> None:
     """Add an ASGI middleware even after the app built its middleware stack.
 
@@ -211,6 +225,7 @@ def patch_build_app(module: ModuleType) -> str | None:
 
 
 # -- applying patches now or when a module is imported -------------------------------------
+
 
 class _PatchingLoader(importlib.abc.Loader):
     """Runs a module as its own loader would, then patches it."""
@@ -264,6 +279,7 @@ def _stream_patcher(target: StreamTarget) -> Callable[[ModuleType], None]:
             log.info("turnkv plugin: patched %s.%s (streams end with %s)", target.cls, target.method, FIELD)
         else:
             log.info("turnkv plugin: did not patch %s.%s: %s", target.cls, target.method, why)
+
     return apply
 
 

@@ -63,7 +63,7 @@ def rewrite_event(event: str, kind: Kind, params: dict[str, Any] | None) -> str:
     """
     if not (event.startswith(_PREFIX) and event.endswith(_SUFFIX)):
         return event
-    payload = event[len(_PREFIX):-len(_SUFFIX)]
+    payload = event[len(_PREFIX) : -len(_SUFFIX)]
     if not payload.startswith("{") or not payload.endswith("}"):
         return event  # [DONE], or not an object
     try:
@@ -74,4 +74,4 @@ def rewrite_event(event: str, kind: Kind, params: dict[str, Any] | None) -> str:
         return event
     value = params if is_final(chunk) else None
     sep = "" if payload == "{}" else ","
-    return f"{_PREFIX}{payload[:-1]}{sep}\"{FIELD}\":{dumps_params(value)}}}{_SUFFIX}"
+    return f'{_PREFIX}{payload[:-1]}{sep}"{FIELD}":{dumps_params(value)}}}{_SUFFIX}'

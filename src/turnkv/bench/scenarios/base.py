@@ -28,9 +28,17 @@ from turnkv.bench.runner import run_load
 from turnkv.bench.workload import WorkloadSpec
 
 ENGINE_METRICS = ("vllm:prompt_tokens_by_source", "vllm:prefix_cache", "vllm:nixl_", "sim:")
-GATEWAY_METRICS = ("turnkv_reuse_decisions", "turnkv_link_", "turnkv_handle_captures", "turnkv_retries",
-                   "turnkv_upstream_errors", "turnkv_render_mismatch", "turnkv_tokens", "turnkv_handle_releases",
-                   "turnkv_first_token_deadline")
+GATEWAY_METRICS = (
+    "turnkv_reuse_decisions",
+    "turnkv_link_",
+    "turnkv_handle_captures",
+    "turnkv_retries",
+    "turnkv_upstream_errors",
+    "turnkv_render_mismatch",
+    "turnkv_tokens",
+    "turnkv_handle_releases",
+    "turnkv_first_token_deadline",
+)
 
 
 @dataclass(frozen=True)
@@ -47,24 +55,34 @@ class Deployment:
     gateway_workers: int = 1  # turnkv serve --workers N (needs Redis)
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "engine_flags": list(self.engine_flags), "prefill_flags": list(self.prefill_flags),
-                "decode_flags": list(self.decode_flags), "gateway_flags": list(self.gateway_flags),
-                "gateway_env": dict(self.gateway_env),
-                "redis": self.redis, "pinned": self.pin, "gateway_workers": self.gateway_workers}
+        return {
+            "kind": self.kind,
+            "engine_flags": list(self.engine_flags),
+            "prefill_flags": list(self.prefill_flags),
+            "decode_flags": list(self.decode_flags),
+            "gateway_flags": list(self.gateway_flags),
+            "gateway_env": dict(self.gateway_env),
+            "redis": self.redis,
+            "pinned": self.pin,
+            "gateway_workers": self.gateway_workers,
+        }
 
     def commands(self) -> list[str]:
         """The equivalent shell commands (ports are picked at start: shown as placeholders)."""
         e = " ".join(self.engine_flags)
         if self.kind == "colocated":
             return [f"turnkv sim --role colocated {e}".strip()]
-        out = [f"turnkv sim --role prefill {e} {' '.join(self.prefill_flags)}".strip(),
-               f"turnkv sim --role decode {e} {' '.join(self.decode_flags)}".strip()]
+        out = [
+            f"turnkv sim --role prefill {e} {' '.join(self.prefill_flags)}".strip(),
+            f"turnkv sim --role decode {e} {' '.join(self.decode_flags)}".strip(),
+        ]
         if self.kind == "pd":
             redis = " --redis-url redis://127.0.0.1:$REDIS_PORT/0" if self.redis else ""
             env = "".join(f"{k}={v} " for k, v in self.gateway_env)
             workers = f" --workers {self.gateway_workers}" if self.gateway_workers > 1 else ""
-            out.append(f"{env}turnkv serve --prefill $P --decode $D {' '.join(self.gateway_flags)}{redis}{workers}"
-                       .strip())
+            out.append(
+                f"{env}turnkv serve --prefill $P --decode $D {' '.join(self.gateway_flags)}{redis}{workers}".strip()
+            )
         return out
 
 
@@ -136,8 +154,14 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
                         relay.start()
                         url = relay.url
                     extra += ["--redis-url", url]
-                gateway = launch.gateway("gateway", [p.url], [dd.url], *extra, log_dir=log_dir,
-                                         env={"TURNKV_DECISION_HEADERS": "full", **dict(d.gateway_env)})
+                gateway = launch.gateway(
+                    "gateway",
+                    [p.url],
+                    [dd.url],
+                    *extra,
+                    log_dir=log_dir,
+                    env={"TURNKV_DECISION_HEADERS": "full", **dict(d.gateway_env)},
+                )
                 started.append(gateway)
                 target = Target(url=gateway.url)
         if d.pin:
@@ -212,12 +236,18 @@ def _measure(plan: ConfigPlan, d: Deployment, dep: Deployed, show_progress: bool
     if dep.relay:
         meta["redis_round_trips"] = dep.relay.round_trips - rt0
         meta["redis_round_trips_by_command"] = {
-            k: v - cmd0.get(k, 0) for k, v in dep.relay.by_command.items() if v != cmd0.get(k, 0)}
+            k: v - cmd0.get(k, 0) for k, v in dep.relay.by_command.items() if v != cmd0.get(k, 0)
+        }
     if dep.gateway:
         meta["gateway_metrics"] = scrape(dep.gateway.url, GATEWAY_METRICS)
     meta["engine_metrics"] = {e.name: scrape(e.url, ENGINE_METRICS) for e in dep.engines}
-    return ConfigResult(name=plan.name, group=plan.group, description=plan.description,
-                        workload=plan.workload.to_dict(), target={**dep.target.to_dict(), **d.describe()},
-                        requests=records, wall_s=wall, meta=meta)
-
-
+    return ConfigResult(
+        name=plan.name,
+        group=plan.group,
+        description=plan.description,
+        workload=plan.workload.to_dict(),
+        target={**dep.target.to_dict(), **d.describe()},
+        requests=records,
+        wall_s=wall,
+        meta=meta,
+    )

@@ -34,8 +34,17 @@ DECODE_LINK = {"h200-ipc": "nvlink"}
 ENGINE = ("--vllm-compat", "0.33")  # 0.33 returns D's handle on the final SSE chunk
 TURN = 5
 
-WORKLOAD = WorkloadSpec(conversations=8, turns=TURN, user_tokens=150, answer_tokens=100, think_time_s=0.5,
-                        rate=1.0, concurrency=2, request_timeout_s=300.0, duration_s=900.0)
+WORKLOAD = WorkloadSpec(
+    conversations=8,
+    turns=TURN,
+    user_tokens=150,
+    answer_tokens=100,
+    think_time_s=0.5,
+    rate=1.0,
+    concurrency=2,
+    request_timeout_s=300.0,
+    duration_s=900.0,
+)
 
 
 def _k(tokens: int) -> str:
@@ -46,24 +55,39 @@ def _shape(history: int, user: int) -> str:
     return _k(history) + ("" if user == WORKLOAD.user_tokens else f"-u{_k(user)}")
 
 
-def _pd(history: int, link: str, cache: str, policy: str | None, conversations: int | None,
-        user: int = WORKLOAD.user_tokens) -> Bench:
+def _pd(
+    history: int, link: str, cache: str, policy: str | None, conversations: int | None, user: int = WORKLOAD.user_tokens
+) -> Bench:
     """``policy`` None is plain P/D: turnkv without session ids."""
     label = policy or "plain"
     name = f"{_shape(history, user)}-{link}-{cache}-{label}"
-    wl = replace(WORKLOAD, system_tokens=history, user_tokens=user, session_header=policy is not None,
-                 conversations=conversations or WORKLOAD.conversations)
+    wl = replace(
+        WORKLOAD,
+        system_tokens=history,
+        user_tokens=user,
+        session_header=policy is not None,
+        conversations=conversations or WORKLOAD.conversations,
+    )
     pull_only = policy == PULL_ONLY
     d_link = DECODE_LINK.get(link)
-    dep = Deployment("pd", engine_flags=(*ENGINE, "--link", link),
-                     prefill_flags=("--no-prefix-caching",) if cache == "cold" else (),
-                     decode_flags=("--link", d_link) if d_link else (),
-                     gateway_flags=("--policy", "adaptive" if pull_only or policy is None else policy),
-                     gateway_env=(("TURNKV_POLICY__PARAMS", '{"decode_local": false}'),) if pull_only else
-                     # plain P/D: no session ids, and no conversation found from the messages either
-                     (("TURNKV_CONVERSATION_FROM_HISTORY", "false"),) if policy is None else ())
-    what = "plain P/D (turnkv, no session ids)" if policy is None else (
-        "turnkv --policy adaptive, decode-local off" if pull_only else f"turnkv --policy {policy}")
+    dep = Deployment(
+        "pd",
+        engine_flags=(*ENGINE, "--link", link),
+        prefill_flags=("--no-prefix-caching",) if cache == "cold" else (),
+        decode_flags=("--link", d_link) if d_link else (),
+        gateway_flags=("--policy", "adaptive" if pull_only or policy is None else policy),
+        gateway_env=(("TURNKV_POLICY__PARAMS", '{"decode_local": false}'),)
+        if pull_only
+        # plain P/D: no session ids, and no conversation found from the messages either
+        else (("TURNKV_CONVERSATION_FROM_HISTORY", "false"),)
+        if policy is None
+        else (),
+    )
+    what = (
+        "plain P/D (turnkv, no session ids)"
+        if policy is None
+        else ("turnkv --policy adaptive, decode-local off" if pull_only else f"turnkv --policy {policy}")
+    )
     links = f"{link} link" + (f" (D reads over {d_link})" if d_link else "")
     desc = f"1P1D, {links}, P prefix cache {'off' if cache == 'cold' else 'on'}, {what}"
     tags = {"history": history, "user": user, "link": link, "cache": cache, "policy": label}
@@ -71,11 +95,21 @@ def _pd(history: int, link: str, cache: str, policy: str | None, conversations: 
 
 
 def _colocated(history: int, conversations: int | None, user: int = WORKLOAD.user_tokens) -> Bench:
-    wl = replace(WORKLOAD, system_tokens=history, user_tokens=user, session_header=False,
-                 conversations=conversations or WORKLOAD.conversations)
+    wl = replace(
+        WORKLOAD,
+        system_tokens=history,
+        user_tokens=user,
+        session_header=False,
+        conversations=conversations or WORKLOAD.conversations,
+    )
     tags = {"history": history, "user": user, "link": "-", "cache": "on", "policy": "colocated"}
-    plan = ConfigPlan(f"{_shape(history, user)}-colocated", f"{_shape(history, user)} colocated",
-                      "one colocated engine with prefix caching, load sent to it directly", wl, tags)
+    plan = ConfigPlan(
+        f"{_shape(history, user)}-colocated",
+        f"{_shape(history, user)} colocated",
+        "one colocated engine with prefix caching, load sent to it directly",
+        wl,
+        tags,
+    )
     return Bench(Deployment("colocated", engine_flags=ENGINE), (plan,))
 
 
@@ -145,8 +179,14 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
         if "history" in t and t["policy"] != "colocated":
             groups.setdefault(c.group, []).append(c.name)
     for g, names in groups.items():
-        co_name = next((c.name for c in configs if c.meta.get("tags", {}).get("policy") == "colocated"
-                        and c.group.split()[0] == g.split()[0]), None)
+        co_name = next(
+            (
+                c.name
+                for c in configs
+                if c.meta.get("tags", {}).get("policy") == "colocated" and c.group.split()[0] == g.split()[0]
+            ),
+            None,
+        )
         if co_name:
             names.append(co_name)
     rows, checks, pull_rows = [], [], []
@@ -160,50 +200,136 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
         a = get["adaptive"]
         same = "yes" if fixed and a.actions == fixed[best].actions else "no"
         pairs = [f"{fmt_ms(get[p].p50)} / {fmt_ms(get[p].p90)}" for p in ("plain", *FIXED, "adaptive")]
-        rows.append([_k(hist), _k(user) if user >= 1000 else user, link, cache, fmt_ms(co.p50), *pairs,
-                     f"{best} {fmt_ms(best_p50)}", fmt_ratio(_ratio(a.p50, get["plain"].p50)),
-                     fmt_ratio(_ratio(a.p50, co.p50)), fmt_ratio(_ratio(a.p50, best_p50)), a.actions, same])
+        rows.append(
+            [
+                _k(hist),
+                _k(user) if user >= 1000 else user,
+                link,
+                cache,
+                fmt_ms(co.p50),
+                *pairs,
+                f"{best} {fmt_ms(best_p50)}",
+                fmt_ratio(_ratio(a.p50, get["plain"].p50)),
+                fmt_ratio(_ratio(a.p50, co.p50)),
+                fmt_ratio(_ratio(a.p50, best_p50)),
+                a.actions,
+                same,
+            ]
+        )
         where = f"{_shape(hist, user)} {link} {cache}"
         checks.append(("adaptive <= 1.10x best fixed", where, _ratio(a.p50, best_p50), 1.10, same))
         ap = get[PULL_ONLY]
         pull_fixed = {p: get[p] for p in PULL_FIXED if not math.isnan(get[p].p50)}
         if not math.isnan(ap.p50) and pull_fixed:
             pbest = min(pull_fixed, key=lambda p: pull_fixed[p].p50)
-            pull_rows.append([_k(hist), link, cache, *(f"{fmt_ms(get[p].p50)} / {fmt_ms(get[p].p90)}"
-                                                       for p in (*PULL_FIXED, PULL_ONLY)),
-                              f"{pbest} {fmt_ms(pull_fixed[pbest].p50)}",
-                              fmt_ratio(_ratio(ap.p50, pull_fixed[pbest].p50)), ap.actions])
-            checks.append((f"{PULL_ONLY} <= 1.10x better of pull/recompute", where,
-                           _ratio(ap.p50, pull_fixed[pbest].p50), 1.10,
-                           "yes" if ap.actions == pull_fixed[pbest].actions else "no"))
+            pull_rows.append(
+                [
+                    _k(hist),
+                    link,
+                    cache,
+                    *(f"{fmt_ms(get[p].p50)} / {fmt_ms(get[p].p90)}" for p in (*PULL_FIXED, PULL_ONLY)),
+                    f"{pbest} {fmt_ms(pull_fixed[pbest].p50)}",
+                    fmt_ratio(_ratio(ap.p50, pull_fixed[pbest].p50)),
+                    ap.actions,
+                ]
+            )
+            checks.append(
+                (
+                    f"{PULL_ONLY} <= 1.10x better of pull/recompute",
+                    where,
+                    _ratio(ap.p50, pull_fixed[pbest].p50),
+                    1.10,
+                    "yes" if ap.actions == pull_fixed[pbest].actions else "no",
+                )
+            )
         if hist == 16000 and cache == "cold" and link in ("rdma400", "nvlink"):
             checks.append(("adaptive <= 0.5x plain P/D", where, _ratio(a.p50, get["plain"].p50), 0.5, ""))
             checks.append(("adaptive <= 1.15x colocated", where, _ratio(a.p50, co.p50), 1.15, ""))
     errors = [(c.name, sum(1 for r in c.requests if not r.ok)) for c in configs]
     out = [
-        f"## TTFT_{TURN} (ms, p50 / p90) side by side", "",
+        f"## TTFT_{TURN} (ms, p50 / p90) side by side",
+        "",
         "Ratios use p50. *best fixed* is the fastest of always-pull, never-pull and decode-local in the same row. "
-        "*actions* are turnkv's decisions on turn 5 under `adaptive` (from x-turnkv-action).", "",
-        md_table(["history", "user turn", "link", "P cache", "colocated p50", "plain P/D", "always-pull", "never-pull",
-                  "decode-local", "adaptive", "best fixed", "adaptive / plain", "adaptive / colocated",
-                  "adaptive / best fixed", "adaptive actions", "same actions as best fixed"], rows), "",
-        f"## Pull or recompute: `{PULL_ONLY}` (adaptive with decode-local off)", "",
+        "*actions* are turnkv's decisions on turn 5 under `adaptive` (from x-turnkv-action).",
+        "",
+        md_table(
+            [
+                "history",
+                "user turn",
+                "link",
+                "P cache",
+                "colocated p50",
+                "plain P/D",
+                "always-pull",
+                "never-pull",
+                "decode-local",
+                "adaptive",
+                "best fixed",
+                "adaptive / plain",
+                "adaptive / colocated",
+                "adaptive / best fixed",
+                "adaptive actions",
+                "same actions as best fixed",
+            ],
+            rows,
+        ),
+        "",
+        f"## Pull or recompute: `{PULL_ONLY}` (adaptive with decode-local off)",
+        "",
         "The choice the policy faces when D should not prefill the turn itself (busy, or a long user turn), "
-        "held against the better of the two fixed policies.", "",
-        md_table(["history", "link", "P cache", "always-pull", "never-pull", PULL_ONLY, "better fixed",
-                  f"{PULL_ONLY} / better fixed", f"{PULL_ONLY} actions"], pull_rows), "",
-        "## Targets (issue 4)", "",
+        "held against the better of the two fixed policies.",
+        "",
+        md_table(
+            [
+                "history",
+                "link",
+                "P cache",
+                "always-pull",
+                "never-pull",
+                PULL_ONLY,
+                "better fixed",
+                f"{PULL_ONLY} / better fixed",
+                f"{PULL_ONLY} actions",
+            ],
+            pull_rows,
+        ),
+        "",
+        "## Targets (issue 4)",
+        "",
         "Where adaptive took the same turn-5 actions as the best fixed policy, the two ran the same path and "
-        "their ratio measures run-to-run noise (8 samples each), not the policy.", "",
-        md_table(["target", "where", "measured", "limit", "met", "same actions as best fixed"],
-                 [[name, where, fmt_ratio(x), f"{lim:.2f}x", "-" if math.isnan(x) else ("met" if x <= lim else
-                                                                                       "MISSED"), same]
-                  for name, where, x, lim, same in checks]), "",
-        "## R5/R1 (TTFT_5 p50 / TTFT_1 p50) per configuration", "",
-        md_table(["config", "TTFT_1 p50", "TTFT_5 p50", "R5/R1", "errors"],
-                 [[c.name, fmt_ms(turn_stats(c.requests, 1).ttft_p50), fmt_ms(turn_stats(c.requests, TURN).ttft_p50),
-                   fmt_ratio(_ratio(turn_stats(c.requests, TURN).ttft_p50, turn_stats(c.requests, 1).ttft_p50)),
-                   e] for c, (_, e) in zip(configs, errors, strict=True)]), "",
+        "their ratio measures run-to-run noise (8 samples each), not the policy.",
+        "",
+        md_table(
+            ["target", "where", "measured", "limit", "met", "same actions as best fixed"],
+            [
+                [
+                    name,
+                    where,
+                    fmt_ratio(x),
+                    f"{lim:.2f}x",
+                    "-" if math.isnan(x) else ("met" if x <= lim else "MISSED"),
+                    same,
+                ]
+                for name, where, x, lim, same in checks
+            ],
+        ),
+        "",
+        "## R5/R1 (TTFT_5 p50 / TTFT_1 p50) per configuration",
+        "",
+        md_table(
+            ["config", "TTFT_1 p50", "TTFT_5 p50", "R5/R1", "errors"],
+            [
+                [
+                    c.name,
+                    fmt_ms(turn_stats(c.requests, 1).ttft_p50),
+                    fmt_ms(turn_stats(c.requests, TURN).ttft_p50),
+                    fmt_ratio(_ratio(turn_stats(c.requests, TURN).ttft_p50, turn_stats(c.requests, 1).ttft_p50)),
+                    e,
+                ]
+                for c, (_, e) in zip(configs, errors, strict=True)
+            ],
+        ),
+        "",
     ]
     return "\n".join(out), groups
 

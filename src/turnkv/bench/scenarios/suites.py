@@ -54,19 +54,31 @@ def write(run: RunResult, out: Path) -> None:
         fifth_turn.plot_turn5(run.configs, out / "ttft5_by_config.png")
         grid = {g: names for g, names in groups.items() if g.startswith("16k ")}
         if grid:
-            plot_ttft_by_turn(run.configs, out / "ttft_by_turn_16k.png", title="TTFT by turn, 16k history",
-                              groups=grid, dpi=60)
+            plot_ttft_by_turn(
+                run.configs, out / "ttft_by_turn_16k.png", title="TTFT by turn, 16k history", groups=grid, dpi=60
+            )
 
 
-def run_suite(name: str, out: Path, *, only: list[str] | None = None, show_progress: bool = True,
-              command: str = "", conversations: int | None = None, resume: bool = False,
-              gateway_workers: int = 1) -> int:
+def run_suite(
+    name: str,
+    out: Path,
+    *,
+    only: list[str] | None = None,
+    show_progress: bool = True,
+    command: str = "",
+    conversations: int | None = None,
+    resume: bool = False,
+    gateway_workers: int = 1,
+) -> int:
     """Runs the suite's benches; with ``resume``, keeps the configurations already in ``out/results.json``
     and runs only the benches that have none there (a stopped run goes on where it stopped). With
     ``gateway_workers`` above 1 every gateway runs that many workers, with a Redis store."""
     make, _ = SUITES[name]
-    benches = [with_gateway_workers(b, gateway_workers) for b in make(conversations)
-               if not only or any(s in p.name for s in only for p in b.plans)]
+    benches = [
+        with_gateway_workers(b, gateway_workers)
+        for b in make(conversations)
+        if not only or any(s in p.name for s in only for p in b.plans)
+    ]
     run = RunResult(suite=name, command=command)
     run.extra["failures"] = []
     if resume and (out / "results.json").exists():
@@ -87,6 +99,9 @@ def run_suite(name: str, out: Path, *, only: list[str] | None = None, show_progr
         run.write(out / "results.json")
     write(run, out)
     errors = sum(1 for c in run.configs for r in c.requests if not r.ok)
-    print(f"{len(run.configs)} configurations, {errors} failed requests, {len(run.extra['failures'])} failed "
-          f"benches; report in {out}/report.md", file=sys.stderr)
+    print(
+        f"{len(run.configs)} configurations, {errors} failed requests, {len(run.extra['failures'])} failed "
+        f"benches; report in {out}/report.md",
+        file=sys.stderr,
+    )
     return 1 if run.extra["failures"] or errors else 0

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnkv.gateway.answer import reasoning_of
 from turnkv.gateway.responses import translate
 from turnkv.gateway.responses.models import ResponsesBody
 
@@ -61,8 +62,16 @@ class EventStream:
         return e
 
     def response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
-        return translate.response_object(self.resp_id, self.req, output=list(self.output), status=status,
-                                         created_at=self.created_at, usage=self.usage, error=error, model=self.model)
+        return translate.response_object(
+            self.resp_id,
+            self.req,
+            output=list(self.output),
+            status=status,
+            created_at=self.created_at,
+            usage=self.usage,
+            error=error,
+            model=self.model,
+        )
 
     def start(self) -> list[Event]:
         r = self.response("in_progress")
@@ -79,13 +88,17 @@ class EventStream:
         if o.kind == "reasoning":
             item = translate.reasoning_item(text, o.item_id)
             part = {"type": "reasoning_text", "text": text}
-            out = [self._event("response.reasoning_text.done", **at, content_index=0, text=text),
-                   self._event("response.content_part.done", **at, content_index=0, part=part)]
+            out = [
+                self._event("response.reasoning_text.done", **at, content_index=0, text=text),
+                self._event("response.content_part.done", **at, content_index=0, part=part),
+            ]
         elif o.kind == "message":
             status = "incomplete" if self.finish_reason == "length" else "completed"
             item = translate.message_item(text, o.item_id, status=status)
-            out = [self._event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]),
-                   self._event("response.content_part.done", **at, content_index=0, part=item["content"][0])]
+            out = [
+                self._event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]),
+                self._event("response.content_part.done", **at, content_index=0, part=item["content"][0]),
+            ]
         else:
             item = translate.call_item(o.call_id, o.name, text, o.item_id)
             out = [self._event("response.function_call_arguments.done", **at, arguments=text, name=o.name)]
@@ -110,8 +123,11 @@ class EventStream:
         self.open = o
         out.append(self._event("response.output_item.added", output_index=index, item=item))
         if part is not None:
-            out.append(self._event("response.content_part.added", item_id=o.item_id, output_index=index,
-                                   content_index=0, part=part))
+            out.append(
+                self._event(
+                    "response.content_part.added", item_id=o.item_id, output_index=index, content_index=0, part=part
+                )
+            )
         return out
 
     # input
@@ -131,7 +147,7 @@ class EventStream:
             if not isinstance(choice, Mapping) or choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning") if delta.get("reasoning") is not None else delta.get("reasoning_content")
+            reasoning = reasoning_of(delta)
             if isinstance(reasoning, str) and reasoning:
                 if self.open is None or self.open.kind != "reasoning":
                     out += self._open("reasoning")
@@ -145,8 +161,12 @@ class EventStream:
                 fn = tc.get("function") or {}
                 index = int(tc.get("index", 0))
                 if self.open is None or self.open.kind != "function_call" or self.open.call_index != index:
-                    out += self._open("function_call", call_index=index, call_id=str(tc.get("id") or
-                                      translate.new_id("call")), name=str(fn.get("name") or ""))
+                    out += self._open(
+                        "function_call",
+                        call_index=index,
+                        call_id=str(tc.get("id") or translate.new_id("call")),
+                        name=str(fn.get("name") or ""),
+                    )
                 elif isinstance(fn.get("name"), str):
                     self.open.name += fn["name"]
                 if isinstance(fn.get("arguments"), str) and fn["arguments"]:
@@ -176,8 +196,11 @@ class EventStream:
         """The end of the answer: the last events and the finished Response."""
         out = self._close()
         if not any(i["type"] in ("message", "function_call") for i in self.output):
-            out += self._open("message") + self._delta("response.output_text.delta", self.blank, content_index=0,
-                                                       logprobs=[]) + self._close()
+            out += (
+                self._open("message")
+                + self._delta("response.output_text.delta", self.blank, content_index=0, logprobs=[])
+                + self._close()
+            )
         status = "incomplete" if self.finish_reason == "length" else "completed"
         r = self.response(status)
         self.done = True

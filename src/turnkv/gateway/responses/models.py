@@ -58,15 +58,38 @@ class ResponsesBody(BaseModel):
 UNSUPPORTED = {
     "background": "background responses are not supported by turnkv",
     "conversation": "the Conversations API is not supported by turnkv: use previous_response_id, or send the "
-                    "whole input",
+    "whole input",
     "prompt": "stored prompt templates are not supported by turnkv",
     "context_management": "context_management is not supported by turnkv",
 }
 # Responses API fields with nothing to do on a chat engine: accepted, not forwarded
-NOT_FORWARDED = ("model", "input", "instructions", "previous_response_id", "tools", "tool_choice", "max_output_tokens",
-                 "stream", "store", "reasoning", "text", "include", "metadata", "prompt_cache_key", "truncation",
-                 "user", "session_id", "conversation_id", "service_tier", "max_tool_calls", "safety_identifier",
-                 "prompt_cache_retention", "prompt_cache_options", "stream_options", "top_logprobs")
+NOT_FORWARDED = (
+    "model",
+    "input",
+    "instructions",
+    "previous_response_id",
+    "tools",
+    "tool_choice",
+    "max_output_tokens",
+    "stream",
+    "store",
+    "reasoning",
+    "text",
+    "include",
+    "metadata",
+    "prompt_cache_key",
+    "truncation",
+    "user",
+    "session_id",
+    "conversation_id",
+    "service_tier",
+    "max_tool_calls",
+    "safety_identifier",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "stream_options",
+    "top_logprobs",
+)
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")

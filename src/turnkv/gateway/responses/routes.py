@@ -27,8 +27,8 @@ from turnkv.gateway.responses import events, models, translate
 from turnkv.gateway.routes import _body, _request_id, principal, services
 from turnkv.gateway.services import Services
 from turnkv.gateway.sse import DONE, SSESplitter
-from turnkv.gateway.turn.context import TurnContext
 from turnkv.gateway.turn.driver import run_turn
+from turnkv.gateway.turn.request import Turn
 
 log = logging.getLogger("turnkv.responses")
 
@@ -51,8 +51,9 @@ async def _previous(svc: Services, tenant: str, resp_id: str) -> dict[str, Any]:
     try:
         raw = await svc.store.get_doc(_doc_key(tenant, resp_id))
     except StoreError as exc:
-        raise StoreUnavailable("the response store is unavailable: previous_response_id cannot be read now",
-                               param="previous_response_id") from exc
+        raise StoreUnavailable(
+            "the response store is unavailable: previous_response_id cannot be read now", param="previous_response_id"
+        ) from exc
     doc = json.loads(raw) if raw else None
     if not isinstance(doc, dict) or doc.get("tenant") != tenant:
         err = ClientError(f"Previous response with id '{resp_id}' not found.", param="previous_response_id")
@@ -61,21 +62,27 @@ async def _previous(svc: Services, tenant: str, resp_id: str) -> dict[str, Any]:
     return doc
 
 
-async def _store(svc: Services, tenant: str, response: dict[str, Any], history: list[dict[str, Any]],
-                 key: str | None) -> None:
+async def _store(
+    svc: Services, tenant: str, response: dict[str, Any], history: list[dict[str, Any]], key: str | None
+) -> None:
     """Keep the response for previous_response_id and GET; a failure only costs those."""
-    doc = {"tenant": tenant, "response": response, "key": key,
-           "messages": history + translate.input_messages(response["output"], where="output")}
+    doc = {
+        "tenant": tenant,
+        "response": response,
+        "key": key,
+        "messages": history + translate.input_messages(response["output"], where="output"),
+    }
     try:
-        await svc.store.put_doc(_doc_key(tenant, response["id"]), json.dumps(doc, ensure_ascii=False),
-                                svc.settings.response_ttl_s)
+        await svc.store.put_doc(
+            _doc_key(tenant, response["id"]), json.dumps(doc, ensure_ascii=False), svc.settings.response_ttl_s
+        )
     except StoreError:
         log.warning("responses.not_stored id=%s", response["id"])
 
 
-def _turnkv_headers(resp: Response, ctx: TurnContext) -> dict[str, str]:
+def _turnkv_headers(resp: Response, turn: Turn) -> dict[str, str]:
     h = {k: v for k, v in resp.headers.items() if k.startswith("x-")}
-    h["x-turnkv-conversation"] = ctx.conversation.source if ctx.conversation else "none"
+    h["x-turnkv-conversation"] = turn.conversation.source if turn.conversation else "none"
     return h
 
 
@@ -86,7 +93,7 @@ async def create(request: Request) -> Response:
         raise ShuttingDown("the gateway is shutting down; send the turn again")
     raw = await _body(svc, request)
     req = models.parse(raw)
-    check_model(req.model, s.models or svc.models)
+    check_model(req.model, svc.models)
     if "kv_transfer_params" in raw and not s.allow_client_kv_transfer_params:
         raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
     who = principal(request)
@@ -95,47 +102,76 @@ async def create(request: Request) -> Response:
     history = list(previous["messages"]) if previous else []
     history += translate.input_messages(req.input)
     body = translate.chat_body(req, raw, history)
-    validate(body, ChatBody)
-    model = body.get("model") or next(iter(s.models or svc.models), None)
-    check_output_length(body, svc.model_len.get(model) if isinstance(model, str) else None)
+    parsed = validate(body, ChatBody)
+    model = body.get("model") or next(iter(svc.models), None)
+    check_output_length(body, svc.catalog.model_len.get(model) if isinstance(model, str) else None)
     body["cache_salt"] = cache_salt(tenant, raw.get("cache_salt"))
     conversation = conversation_of(
-        request.headers, raw, session_headers=s.session_headers, tenant=tenant,
-        max_length=s.max_session_id_length, messages=body["messages"],
-        response_key=previous.get("key") if previous else None, from_history=s.conversation_from_history)
-    ctx = TurnContext(
-        svc=svc, request_id=_request_id(request), body=body, stream=bool(req.stream),
-        authorization=who.forward_authorization, conversation=conversation,
-        turn_index=1 + sum(1 for m in body["messages"] if m.get("role") == "assistant"),
+        request.headers,
+        raw,
+        session_headers=s.session_headers,
+        tenant=tenant,
+        max_length=s.max_session_id_length,
+        messages=body["messages"],
+        response_key=previous.get("key") if previous else None,
+        from_history=s.conversation_from_history,
     )
-    svc.drain.track(ctx, lambda: ctx.abort("shutdown"))
+    turn = Turn.of(
+        request_id=_request_id(request),
+        body=body,
+        parsed=parsed,
+        authorization=who.forward_authorization,
+        conversation=conversation,
+    )
     resp_id = translate.new_id("resp")
-    answer = await run_turn(ctx)
+    answer = await run_turn(svc, turn)
     key = conversation.store_key if conversation else None
     if not isinstance(answer, StreamingResponse):
-        return await _whole(svc, req, ctx, answer, resp_id, tenant, history, key)
+        return await _whole(svc, req, turn, answer, resp_id, tenant, history, key)
     stream = events.EventStream(resp_id, req)
     answer.body_iterator = _translated(svc, req, answer.body_iterator, stream, tenant, history, key)
     answer.headers["x-turnkv-conversation"] = conversation.source if conversation else "none"
     return answer
 
 
-async def _whole(svc: Services, req: models.ResponsesBody, ctx: TurnContext, answer: Response, resp_id: str,
-                 tenant: str, history: list[dict[str, Any]], key: str | None) -> Response:
+async def _whole(
+    svc: Services,
+    req: models.ResponsesBody,
+    turn: Turn,
+    answer: Response,
+    resp_id: str,
+    tenant: str,
+    history: list[dict[str, Any]],
+    key: str | None,
+) -> Response:
     chat = json.loads(bytes(answer.body))
     choice = (chat.get("choices") or [{}])[0]
     finish = choice.get("finish_reason")
     output = translate.output_items(choice.get("message") or {}, finish)
     status = "incomplete" if finish == "length" else "completed"
-    r = translate.response_object(resp_id, req, output=output, status=status, created_at=chat.get("created") or 0,
-                                  usage=translate.usage(chat.get("usage")), model=chat.get("model"))
+    r = translate.response_object(
+        resp_id,
+        req,
+        output=output,
+        status=status,
+        created_at=chat.get("created") or 0,
+        usage=translate.usage(chat.get("usage")),
+        model=chat.get("model"),
+    )
     if req.store is not False:
         await _store(svc, tenant, r, history, key)
-    return JSONResponse(r, headers=_turnkv_headers(answer, ctx))
+    return JSONResponse(r, headers=_turnkv_headers(answer, turn))
 
 
-async def _translated(svc: Services, req: models.ResponsesBody, chat: Any, stream: events.EventStream,
-                      tenant: str, history: list[dict[str, Any]], key: str | None) -> Any:
+async def _translated(
+    svc: Services,
+    req: models.ResponsesBody,
+    chat: Any,
+    stream: events.EventStream,
+    tenant: str,
+    history: list[dict[str, Any]],
+    key: str | None,
+) -> Any:
     """The relayed chat stream as Responses events; the response is stored before it completes."""
     splitter = SSESplitter()
     try:

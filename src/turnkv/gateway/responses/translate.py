@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.errors import ClientError
+from turnkv.gateway.answer import reasoning_of
 from turnkv.gateway.responses.models import NOT_FORWARDED, ResponsesBody
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -56,15 +57,17 @@ def _parts(content: Any, where: str) -> str | list[dict[str, Any]]:
         elif kind == "input_image":
             url = part.get("image_url")
             if not isinstance(url, str):
-                raise ClientError(f"'{at}': only images given by image_url are supported by turnkv.",
-                                  param=f"{at}.image_url")
+                raise ClientError(
+                    f"'{at}': only images given by image_url are supported by turnkv.", param=f"{at}.image_url"
+                )
             image: dict[str, Any] = {"url": url}
             if isinstance(part.get("detail"), str):
                 image["detail"] = part["detail"]
             parts.append({"type": "image_url", "image_url": image})
         else:
-            raise ClientError(f"Invalid value for '{at}.type': {kind!r} is not supported by turnkv.",
-                              param=f"{at}.type")
+            raise ClientError(
+                f"Invalid value for '{at}.type': {kind!r} is not supported by turnkv.", param=f"{at}.type"
+            )
     if len(parts) == 1 and parts[0]["type"] == "text":
         return str(parts[0]["text"])
     return parts
@@ -127,8 +130,10 @@ def input_messages(items: str | Sequence[Any], *, where: str = "input") -> list[
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:
-                raise ClientError(f"Invalid value for '{at}.role': {role!r}; expected one of user, system, "
-                                  "developer, assistant.", param=f"{at}.role")
+                raise ClientError(
+                    f"Invalid value for '{at}.role': {role!r}; expected one of user, system, developer, assistant.",
+                    param=f"{at}.role",
+                )
             if role == "assistant":
                 answering(_STAGE["message"]).content.append(_text_of(item.get("content"), f"{at}.content"))
                 continue
@@ -144,8 +149,11 @@ def input_messages(items: str | Sequence[Any], *, where: str = "input") -> list[
             if text:
                 answering(_STAGE["reasoning"]).reasoning.append(text)
         elif kind == "function_call":
-            call = {"id": _str(item, "call_id", at), "type": "function",
-                    "function": {"name": _str(item, "name", at), "arguments": _str(item, "arguments", at)}}
+            call = {
+                "id": _str(item, "call_id", at),
+                "type": "function",
+                "function": {"name": _str(item, "name", at), "arguments": _str(item, "arguments", at)},
+            }
             answering(_STAGE["function_call"]).calls.append(call)
         elif kind == "function_call_output":
             close()
@@ -153,8 +161,11 @@ def input_messages(items: str | Sequence[Any], *, where: str = "input") -> list[
             text = output if isinstance(output, str) else _text_of(output, f"{at}.output")
             out.append({"role": "tool", "tool_call_id": _str(item, "call_id", at), "content": text})
         else:
-            raise ClientError(f"Invalid value for '{at}.type': {kind!r} is not supported by turnkv (supported: "
-                              "message, function_call, function_call_output, reasoning).", param=f"{at}.type")
+            raise ClientError(
+                f"Invalid value for '{at}.type': {kind!r} is not supported by turnkv (supported: "
+                "message, function_call, function_call_output, reasoning).",
+                param=f"{at}.type",
+            )
     close()
     return out
 
@@ -166,8 +177,10 @@ def _tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | 
     for i, t in enumerate(tools):
         at = f"tools[{i}]"
         if t.get("type") != "function":
-            raise ClientError(f"Invalid value for '{at}.type': {t.get('type')!r}; turnkv serves function tools "
-                              "only.", param=f"{at}.type")
+            raise ClientError(
+                f"Invalid value for '{at}.type': {t.get('type')!r}; turnkv serves function tools only.",
+                param=f"{at}.type",
+            )
         fn: dict[str, Any] = {"name": _str(t, "name", at)}
         for k in ("description", "parameters", "strict"):
             if t.get(k) is not None:
@@ -181,8 +194,11 @@ def _tool_choice(choice: str | Mapping[str, Any] | None) -> str | dict[str, Any]
         return choice
     if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise ClientError("Invalid value for 'tool_choice': turnkv supports auto, none, required and "
-                      "{\"type\": \"function\", \"name\": ...}.", param="tool_choice")
+    raise ClientError(
+        "Invalid value for 'tool_choice': turnkv supports auto, none, required and "
+        '{"type": "function", "name": ...}.',
+        param="tool_choice",
+    )
 
 
 def _response_format(text: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -231,31 +247,52 @@ def usage(chat: Mapping[str, Any] | None) -> dict[str, Any] | None:
     completion = int(chat.get("completion_tokens") or 0)
     cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     reasoning = (chat.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": int(cached), "cache_write_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": int(reasoning)},
-            "total_tokens": prompt + completion}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": int(cached), "cache_write_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": int(reasoning)},
+        "total_tokens": prompt + completion,
+    }
 
 
 def reasoning_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id or new_id("rs"), "type": "reasoning", "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}] if text else [], "status": status}
+    return {
+        "id": item_id or new_id("rs"),
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}] if text else [],
+        "status": status,
+    }
 
 
 def message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id or new_id("msg"), "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    return {
+        "id": item_id or new_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
 
 
-def call_item(call_id: str, name: str, arguments: str, item_id: str | None = None,
-              status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id or new_id("fc"), "type": "function_call", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+def call_item(
+    call_id: str, name: str, arguments: str, item_id: str | None = None, status: str = "completed"
+) -> dict[str, Any]:
+    return {
+        "id": item_id or new_id("fc"),
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def output_items(message: Mapping[str, Any], finish_reason: str | None) -> list[dict[str, Any]]:
     """A chat completion's message as Response output items."""
     out: list[dict[str, Any]] = []
-    reasoning = message.get("reasoning") if message.get("reasoning") is not None else message.get("reasoning_content")
+    reasoning = reasoning_of(message)
     if isinstance(reasoning, str) and reasoning:
         out.append(reasoning_item(reasoning))
     content = message.get("content")
@@ -265,30 +302,59 @@ def output_items(message: Mapping[str, Any], finish_reason: str | None) -> list[
         out.append(message_item(content if isinstance(content, str) else "", status=status))
     for c in calls:
         fn = c.get("function") or {}
-        out.append(call_item(str(c.get("id") or new_id("call")), str(fn.get("name", "")),
-                             str(fn.get("arguments") or "")))
+        out.append(
+            call_item(str(c.get("id") or new_id("call")), str(fn.get("name", "")), str(fn.get("arguments") or ""))
+        )
     return out
 
 
-def response_object(resp_id: str, req: ResponsesBody, *, output: list[dict[str, Any]], status: str,
-                    created_at: float, usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
-                    model: str | None = None) -> dict[str, Any]:
+def response_object(
+    resp_id: str,
+    req: ResponsesBody,
+    *,
+    output: list[dict[str, Any]],
+    status: str,
+    created_at: float,
+    usage: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
     """A Response object, as OpenAI's API returns it."""
-    tools = [{"type": "function", "name": t.get("name"), "description": t.get("description"),
-              "parameters": t.get("parameters"), "strict": t.get("strict")} for t in req.tools or []]
+    tools = [
+        {
+            "type": "function",
+            "name": t.get("name"),
+            "description": t.get("description"),
+            "parameters": t.get("parameters"),
+            "strict": t.get("strict"),
+        }
+        for t in req.tools or []
+    ]
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     return {
-        "id": resp_id, "object": "response", "created_at": int(created_at), "status": status,
+        "id": resp_id,
+        "object": "response",
+        "created_at": int(created_at),
+        "status": status,
         "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
-        "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "model": model or req.model or "", "output": output,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": model or req.model or "",
+        "output": output,
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-        "previous_response_id": req.previous_response_id, "reasoning": req.reasoning.model_dump()
-        if req.reasoning else {"effort": None, "summary": None},
-        "store": req.store is not False, "temperature": req.temperature, "top_p": req.top_p,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": req.reasoning.model_dump() if req.reasoning else {"effort": None, "summary": None},
+        "store": req.store is not False,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
         "text": req.text.model_dump(exclude_none=True) if req.text else {"format": {"type": "text"}},
-        "tool_choice": choice, "tools": tools, "truncation": req.truncation or "disabled",
-        "usage": usage, "metadata": req.metadata or {}, "user": req.user,
+        "tool_choice": choice,
+        "tools": tools,
+        "truncation": req.truncation or "disabled",
+        "usage": usage,
+        "metadata": req.metadata or {},
+        "user": req.user,
         "prompt_cache_key": req.prompt_cache_key,
     }

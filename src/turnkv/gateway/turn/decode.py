@@ -1,12 +1,13 @@
-"""DECODE: send the turn to a decode engine with P's handle, and open its answer.
+"""DECODE: send the turn to a decode engine, continued from P's KV, and open its answer.
 
-D gets the client's request, P's ``kv_transfer_params`` (decode-local: none, so D pins nothing), and
-``return_token_ids`` so the next turn can be checked.
-On vLLM >= 0.32 it also gets the prompt ids themselves, so D cannot tokenize differently from P.
+D gets the client's request and what P left for it (decode-local: nothing, so D pins nothing), asked
+to say its prompt's and answer's token ids when the turn belongs to a conversation, so the next turn
+can be checked; an engine that takes the prompt as ids gets them, so it cannot tokenize differently.
 An unreachable or failing D before any output is replaced by the next healthy one; so is one that
-does not start its answer within the first-token deadline (then also relieved of pins and, after a
-few misses in a row, taken out of routing for a while).
-Transition: DECODE → DONE (the answer is then relayed), or → PREFILL when decode-local failed.
+does not start its answer within the first-token deadline, renewed while D is busy (``turn.deadline``;
+then also relieved of pins and, after a few misses in a row, taken out of routing for a while).
+Transition: DECODE → DONE (the answer is then relayed), or None for a decode-local turn no D could
+take (the driver falls back to P).
 """
 
 from __future__ import annotations
@@ -15,136 +16,105 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-import aiohttp
-
+from turnkv.engine.base import DecodeAnswer, DecodeCall, DecodeStream
 from turnkv.errors import FirstTokenDeadline, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from turnkv.gateway.registry import Instance
-from turnkv.gateway.sse import DecodeCapture
-from turnkv.gateway.turn.context import Deadline, TurnContext, TurnState, until_aborted
-from turnkv.reuse.assess import release_handle
-from turnkv.reuse.cost import Action
-from turnkv.state.base import ClaimStatus
+from turnkv.gateway.fleet import Slot
+from turnkv.gateway.turn.deadline import Deadline
+from turnkv.gateway.turn.results import Opened, Prefilled
+from turnkv.gateway.turn.run import Journal, TurnRun
+from turnkv.routing import InstanceView, Router
 
 DEFAULT_MAX_TOKENS = 1024  # for the deadline of a non-streamed answer that names no limit
 
 
-def decode_body(ctx: TurnContext, prompt_ids_ok: bool) -> dict[str, Any]:
-    body = dict(ctx.body)
-    body["stream"] = ctx.stream
-    if ctx.conversation is not None:
-        body["return_token_ids"] = True
-    # A decode-local turn goes without params: vLLM (0.26-0.33) pins the blocks of a request whose params
-    # set neither do_remote_prefill nor do_remote_decode but never tracks the pin, so no release or TTL
-    # frees it until D restarts. Without params D pins nothing; its prefix cache still holds the turn.
-    params = dict(ctx.prefill_params) if ctx.prefill_params and ctx.action is not Action.DECODE_LOCAL else None
-    if params is not None and ctx.prompt_ids is not None and prompt_ids_ok:
-        params["prompt_token_ids"] = ctx.prompt_ids
-    if params is not None:
-        body["kv_transfer_params"] = params
-    return body
-
-
-def _pick(ctx: TurnContext) -> Instance | None:
+def _pick(router: Router, planned: str | None, journal: Journal) -> InstanceView | None:
     """The decode engine for this attempt: the planned one unless it failed; never one already tried;
     one that missed its first-token deadline only when no other is left."""
-    reg = ctx.svc.registry
-    prefer = ctx.decode_url if ctx.decode_url not in ctx.tried_decode else None
-    tried = frozenset(ctx.tried_decode)
-    inst = reg.pick("decode", prefer=prefer, exclude=tried | ctx.avoid_decode)
-    return inst or reg.pick("decode", prefer=prefer, exclude=tried)
+    prefer = planned if planned not in journal.tried_decode else None
+    tried = frozenset(journal.tried_decode)
+    return router.pick("decode", prefer=prefer, exclude=tried, avoid=frozenset(journal.avoid_decode))
 
 
-def _timeout_s(ctx: TurnContext) -> float:
+def _call(run: TurnRun, inst: InstanceView, prefilled: Prefilled | None) -> DecodeCall:
+    turn, local = run.turn, run.plan.decode_local
+    prompt_ids = run.rendered.prompt_ids
+    return DecodeCall(
+        path=turn.path,
+        body=turn.body,
+        stream=turn.stream,
+        track=run.stateful,
+        for_decode=None if local or prefilled is None else prefilled.result.for_decode,
+        prompt_ids=prompt_ids if inst.takes_prompt_ids else None,
+        keep_token_ids=turn.return_token_ids,
+        # prompt tokens this turn did not compute, for the client's usage: P's count (its own cache and the
+        # pull) on a P/D turn; D's own on a decode-local one (None: D's figure stands)
+        cached_tokens=None if local or prefilled is None else prefilled.result.cached_tokens,
+    )
+
+
+def _timeout_s(run: TurnRun) -> float:
     """How long a non-streamed answer may take: D sends it whole, so its first token is not seen."""
-    t = ctx.svc.settings.timeouts
-    b = ctx.body
-    limit = b.get("max_completion_tokens") or b.get("max_tokens") or DEFAULT_MAX_TOKENS
-    return t.decode_first_token_s + t.decode_per_token_s * int(limit)
+    t = run.svc.settings.timeouts
+    return t.decode_first_token_s + t.decode_per_token_s * (run.turn.max_output or DEFAULT_MAX_TOKENS)
 
 
-async def _open(ctx: TurnContext, inst: Instance, body: dict[str, Any]) -> None:
+async def _open(run: TurnRun, inst: InstanceView, call: DecodeCall, slot: Slot) -> Opened:
     """Send D the turn: a stream is opened (its first token is awaited by the relay, within the same
-    deadline), or a non-streamed answer read whole; either gives way when the turn is aborted."""
-    svc = ctx.svc
-    t = svc.settings.timeouts
-    ctx.decode_deadline = Deadline("decode", inst.url, t.decode_first_token_s, t.decode_read_s)
-    ctx.decode_sent = asyncio.get_running_loop().time()
-    call: Awaitable[Any]
-    if ctx.stream:
-        call = svc.upstream.open_stream("decode", inst.url, ctx.path, body, ctx.headers())
-        deadline: Deadline | None = ctx.decode_deadline
+    deadline, counted from when the request went out), or a non-streamed answer read whole; either gives
+    way when the turn is aborted."""
+    svc, turn = run.svc, run.turn
+    deadline = Deadline.decode(svc.settings.timeouts, inst.url)
+    sent = asyncio.get_running_loop().time()
+    pending: Awaitable[Any]
+    if turn.stream:
+        pending = svc.engine.open_decode(inst.url, call, turn.meta)
+        wait: Deadline | None = deadline
     else:
-        call = svc.upstream.post_json("decode", inst.url, ctx.path, body, ctx.headers(),
-                                      timeout_s=_timeout_s(ctx))
-        deadline = None
+        pending = svc.engine.decode_json(inst.url, call, turn.meta, _timeout_s(run))
+        wait = None
     try:
-        result = await until_aborted(ctx, call, deadline)
+        result = await run.until_aborted(pending, wait, started=sent)
     except UpstreamTimeout as exc:
         if isinstance(exc, FirstTokenDeadline):
             raise
-        raise FirstTokenDeadline("the decode engine did not answer within its deadline", leg="decode",
-                                 instance=inst.url) from exc
-    if ctx.stream:
-        assert isinstance(result, aiohttp.ClientResponse)
-        ctx.decode_response = result
-    else:
-        assert isinstance(result, dict)
-        ctx.decode_body = result
+        raise FirstTokenDeadline(
+            "the decode engine did not answer within its deadline", leg="decode", instance=inst.url
+        ) from exc
+    if isinstance(result, DecodeStream):
+        return Opened(inst.url, slot, deadline, sent, stream=result)
+    assert isinstance(result, DecodeAnswer), "decode answers a stream or a body"
+    return Opened(inst.url, slot, deadline, sent, answer=result)
 
 
-async def run(ctx: TurnContext) -> TurnState:
-    svc = ctx.svc
-    attempts = len(svc.registry.role("decode")) + 1
+async def run(run: TurnRun, prefilled: Prefilled | None) -> Opened | None:
+    svc, plan = run.svc, run.plan
+    fleet = svc.fleet
     last: UpstreamError | None = None
-    for _ in range(attempts):
-        inst = _pick(ctx)
-        if inst is None or (ctx.action is Action.DECODE_LOCAL and inst.url != ctx.decode_url):
+    for _ in range(fleet.size("decode") + 1):
+        inst = _pick(svc.router, plan.decode_url, run.journal)
+        if inst is None or (plan.decode_local and inst.url != plan.decode_url):
             break
-        body = decode_body(ctx, svc.registry.supports_prompt_token_ids(inst))
-        ctx.decode_done = False
-        ctx.capture = DecodeCapture(keep_token_ids=bool(ctx.body.get("return_token_ids")),
-                                    collect=ctx.conversation is not None, cached_tokens=_cached_tokens(ctx))
-        inst.in_flight += 1
+        slot = fleet.hold(inst.url)
         try:
-            await _open(ctx, inst, body)
+            opened = await _open(run, inst, _call(run, inst, prefilled), slot)
         except UpstreamError as exc:
-            inst.in_flight -= 1
+            slot.release()
             last = exc
             if isinstance(exc, FirstTokenDeadline):
                 svc.metrics.deadline_misses.labels("decode").inc()
-                svc.registry.missed_deadline(inst.url)
+                fleet.missed_deadline(inst.url)
                 svc.pins.urgent(inst.url)
-            ctx.failed("decode", inst.url, exc)
-            ctx.tried_decode.add(inst.url)
-            ctx.retrying("decode", exc.kind)
+            run.failed("decode", inst.url, exc)
+            run.journal.tried_decode.add(inst.url)
+            run.retrying("decode", exc.kind)
             continue
         except BaseException:
-            inst.in_flight -= 1
+            slot.release()
             raise
-        if not ctx.stream:
-            inst.in_flight -= 1
-            svc.registry.met_deadline(inst.url)
-        ctx.decode_url = inst.url
-        return TurnState.DONE
-    if ctx.action is Action.DECODE_LOCAL:
-        return fall_back_from_decode_local(ctx)
+        if opened.stream is None:
+            slot.release()
+            fleet.met_deadline(inst.url)
+        return opened
+    if plan.decode_local:
+        return None
     raise last or UpstreamUnavailable("no decode engine is available", leg="decode")
-
-
-def _cached_tokens(ctx: TurnContext) -> int | None:
-    """Prompt tokens this turn did not compute, for the client's usage: P's count (its own cache and the
-    pull) on a P/D turn; D's own on a decode-local one (None: D's figure stands)."""
-    return None if ctx.action is Action.DECODE_LOCAL else ctx.prefill_cached
-
-
-def fall_back_from_decode_local(ctx: TurnContext) -> TurnState:
-    """The decode engine holding the conversation failed: run the turn through P after all."""
-    ctx.action = Action.RECOMPUTE
-    ctx.retries.append("decode_local_failed")
-    ctx.tried_decode.clear()
-    ctx.expected_cached, ctx.direct = 0, False  # P computes what its own cache lacks
-    claim = ctx.claim
-    if claim is not None and claim.status is ClaimStatus.FOUND and claim.record is not None \
-            and claim.record.handle is not None:
-        ctx.handle_for_prefill = release_handle(claim.record.handle)
-    return TurnState.PREFILL

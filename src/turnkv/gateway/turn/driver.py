@@ -1,99 +1,103 @@
-"""Runs one chat turn: the steps in order, then the answer as JSON or as a relayed stream.
+"""Runs one chat turn: the steps in order, each handed what it needs and its result kept, then the answer
+as JSON or as a relayed stream.
 
-Follow a request here: ``render.run`` → ``plan.run`` → ``prefill.run`` → ``decode.run``, then
-``stream.relay`` (streaming) or the JSON path below, and ``capture.end`` at the end of both (for a
-stream, before its ``[DONE]``).
+Follow a request here: ``render.run`` → ``plan.plan`` (or the plan RENDER made without a render, or plain
+P/D) → ``prefill.run`` (not for decode-local) → ``decode.run``, then ``stream.relay`` or the JSON answer,
+and ``capture.end`` at the end of both (for a stream, before its ``[DONE]``). A decode-local turn no D
+could take, and a decode leg that failed before any output, run again through P as plain P/D
+(``TurnRun.fall_back``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import time
 
 from starlette.responses import JSONResponse, Response
 
-from turnkv.errors import GatewayError, ShuttingDown, UpstreamError
-from turnkv.gateway.turn import capture, decode, plan, prefill, render, stream
-from turnkv.gateway.turn.context import TurnContext, TurnState
-from turnkv.gateway.upstream import is_retryable
+from turnkv.errors import UpstreamError, UpstreamUnavailable, retryable
+from turnkv.gateway.services import Services
+from turnkv.gateway.turn import capture, decode, plan, prefill, render, report, stream
+from turnkv.gateway.turn.request import Turn
+from turnkv.gateway.turn.results import Fallback, Next, Plan, Rendered
+from turnkv.gateway.turn.run import TurnRun
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
 
-STEPS: dict[TurnState, Callable[[TurnContext], Awaitable[TurnState]]] = {
-    TurnState.RENDER: render.run,
-    TurnState.PLAN: plan.run,
-    TurnState.PREFILL: prefill.run,
-    TurnState.DECODE: decode.run,
-}
+
+async def _legs(run: TurnRun) -> None:
+    """P (unless the plan is decode-local), then D; a decode-local turn no D could take goes through P."""
+    for _ in range(2):  # the second time as plain P/D, where decode answers or raises
+        prefilled = None
+        if not run.plan.decode_local:
+            run.check()
+            run.prefilled = prefilled = await prefill.run(run)
+        run.check()
+        opened = await decode.run(run, prefilled)
+        if opened is not None:
+            run.opened = opened
+            return
+        run.fall_back(Fallback.DECODE_LOCAL_FAILED)
+    raise UpstreamUnavailable("no decode engine is available", leg="decode")
 
 
-async def advance(ctx: TurnContext) -> None:
-    while ctx.state is not TurnState.DONE:
-        if ctx.aborted is not None:
-            raise ShuttingDown("the gateway is shutting down; send the turn again")
-        ctx.state = await STEPS[ctx.state](ctx)
+def _plan(run: TurnRun, rendered: Rendered) -> Plan:
+    if rendered.next is Next.DECODE and rendered.direct is not None:
+        return rendered.direct
+    if rendered.next is not Next.PLAN:
+        return Plan(Action.RECOMPUTE, rendered.reason)
+    run.check()
+    try:
+        made = plan.plan(run.svc, run.turn, rendered)
+    finally:
+        run.planned_s = time.perf_counter() - run.turn.started
+    if made.expect_hits and made.prefill_url is not None:
+        run.svc.fleet.expect_hits(made.prefill_url, made.expect_hits)
+    return made
 
 
-async def rerun_without_handle(ctx: TurnContext) -> None:
+async def _advance(run: TurnRun) -> None:
+    run.check()
+    if run.turn.chat:
+        run.rendered = await render.run(run.svc, run.turn)
+        if run.rendered.failure is not None:
+            raise run.rendered.failure
+    else:
+        run.rendered = Rendered(Next.PREFILL, Reason.NO_SESSION)
+    run.plan = _plan(run, run.rendered)
+    await _legs(run)
+
+
+async def rerun(run: TurnRun) -> None:
     """Run the turn again from PREFILL, as plain P/D: the decode leg failed before any output."""
-    ctx.retrying("turn", "rerun")
-    if ctx.action in (Action.PULL, Action.DECODE_LOCAL):
-        ctx.action = Action.RECOMPUTE
-    if ctx.conversation is not None:  # what the turn planned did not happen: say why it ran as plain P/D
-        missed = "decode_first_token_deadline" in ctx.retries
-        ctx.reason = Reason.FIRST_TOKEN_DEADLINE if missed else Reason.DECODE_FAILED
-    ctx.handle_for_prefill, ctx.pull_tokens, ctx.prefill_params = None, 0, None
-    ctx.expected_cached, ctx.direct = 0, False
-    ctx.tried_decode.clear()
-    ctx.state = TurnState.PREFILL
-    await advance(ctx)
+    run.retrying("turn", "rerun")
+    missed = "decode_first_token_deadline" in run.journal.retries
+    run.fall_back(Fallback.DECODE_DEADLINE if missed else Fallback.DECODE_FAILED)
+    await _legs(run)
 
 
-async def _fail(ctx: TurnContext) -> None:
-    stream.close(ctx)
-    await capture.end(ctx, ok=False)
+async def _fail(run: TurnRun) -> None:
+    run.close_answer()
+    await capture.end(run, ok=False)
 
 
-def _headers(ctx: TurnContext) -> dict[str, str]:
-    """The turn's decision, for clients and benchmarks that want to see it. Token counts and prefill time
-    tell a client about the engines' caches (README, Security and limits): only with decision_headers full."""
-    h = {"x-request-id": ctx.request_id, "x-turnkv-outcome": ctx.outcome, "x-turnkv-action": ctx.action.value,
-         "x-turnkv-reason": ctx.reason.value}
-    if ctx.direct:
-        h["x-turnkv-direct"] = "true"  # decode-local without a render call (turn/direct.py)
-    if ctx.svc.settings.decision_headers != "full":
-        return h
-    if ctx.assessment is not None:
-        h["x-turnkv-matched-tokens"] = str(ctx.assessment.tokens)
-    if ctx.prompt_ids is not None:
-        h["x-turnkv-prompt-tokens"] = str(len(ctx.prompt_ids))
-    elif isinstance(ctx.prefill_prompt_tokens, int):
-        h["x-turnkv-prompt-tokens"] = str(ctx.prefill_prompt_tokens)  # not rendered: P's count
-    h["x-turnkv-pulled-tokens"] = str(ctx.pull_tokens)
-    if ctx.prefill_cached is not None:
-        h["x-turnkv-prefill-cached-tokens"] = str(ctx.prefill_cached)
-    if ctx.prefill_url is not None and ctx.action is not Action.DECODE_LOCAL:
-        h["x-turnkv-prefill-ms"] = f"{ctx.prefill_s * 1e3:.1f}"
-    return h
-
-
-async def run_turn(ctx: TurnContext) -> Response:
+async def run_turn(svc: Services, turn: Turn) -> Response:
+    run = TurnRun(svc, turn)
+    svc.drain.track(run, lambda: run.abort("shutdown"))
     try:
         try:
-            await advance(ctx)
+            await _advance(run)
         except UpstreamError as exc:
-            if not (exc.leg == "decode" and is_retryable(exc) and "turn_rerun" not in ctx.retries):
+            if not (exc.leg == "decode" and retryable(exc) and not run.journal.rerun):
                 raise
-            await rerun_without_handle(ctx)
+            await rerun(run)
     except BaseException:
-        await _fail(ctx)
+        await _fail(run)
         raise
-    if ctx.stream:
-        return stream.RelayResponse(ctx, rerun_without_handle, _headers(ctx))
-    try:
-        assert ctx.decode_body is not None
-        body = ctx.capture.body(ctx.decode_body)
-    except (GatewayError, AssertionError):
-        await _fail(ctx)
-        raise
-    await capture.end(ctx, ok=True)
-    return JSONResponse(body, headers=_headers(ctx))
+    if turn.stream:
+        return stream.RelayResponse(run, rerun, report.headers(run))
+    opened = run.opened
+    if opened is None or opened.answer is None:  # decode returns an answer or raises
+        await _fail(run)
+        raise RuntimeError("the decode leg ended without an answer")
+    await capture.end(run, ok=True)
+    return JSONResponse(opened.answer.body, headers=report.headers(run))

@@ -1,36 +1,38 @@
 """PLAN: decide how much of the stored decode KV this turn reuses, and how the turn runs.
 
-The token check (``reuse.assess``) says what may be reused and why not more; the policy says
-whether pulling it pays, or whether the decode engine should prefill the turn itself. A handle
-that is not pulled is handed to P with ``remote_num_tokens: 0`` so D frees its blocks at once.
+The token check (``reuse.assess``) says what may be reused and why not more; the policy says whether
+pulling it pays, or whether the decode engine should prefill the turn itself. A handle that is not
+pulled goes to P to be released, so D frees its blocks at once. A decode engine short of KV or with a
+queue takes no decode-local turn (``decode_busy``): its idle conversations' freed blocks are the
+first it evicts, so the turn would compute the whole history again there, behind the queue.
+``direct`` is the same planner for a turn not rendered at all (``turn.direct``): its prompt's size is
+estimated, and only a decode-local decision stands. ``facts`` is what the policy is told, the same for
+both and for CAPTURE's question whether a new handle is worth keeping.
 Transition: PLAN → PREFILL, or → DECODE for decode-local.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
+from turnkv.engine.base import HandleUse
 from turnkv.gateway.answer import echoed_answer
-from turnkv.gateway.registry import Instance
-from turnkv.gateway.turn.context import TurnContext, TurnState
-from turnkv.reuse.assess import (
-    Assessment,
-    EngineView,
-    Reason,
-    assess,
-    release_handle,
-    trim_handle,
-    unpinned_reason,
-)
+from turnkv.gateway.services import Services
+from turnkv.gateway.turn.direct import Candidate, history_digest
+from turnkv.gateway.turn.request import Turn
+from turnkv.gateway.turn.results import Plan, Rendered
+from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, record_unusable, unpinned_reason
 from turnkv.reuse.cost import Action, TurnFacts, pulled_tokens
 from turnkv.reuse.policies import Decision
-from turnkv.state.base import ClaimStatus
+from turnkv.routing.base import InstanceView
+from turnkv.state.base import Claim
 from turnkv.state.record import ConversationRecord
 
 
-def likely_prefill_cached(rec: ConversationRecord | None, prefill: Instance | None, block_size: int) -> int:
+def likely_prefill_cached(rec: ConversationRecord | None, prefill: InstanceView | None, block_size: int) -> int:
     """Prompt tokens the chosen P likely still caches: it computed the last prompt if it served the
-    last turn; how much of that survives there is measured (``Instance.cache_factor``)."""
+    last turn; how much of that survives there is measured (``InstanceView.cache_factor``)."""
     if rec is None or prefill is None or prefill.url != rec.prefill_url:
         return 0
     bs = block_size
@@ -45,90 +47,165 @@ def decode_cached(rec: ConversationRecord | None, matched: int, block_size: int)
     return (matched // block_size) * block_size
 
 
+def facts(
+    rec: ConversationRecord | None,
+    *,
+    prompt_tokens: int,
+    matched: int,
+    prefill: InstanceView | None,
+    decode: InstanceView | None,
+    decode_holds: bool,
+    block_size: int,
+) -> TurnFacts:
+    """What the policy is told of a turn continuing ``rec`` (None: nothing stored): ``matched`` tokens of
+    D's sequence extend the prompt; D may run the turn itself when it ``decode_holds`` them."""
+    return TurnFacts(
+        prompt_tokens=prompt_tokens,
+        reusable_tokens=matched if rec is not None and rec.handle is not None else 0,
+        prefill_cached_tokens=likely_prefill_cached(rec, prefill, block_size),
+        decode_cached_tokens=decode_cached(rec, matched, block_size) if decode_holds else 0,
+        decode_local_possible=decode_holds,
+        decode_busy=decode.busy if decode is not None else 0,
+    )
+
+
 def estimates_ms(decision: Decision) -> dict[str, float]:
     """The policy's TTFT estimates per action, in ms, as the turn log shows them."""
     return {k.value: round(v * 1e3, 3) for k, v in decision.estimates.items()}
 
 
-def _engine_view(ctx: TurnContext, url: str) -> EngineView | None:
-    inst = ctx.svc.registry.get(url)
-    return None if inst is None else EngineView(inst.routable, inst.epoch)
-
-
-def _assess(ctx: TurnContext) -> Assessment | None:
-    claim = ctx.claim
-    if claim is None or ctx.prompt_ids is None or ctx.conversation is None:
+def _assess(svc: Services, turn: Turn, rendered: Rendered) -> Assessment | None:
+    claim = rendered.claim
+    if claim is None or rendered.prompt_ids is None or turn.conversation is None:
         return None
     rec = claim.record
-    s = ctx.svc.settings
+    inst = svc.fleet.view(rec.decode_url) if rec else None
     a = assess(
-        claim, ctx.prompt_ids, tenant=ctx.conversation.tenant, now=time.time(),
-        decode=_engine_view(ctx, rec.decode_url) if rec else None,
-        echoed=echoed_answer(ctx.body.get("messages") or []), template=ctx.svc.audit.cls, block_size=s.block_size,
-        prompt_chain=ctx.prompt_chain,
+        claim,
+        rendered.prompt_ids,
+        tenant=turn.conversation.tenant,
+        now=time.time(),
+        decode=None if inst is None else EngineView(inst.routable, inst.epoch),
+        echoed=echoed_answer(turn.messages),
+        template=svc.catalog.template.cls,
+        block_size=svc.settings.block_size,
+        prompt_chain=rendered.chain,
     )
-    if rec is not None and not ctx.svc.policy.checks_tokens and a.releasable:
+    if rec is not None and not svc.policy.checks_tokens and a.releasable:
         # the unchecked baseline believes the handle covers the prompt, as vLLM's example proxy does
         return Assessment(rec, rec.num_tokens, True, Reason.FULL_MATCH, True)
     return a
 
 
-async def run(ctx: TurnContext) -> TurnState:
-    try:
-        return await _plan(ctx)
-    finally:
-        ctx.planned_s = time.perf_counter() - ctx.started
-
-
-async def _plan(ctx: TurnContext) -> TurnState:
-    svc = ctx.svc
-    s = svc.settings
-    a = ctx.assessment = _assess(ctx)
-    rec = ctx.claim.record if ctx.claim is not None and ctx.claim.status is ClaimStatus.FOUND else None
-    if a is not None:
-        ctx.reason = a.reason
-    prefill = svc.registry.pick("prefill", prefer=rec.prefill_url if rec else None)
-    decode = svc.registry.pick("decode", prefer=rec.decode_url if rec else None)
-    ctx.prefill_url = prefill.url if prefill else None
-    ctx.decode_url = decode.url if decode else None
-    if a is None or ctx.prompt_ids is None:
-        if rec is not None and rec.handle is not None and ctx.reason is Reason.RENDER_FAILED:
-            ctx.handle_for_prefill = release_handle(rec.handle)
-        return TurnState.PREFILL
-    bs = s.block_size
-    same_p = rec is not None and prefill is not None and prefill.url == rec.prefill_url
-    p_cached = likely_prefill_cached(rec, prefill, bs)
-    d_holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
-    pressed = d_holds and decode is not None and not svc.pins.room_for_local(decode)
-    d_holds = d_holds and not pressed
-    pullable = rec is not None and rec.handle is not None
-    facts = TurnFacts(
-        prompt_tokens=len(ctx.prompt_ids), reusable_tokens=a.tokens if pullable else 0,
-        prefill_cached_tokens=p_cached, decode_cached_tokens=decode_cached(rec, a.tokens, bs) if d_holds else 0,
-        decode_local_possible=d_holds, decode_busy=decode.busy if decode is not None else 0,
+def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
+    """The plan for a rendered turn (or one whose render failed, or whose record could not be claimed)."""
+    a = _assess(svc, turn, rendered)
+    rec = rendered.record
+    reason = a.reason if a is not None else rendered.reason
+    prefill = svc.router.pick("prefill", prefer=rec.prefill_url if rec else None)
+    decode = svc.router.pick("decode", prefer=rec.decode_url if rec else None)
+    base = Plan(
+        Action.RECOMPUTE,
+        reason,
+        prefill_url=prefill.url if prefill else None,
+        decode_url=decode.url if decode else None,
+        assessment=a,
+    )
+    if a is None or rendered.prompt_ids is None:
+        if rec is not None and rec.handle is not None and reason is Reason.RENDER_FAILED:
+            return replace(base, send=HandleUse.release(rec.handle))
+        return base
+    bs = svc.settings.block_size
+    holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
+    # a D short of KV or with a queue takes no decode-local turn (``PinKeeper.room_for_local``)
+    pressed = holds and decode is not None and not svc.pins.room_for_local(decode)
+    holds = holds and not pressed
+    f = facts(
+        rec,
+        prompt_tokens=len(rendered.prompt_ids),
+        matched=a.tokens,
+        prefill=prefill,
+        decode=decode,
+        decode_holds=holds,
+        block_size=bs,
     )
     costs = svc.estimator.params()
-    decision = svc.policy.decide(facts, costs)
-    ctx.action = decision.action
-    ctx.estimates = estimates_ms(decision)
+    decision = svc.policy.decide(f, costs)
     if decision.reason is not None:
-        ctx.reason = decision.reason
+        reason = decision.reason
     elif pressed and decision.action is Action.RECOMPUTE:
-        ctx.reason = Reason.DECODE_BUSY  # D would have taken it, but is short of KV or has a queue
-    elif rec is not None and not pullable and a.full and decision.action is Action.RECOMPUTE:
-        ctx.reason = unpinned_reason(rec)  # D's KV matched, but its handle was given back
-    ctx.expected_cached = p_cached
-    if decision.action is not Action.DECODE_LOCAL and same_p and rec is not None:
-        svc.registry.expect_hits(ctx.prefill_url, (rec.prompt_tokens // bs) * bs)
-    if decision.action is Action.PULL and rec is not None and rec.handle is not None:
-        ctx.pull_tokens = pulled_tokens(costs, facts)
-        ctx.expected_cached = p_cached + ctx.pull_tokens
-        ctx.handle_for_prefill = trim_handle(rec.handle, a.tokens, bs)
-        return TurnState.PREFILL
-    if decision.action is Action.DECODE_LOCAL and rec is not None:
-        ctx.expected_cached = facts.decode_cached_tokens  # D's own cache holds the conversation
-        ctx.decode_url = rec.decode_url
-        return TurnState.DECODE
-    if rec is not None and rec.handle is not None and a.releasable:
-        ctx.handle_for_prefill = release_handle(rec.handle)  # P frees it at D on the way
-    return TurnState.PREFILL
+        reason = Reason.DECODE_BUSY  # D would have taken it, but is short of KV or has a queue
+    elif rec is not None and rec.handle is None and a.full and decision.action is Action.RECOMPUTE:
+        reason = unpinned_reason(rec)  # D's KV matched, but its handle was given back
+    same_p = rec is not None and prefill is not None and prefill.url == rec.prefill_url
+    local = decision.action is Action.DECODE_LOCAL
+    decided = replace(
+        base,
+        action=decision.action,
+        reason=reason,
+        estimates=estimates_ms(decision),
+        expected_cached=f.prefill_cached_tokens,
+        expect_hits=(rec.prompt_tokens // bs) * bs if rec is not None and same_p and not local else 0,
+    )
+    if rec is None:
+        return decided
+    if decision.action is Action.PULL and rec.handle is not None:
+        pulled = pulled_tokens(costs, f)
+        return replace(
+            decided,
+            send=HandleUse(rec.handle, a.tokens),
+            pull_tokens=pulled,
+            expected_cached=f.prefill_cached_tokens + pulled,
+        )
+    if local:  # D's own cache holds the conversation
+        return replace(decided, decode_url=rec.decode_url, expected_cached=f.decode_cached_tokens)
+    if rec.handle is not None and a.releasable:
+        return replace(decided, send=HandleUse.release(rec.handle))  # P frees it at D on the way
+    return decided
+
+
+def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | None:
+    """The decode-local plan for a turn that continues its last answer with text only, made without a
+    render (its size estimated from the new messages' bytes); None when the record or the policy does
+    not allow it (the turn is then rendered and planned as any other)."""
+    rec = claim.record
+    if rec is None or turn.conversation is None:
+        return None
+    # the D routing would pick for this turn must be the one holding the conversation
+    d = svc.router.pick("decode", prefer=rec.decode_url)
+    view = EngineView(d.routable, d.epoch) if d is not None and d.url == rec.decode_url else None
+    if d is None or record_unusable(claim, tenant=turn.conversation.tenant, now=time.time(), decode=view) is not None:
+        return None
+    if not svc.pins.room_for_local(d):
+        return None  # rendered and planned: the plan says why (decode_busy)
+    echoed = cand.echoed
+    if echoed.answer_digest != rec.answer_digest or (
+        rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest
+    ):
+        return None
+    history = turn.messages[: cand.answer_at]
+    if rec.history_digest is None or history_digest(turn.body, history) != rec.history_digest:
+        return None  # the history before the answer changed (compacted, tools, options): render and check
+    bs = svc.settings.block_size
+    prefill = svc.router.pick("prefill", prefer=rec.prefill_url)
+    f = facts(
+        rec,
+        prompt_tokens=rec.num_tokens + cand.new_tokens(rec.bytes_per_token),
+        matched=rec.num_tokens,
+        prefill=prefill,
+        decode=d,
+        decode_holds=True,
+        block_size=bs,
+    )
+    decision = svc.policy.decide(f, svc.estimator.params())
+    if decision.action is not Action.DECODE_LOCAL:
+        return None
+    return Plan(
+        Action.DECODE_LOCAL,
+        Reason.DECODE_LOCAL,
+        prefill_url=prefill.url if prefill else None,
+        decode_url=rec.decode_url,
+        expected_cached=f.decode_cached_tokens,
+        estimates=estimates_ms(decision),
+        direct=True,
+    )

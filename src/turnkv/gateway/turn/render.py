@@ -1,110 +1,112 @@
 """RENDER: turn the messages into the exact token ids the engines will see, and claim the record.
 
-Both run at once. The engine's own ``/v1/chat/completions/render`` (or a render service) is the
-authority for tokenization. A render the client caused to fail is the client's error; a render
-the engine failed (or a store that failed) only costs this turn its reuse.
-Where the template keeps history, the record is read first, and a turn ``turn.direct`` sends to D as
-decode-local skips the render; so does a first turn (no assistant message) with no stored record.
+Both run at once. The engine's own render (or a render service) is the authority for tokenization. A
+render the client caused to fail is the client's error; a render the engine failed (or a store that
+failed, or was too busy to answer: ``store_busy``) only costs this turn its reuse.
+Where the template keeps history, the record is read first, and a turn the planner sends to D as
+decode-local without a render (``plan.direct``) skips it; so does a first turn (no assistant message)
+with no stored record: there is nothing of D's to check it against.
 Transition: RENDER → PLAN, or → PREFILL with the client's messages (no conversation, or degraded),
-or → DECODE (decode-local without a render).
+or → DECODE (decode-local without a render); a render that failed the turn says so (``failure``) with
+the record it claimed, which the driver puts back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from turnkv.errors import ClientError, StoreBusy, StoreError, UpstreamError, UpstreamStatus
-from turnkv.gateway.turn import direct
-from turnkv.gateway.turn.context import TurnContext, TurnState
+from turnkv.gateway.answer import last_assistant
+from turnkv.gateway.services import Services
+from turnkv.gateway.turn import direct, plan
+from turnkv.gateway.turn.request import Turn
+from turnkv.gateway.turn.results import Next, Rendered
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.state.base import Claim, ClaimStatus
 
-_NOT_FOR_RENDER = ("stream", "stream_options", "kv_transfer_params", "max_tokens", "max_completion_tokens",
-                   "min_tokens", "n")
 
-
-async def _render(ctx: TurnContext) -> list[int]:
-    svc = ctx.svc
+async def _render(svc: Services, turn: Turn) -> list[int]:
     base = svc.settings.render
     if base is None:
-        inst = svc.registry.pick("prefill")
+        inst = svc.router.pick("prefill")
         if inst is None:
             raise ClientError("no prefill engine is configured")
         base = inst.url
-    body = {k: v for k, v in ctx.body.items() if k not in _NOT_FOR_RENDER}
-    data = await svc.upstream.post_json("render", base, "/v1/chat/completions/render", body, ctx.headers())
-    ids = data.get("token_ids")
-    if not isinstance(ids, list) or not ids:
-        raise UpstreamStatus(502, {"error": {"message": "render returned no token ids"}}, leg="render",
-                             instance=base)
-    return ids  # each id is checked to be an int when the chain is built (array("q") refuses others)
+    return await svc.engine.render(base, turn.body, turn.meta)
 
 
-def _no_store(ctx: TurnContext) -> Reason:
-    return Reason.STORE_BUSY if ctx.store_busy else Reason.STORE_UNAVAILABLE
-
-
-async def _claim(ctx: TurnContext) -> Claim | None:
-    assert ctx.conversation is not None
+async def _claim(svc: Services, turn: Turn) -> tuple[Claim | None, Reason]:
+    """The conversation's record, claimed, and why the turn reuses nothing as far as the claim can tell:
+    ``no_session`` when claimed (PLAN says why, from the record); otherwise ``store_busy`` (every store
+    connection stayed busy: load, this call only) or ``store_unavailable`` (the store failed)."""
+    assert turn.conversation is not None, "only a conversation's turn claims a record"
     try:
-        claim = await ctx.svc.store.claim(ctx.conversation.key, owner=ctx.request_id)
+        return await svc.store.claim(turn.conversation.key, owner=turn.request_id), Reason.NO_SESSION
     except StoreBusy:
-        ctx.store_busy = True
-        return None
+        return None, Reason.STORE_BUSY
     except StoreError:
-        return None
-    ctx.claimed = claim.status in (ClaimStatus.FOUND, ClaimStatus.CORRUPT)
-    return claim
+        return None, Reason.STORE_UNAVAILABLE
 
 
-async def run(ctx: TurnContext) -> TurnState:
-    if ctx.conversation is None:
-        ctx.reason = Reason.NO_SESSION
-        return TurnState.PREFILL
-    if (ctx.body.get("n") or 1) != 1:
-        ctx.reason = Reason.UNSUPPORTED_REQUEST
-        return TurnState.PREFILL
+def _claimed(claim: Claim | None) -> bool:
+    return claim is not None and claim.status in (ClaimStatus.FOUND, ClaimStatus.CORRUPT)
+
+
+async def run(svc: Services, turn: Turn) -> Rendered:
+    if turn.conversation is None:
+        return Rendered(Next.PREFILL, Reason.NO_SESSION)
+    if turn.n != 1:
+        return Rendered(Next.PREFILL, Reason.UNSUPPORTED_REQUEST)
     t0 = time.perf_counter()
     rendered: list[int] | BaseException
-    first = direct.last_assistant(ctx.body.get("messages") or []) is None
-    cand = None if first else direct.candidate(ctx)
+    first = last_assistant(turn.messages) is None
+    cand = None if first else direct.candidate(svc, turn)
     if first or cand is not None:
         # the record first: a decode-local turn it allows needs no render at all, nor does a
         # conversation's first turn when nothing is stored (nothing of D's to check it against)
-        claim = ctx.claim = await _claim(ctx)
-        if claim is not None and cand is not None and direct.try_direct(ctx, claim, cand):
-            ctx.render_s = time.perf_counter() - t0
-            return TurnState.DECODE
+        claim, why = await _claim(svc, turn)
+        if claim is not None and cand is not None:
+            local = plan.direct(svc, turn, claim, cand)
+            if local is not None:
+                return Rendered(
+                    Next.DECODE,
+                    local.reason,
+                    claim=claim,
+                    claimed=_claimed(claim),
+                    seconds=time.perf_counter() - t0,
+                    direct=local,
+                )
         if first and (claim is None or claim.status is ClaimStatus.MISSING):
-            ctx.reason = Reason.NO_RECORD if claim is not None else _no_store(ctx)
-            return TurnState.PREFILL  # P and D render the messages themselves, as in plain P/D
+            # P and D render the messages themselves, as in plain P/D
+            reason = Reason.NO_RECORD if claim is not None else why
+            return Rendered(Next.PREFILL, reason, claim=claim, claimed=_claimed(claim))
         try:
-            rendered = await _render(ctx)
+            rendered = await _render(svc, turn)
         except Exception as exc:  # judged below, as when both run side by side
             rendered = exc
     else:
-        rendered, claimed = await asyncio.gather(_render(ctx), _claim(ctx), return_exceptions=True)
+        rendered, claimed = await asyncio.gather(_render(svc, turn), _claim(svc, turn), return_exceptions=True)
         if isinstance(claimed, BaseException):
             raise claimed
-        claim = ctx.claim = claimed
-    ctx.render_s = time.perf_counter() - t0
+        claim, why = claimed
+    seconds = time.perf_counter() - t0
+    failed = Rendered(Next.PLAN, Reason.RENDER_FAILED, claim=claim, claimed=_claimed(claim), seconds=seconds)
     if isinstance(rendered, UpstreamStatus) and 400 <= rendered.upstream_status < 500:
-        raise rendered  # the messages themselves are wrong: the client hears the engine's words
+        # the messages themselves are wrong: the client hears the engine's words
+        return dataclasses.replace(failed, failure=rendered)
     if isinstance(rendered, UpstreamError):
-        ctx.svc.metrics.upstream_errors.labels("render", rendered.kind).inc()
-        ctx.reason = Reason.RENDER_FAILED
-        return TurnState.PLAN
+        svc.metrics.upstream_errors.labels("render", rendered.kind).inc()
+        return failed
     if isinstance(rendered, BaseException):
-        raise rendered
+        return dataclasses.replace(failed, failure=rendered)
     try:
-        ctx.prompt_chain = ChainBuilder(ctx.svc.settings.block_size).extend(rendered)
-    except (TypeError, OverflowError):
-        ctx.svc.metrics.upstream_errors.labels("render", "protocol").inc()
-        ctx.reason = Reason.RENDER_FAILED
-        return TurnState.PLAN
-    ctx.prompt_ids = rendered
-    if claim is None:
-        ctx.reason = _no_store(ctx)
-    return TurnState.PLAN
+        chain = ChainBuilder(svc.settings.block_size).extend(rendered)
+    except (TypeError, OverflowError):  # ids that are not integers
+        svc.metrics.upstream_errors.labels("render", "protocol").inc()
+        return failed
+    return Rendered(
+        Next.PLAN, why, prompt_ids=rendered, chain=chain, claim=claim, claimed=_claimed(claim), seconds=seconds
+    )

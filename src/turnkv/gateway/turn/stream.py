@@ -1,244 +1,205 @@
-"""Relays D's SSE answer to the client while CAPTURE's inputs are collected.
+"""Relays D's streamed answer to the client while CAPTURE's inputs are collected.
 
-Pull-based: a chunk is read from D only when the client has taken the last one, so back-pressure
-reaches D. Chunks before the first one that shows the client output are held back, and that first
-output must come within the first-token deadline. If D fails before it (vLLM 0.26 can end such a
-stream with no error at all) or misses the deadline, the turn is run again through P without the
-handle (on another D when there is one; a D that missed the deadline is relieved of pins first), and
-the client never notices; a second failure becomes an SSE error event. A failure after the first
-output becomes a final SSE error event too. Chunks that carry only what turnkv asked D for (token
-ids) are not forwarded. Leaving (the client went away, the end, or a shutdown past its drain)
-closes D's response, so D aborts the request.
+Pull-based: D's answer is read only when the client has taken what came before, so back-pressure
+reaches D. Events before the first one that shows the client output are held back, and that first
+output must come within the first-token deadline (renewed while D is busy: ``turn.deadline``). If D
+fails before it (vLLM 0.26 can end such a stream with no error at all) or misses the deadline, the
+turn is run again through P without the handle (on another D when there is one; a D that missed the
+deadline is relieved of pins first), and the client never notices; a second failure becomes an SSE
+error event. A failure after the first output becomes a final SSE error event too. Events that carry
+only what turnkv asked D for (token ids) are not forwarded. Leaving (the client went away, the end,
+or a shutdown past its drain) closes D's answer, so D aborts the request; a client that leaves while
+the first token is awaited stops that read before anything else (the salvage) reads D's stream.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
-import aiohttp
 import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from turnkv.engine.base import DecodeStream, StreamBroken
 from turnkv.errors import FirstTokenDeadline, GatewayError, ShuttingDown, UpstreamProtocolError, UpstreamTimeout
 from turnkv.gateway.errors import sse_error_event
-from turnkv.gateway.sse import DONE, SSESplitter, frame
+from turnkv.gateway.sse import DONE, frame
 from turnkv.gateway.turn import capture
-from turnkv.gateway.turn.context import TurnContext, until_aborted
+from turnkv.gateway.turn.results import Opened
+from turnkv.gateway.turn.run import TurnRun
 
 DRAIN_TIMEOUT_S = 1.0
 SALVAGE_S = 0.5
+Restart = Callable[[TurnRun], Awaitable[None]]
 
 
 class _Missed(Exception):
     """The first-token deadline passed."""
 
 
-async def _head(ctx: TurnContext, splitter: SSESplitter) -> bytes | None:
-    """Read D's answer up to its first chunk that shows the client output; the bytes to send up to
+async def _head(run: TurnRun, stream: DecodeStream) -> bytes | None:
+    """Read D's answer up to its first event that shows the client output; the bytes to send up to
     there (with what came in the same read), or None when the stream failed or ended before it."""
-    resp = ctx.decode_response
-    assert resp is not None
     held: list[bytes] = []
-    async for data in resp.content.iter_any():
+    while (pieces := await stream.read()) is not None:
         out: list[bytes] | None = None
-        for payload in splitter.feed(data):
-            if payload == DONE:
-                ctx.decode_done = True
-                break
-            body, visible = ctx.capture.chunk(payload)
-            if ctx.capture.error is not None and out is None:
+        for body, visible, failed in pieces:
+            if failed and out is None:
                 return None  # failed before its first token: the caller may run the turn again
             if body is None:
                 continue
             if out is not None:
                 out.append(frame(body))
             elif visible:
-                ctx.first_token_at = time.perf_counter()
+                run.journal.first_token_at = time.perf_counter()
                 out = [*held, frame(body)]
             else:
                 held.append(frame(body))
         if out is not None:
             return b"".join(out)
-        if ctx.decode_done:
+        if stream.done:
             return None
-    ctx.capture.error = ctx.capture.error or {"message": "decode stream ended before its first token"}
+    stream.collected.error = stream.collected.error or {"message": "decode stream ended before its first token"}
     return None
 
 
-async def _tail(ctx: TurnContext, splitter: SSESplitter) -> AsyncIterator[bytes]:
+async def _tail(stream: DecodeStream) -> AsyncIterator[bytes]:
     """The rest of D's answer; everything one network read brought is written at once (under load D's
-    chunks arrive in batches, and one write per batch instead of per chunk is most of a relay's cost)."""
-    resp = ctx.decode_response
-    assert resp is not None
-    if ctx.decode_done:
-        return
-    async for data in resp.content.iter_any():
-        out: list[bytes] = []
-        for payload in splitter.feed(data):
-            if payload == DONE:
-                ctx.decode_done = True
-                break
-            body, _ = ctx.capture.chunk(payload)
-            if body is not None:
-                out.append(frame(body))
+    events arrive in batches, and one write per batch instead of per event is most of a relay's cost)."""
+    while (pieces := await stream.read()) is not None:
+        out = [frame(body) for body, _, _ in pieces if body is not None]
         if out:
             yield b"".join(out)
-        if ctx.decode_done:
-            return
-    ctx.capture.error = ctx.capture.error or {"message": "decode stream ended without [DONE]"}
+    if not stream.done:
+        stream.collected.error = stream.collected.error or {"message": "decode stream ended without [DONE]"}
 
 
-async def _await_head(ctx: TurnContext, splitter: SSESplitter) -> bytes | None:
-    """``_head`` within the first-token deadline, counted from when the request went out (raises
-    ``_Missed``; None when the turn was aborted)."""
+async def _await_head(run: TurnRun, opened: Opened, stream: DecodeStream) -> bytes | None:
+    """``_head`` within the first-token deadline, counted from when the request went out and renewed
+    while D is busy (raises ``_Missed``; None when the turn was aborted). Given up on, the read is
+    stopped before anything else reads D's stream."""
     try:
-        return await until_aborted(ctx, _head(ctx, splitter), ctx.decode_deadline, started=ctx.decode_sent)
+        return await run.until_aborted(_head(run, stream), opened.deadline, started=opened.sent)
     except FirstTokenDeadline:
         raise _Missed from None
     except ShuttingDown:
         return None
 
 
-async def _salvage(ctx: TurnContext) -> None:
-    """The client left before the end: read what D already sent (bounded), so that a handle on its final
-    chunk is not lost (D pinned those blocks; capture releases them). D's answer still running is then
-    closed and aborted."""
-    resp = ctx.decode_response
-    if resp is None or ctx.decode_done or ctx.capture.error is not None or ctx.aborted is not None:
-        return
-    splitter = SSESplitter()
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-        async with asyncio.timeout(SALVAGE_S):
-            async for data in resp.content.iter_any():
-                for payload in splitter.feed(data):
-                    if payload == DONE:
-                        ctx.decode_done = True
-                        return
-                    ctx.capture.chunk(payload)
-
-
-async def _drain(ctx: TurnContext) -> None:
-    """After [DONE], read the end of D's response so its connection can go back to the pool."""
-    resp = ctx.decode_response
-    if resp is not None:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            await asyncio.wait_for(resp.content.read(), DRAIN_TIMEOUT_S)
-
-
-def close(ctx: TurnContext) -> None:
-    """Give D's response up and its in-flight slot back: to the pool when D finished and the body was
-    read to its end, else by closing the connection, which makes D abort the request."""
-    resp, ctx.decode_response = ctx.decode_response, None
-    if resp is not None:
-        if ctx.decode_done and resp.content.at_eof():
-            resp.release()
-        else:
-            resp.close()
-        inst = ctx.svc.registry.get(ctx.decode_url)
-        if inst is not None:
-            inst.in_flight -= 1
-
-
-def missed_first_token(ctx: TurnContext) -> None:
+def missed_first_token(run: TurnRun, url: str) -> None:
     """D missed its first-token deadline: counted against it, its pins relieved, another D preferred."""
-    svc, url = ctx.svc, ctx.decode_url
+    svc = run.svc
     svc.metrics.deadline_misses.labels("decode").inc()
-    ctx.retrying("decode", "first_token_deadline")
-    if url is not None:
-        svc.registry.missed_deadline(url)
-        svc.pins.urgent(url)
-        ctx.avoid_decode.add(url)
+    run.retrying("decode", "first_token_deadline")
+    svc.fleet.missed_deadline(url)
+    svc.pins.urgent(url)
+    run.journal.avoid_decode.add(url)
 
 
-def _failure(ctx: TurnContext, missed: bool) -> GatewayError:
-    if ctx.aborted is not None:
+def _failure(run: TurnRun, missed: bool) -> GatewayError:
+    if run.aborted is not None:
         return ShuttingDown("the gateway is shutting down; send the turn again")
     if missed:
         return UpstreamTimeout("the decode engine missed its first-token deadline", leg="decode")
-    msg = ctx.capture.error.get("message") if ctx.capture.error else None
+    error = run.collected.error
+    msg = error.get("message") if error else None
     return UpstreamProtocolError(str(msg or "decode failed"), leg="decode")
 
 
-async def relay(ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[None]]) -> AsyncIterator[bytes]:
-    svc = ctx.svc
+async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> AsyncGenerator[bytes, None]:
+    """The client's stream: D's answer (run again once, invisibly, when D fails before its first output),
+    then ``[DONE]`` once the next turn's record is stored."""
+    svc = run.svc
     restarted = False
     finished = False
-    ctx.relay_started = True
+    started()
     try:
         while True:
-            splitter = SSESplitter()
+            opened = run.opened
+            assert opened is not None and opened.stream is not None, "the relay reads an open stream"
+            stream = opened.stream
             missed = False
             try:
-                head = await _await_head(ctx, splitter)
+                head = await _await_head(run, opened, stream)
             except _Missed:
                 head, missed = None, True
-                missed_first_token(ctx)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                missed_first_token(run, opened.url)
+            except StreamBroken as exc:
                 head = None
-                ctx.capture.error = {"message": f"decode stream broke: {type(exc).__name__}"}
+                stream.collected.error = {"message": f"decode stream broke: {exc.cause}"}
             if head is not None:
-                svc.registry.met_deadline(ctx.decode_url)
+                svc.fleet.met_deadline(opened.url)
                 yield head
-                engine_error = ctx.capture.error is not None
+                engine_error = stream.collected.error is not None
                 try:
-                    async for out in _tail(ctx, splitter):
+                    async for out in _tail(stream):
                         yield out
-                        engine_error = ctx.capture.error is not None
-                    if ctx.decode_done:
-                        await _drain(ctx)
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    ctx.capture.error = {"message": f"decode stream broke: {type(exc).__name__}"}
+                        engine_error = stream.collected.error is not None
+                    if stream.done:
+                        await stream.drain(DRAIN_TIMEOUT_S)
+                except StreamBroken as exc:
+                    stream.collected.error = {"message": f"decode stream broke: {exc.cause}"}
                 finally:
-                    close(ctx)
-                if ctx.capture.error is not None or ctx.aborted is not None:
+                    run.close_answer()
+                if stream.collected.error is not None or run.aborted is not None:
                     svc.metrics.upstream_errors.labels("decode", "stream").inc()
-                    if not engine_error or ctx.aborted is not None:  # D's own error event was forwarded
-                        yield sse_error_event(_failure(ctx, False))
+                    if not engine_error or run.aborted is not None:  # D's own error event was forwarded
+                        yield sse_error_event(_failure(run, False))
                 break
-            close(ctx)
-            if ctx.capture.error is None and not missed and ctx.capture.finish_reason is not None:
+            run.close_answer()
+            collected = stream.collected
+            if collected.error is None and not missed and collected.finish_reason is not None:
                 break  # finished with nothing to show (an empty answer): nothing failed
             svc.metrics.upstream_errors.labels("decode", "first_token_deadline" if missed else "empty_stream").inc()
-            if restarted or ctx.aborted is not None:
-                yield sse_error_event(_failure(ctx, missed))
+            if restarted or run.aborted is not None:
+                yield sse_error_event(_failure(run, missed))
                 break
             restarted = True
             try:
-                await restart(ctx)
+                await restart(run)
             except GatewayError as exc:
                 yield sse_error_event(exc)
                 break
         # Store the next record before the client sees [DONE]: an agent sends its next turn the moment
         # this one ends, and that turn must find the record, not this turn's claim.
-        ok = ctx.capture.error is None and ctx.capture.finish_reason is not None and ctx.aborted is None
+        c = run.collected
+        ok = c.error is None and c.finish_reason is not None and run.aborted is None
         finished = True
-        await capture.end(ctx, ok=ok)
+        await capture.end(run, ok=ok)
         yield frame(DONE)
     finally:
         if not finished:
-            with anyio.CancelScope(shield=True):
-                await _salvage(ctx)
-        close(ctx)
+            opened = run.opened
+            if opened is not None and opened.stream is not None and not opened.stream.closed and run.aborted is None:
+                with anyio.CancelScope(shield=True):
+                    await opened.stream.salvage(SALVAGE_S)
+        run.close_answer()
         if not finished:
-            await capture.end(ctx, ok=False)
+            await capture.end(run, ok=False)
 
 
 class RelayResponse(StreamingResponse):
-    """A streaming answer that cleans up even when the client left before the relay began."""
+    """A streaming answer that cleans up when the response ends, however it ends: a relay the client left
+    mid-way is closed then (its own clean-up runs at once, not whenever the generator is collected), and
+    one the client left before it began is settled here."""
 
-    def __init__(self, ctx: TurnContext, restart: Callable[[TurnContext], Awaitable[None]],
-                 headers: dict[str, str]) -> None:
-        super().__init__(relay(ctx, restart), media_type="text/event-stream", headers=headers)
-        self._ctx = ctx
+    def __init__(self, run: TurnRun, restart: Restart, headers: dict[str, str]) -> None:
+        self._run = run
+        self._started = False
+        self._relay = relay(run, restart, self._start)
+        super().__init__(self._relay, media_type="text/event-stream", headers=headers)
+
+    def _start(self) -> None:
+        self._started = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self._ctx.relay_started:
-                close(self._ctx)
-                await capture.end(self._ctx, ok=False)
+            if self._started:
+                with anyio.CancelScope(shield=True):
+                    await self._relay.aclose()  # bounded: its clean-up is (salvage, capture)
+            else:
+                self._run.close_answer()
+                await capture.end(self._run, ok=False)

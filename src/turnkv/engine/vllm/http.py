@@ -1,4 +1,4 @@
-"""HTTP to the engines: one aiohttp session, per-leg timeouts, and the one place aiohttp errors are translated.
+"""HTTP to vLLM's engines: one aiohttp session, per-leg timeouts, and the one place aiohttp errors are translated.
 
 Every call names its leg (render, prefill, decode, probe) and the instance, so an error can be
 counted and retried without parsing messages. Messages, which clients may read, name the leg only:
@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from turnkv.config import Timeouts
-from turnkv.errors import UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
+from turnkv.errors import UpstreamProtocolError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
 
 
 @contextlib.contextmanager
@@ -25,12 +25,14 @@ def map_aiohttp_errors(leg: str, instance: str) -> Iterator[None]:
     except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
         raise UpstreamTimeout(f"{leg} engine timed out", leg=leg, instance=instance) from exc
     except (aiohttp.ClientConnectionError, OSError) as exc:
-        raise UpstreamUnavailable(f"{leg} engine unreachable: {type(exc).__name__}",
-                                  leg=leg, instance=instance) from exc
+        raise UpstreamUnavailable(
+            f"{leg} engine unreachable: {type(exc).__name__}", leg=leg, instance=instance
+        ) from exc
     except aiohttp.ClientError as exc:
         # aiohttp's own text names the URL: the type is enough for a client
-        raise UpstreamProtocolError(f"{leg} engine answered unreadably: {type(exc).__name__}",
-                                    leg=leg, instance=instance) from exc
+        raise UpstreamProtocolError(
+            f"{leg} engine answered unreadably: {type(exc).__name__}", leg=leg, instance=instance
+        ) from exc
 
 
 def _dumps(body: Any) -> bytes:
@@ -64,14 +66,21 @@ class Upstream:
         return aiohttp.ClientTimeout(total=timeout_s, connect=min(self.t.connect_s, timeout_s))
 
     async def post_json(
-        self, leg: str, base: str, path: str, body: Any, headers: Mapping[str, str], *,
+        self,
+        leg: str,
+        base: str,
+        path: str,
+        body: Any,
+        headers: Mapping[str, str],
+        *,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """POST and read a JSON body. Any status >= 400 raises ``UpstreamStatus`` with the body kept;
         ``timeout_s`` bounds the whole call instead of the leg's own timeouts."""
         with map_aiohttp_errors(leg, base):
-            async with self.session.post(base + path, data=_dumps(body), headers=headers,
-                                         timeout=self._timeout(leg, timeout_s)) as resp:
+            async with self.session.post(
+                base + path, data=_dumps(body), headers=headers, timeout=self._timeout(leg, timeout_s)
+            ) as resp:
                 raw = await resp.read()
                 status = resp.status
         try:
@@ -85,12 +94,18 @@ class Upstream:
         return data
 
     async def open_stream(
-        self, leg: str, base: str, path: str, body: Any, headers: Mapping[str, str],
+        self,
+        leg: str,
+        base: str,
+        path: str,
+        body: Any,
+        headers: Mapping[str, str],
     ) -> aiohttp.ClientResponse:
         """POST and return the open response once its status is known (2xx), for streaming."""
         with map_aiohttp_errors(leg, base):
-            resp = await self.session.post(base + path, data=_dumps(body), headers=headers,
-                                           timeout=self._leg_timeouts[leg])
+            resp = await self.session.post(
+                base + path, data=_dumps(body), headers=headers, timeout=self._leg_timeouts[leg]
+            )
             if resp.status >= 400:
                 try:
                     raw = await resp.read()
@@ -112,11 +127,3 @@ class Upstream:
         with map_aiohttp_errors("probe", base):
             async with self.session.get(base + path, timeout=self._leg_timeouts["probe"]) as resp:
                 return resp.status, await resp.read(), {k.lower(): v for k, v in resp.headers.items()}
-
-
-def is_retryable(exc: UpstreamError) -> bool:
-    """Whether another instance (or the same one, without a KV handle) may succeed."""
-    if isinstance(exc, UpstreamStatus):
-        return exc.upstream_status >= 500
-    return isinstance(exc, (UpstreamUnavailable, UpstreamTimeout, UpstreamProtocolError))
-

@@ -6,19 +6,34 @@ import json
 
 import pytest
 
-from turnkv.gateway.sse import DecodeCapture, SSESplitter, frame
+from turnkv.engine.vllm.stream import DecodeCapture
+from turnkv.gateway.sse import SSESplitter, frame
 
-ROLE = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-        b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
-        b'"prompt_token_ids":[1,2,3],"prompt_text":null}')
-TOKEN = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-         b'"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null,"token_ids":[7]}],'
-         b'"kv_transfer_params":null}')
-THINK = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-         b'"delta":{"reasoning":"hm"},"logprobs":null,"finish_reason":null,"token_ids":[5,6]}]}')
-FINAL = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},'
-         b'"logprobs":null,"finish_reason":"stop","stop_reason":null,"token_ids":[2]}],'
-         b'"kv_transfer_params":{"do_remote_decode":true,"remote_num_tokens":6}}')
+
+def _some(payload: bytes | None) -> bytes:
+    assert payload is not None, "the chunk is forwarded"
+    return payload
+
+
+ROLE = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+    b'"prompt_token_ids":[1,2,3],"prompt_text":null}'
+)
+TOKEN = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    b'"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null,"token_ids":[7]}],'
+    b'"kv_transfer_params":null}'
+)
+THINK = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    b'"delta":{"reasoning":"hm"},"logprobs":null,"finish_reason":null,"token_ids":[5,6]}]}'
+)
+FINAL = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},'
+    b'"logprobs":null,"finish_reason":"stop","stop_reason":null,"token_ids":[2]}],'
+    b'"kv_transfer_params":{"do_remote_decode":true,"remote_num_tokens":6}}'
+)
 
 
 @pytest.mark.parametrize("cut", [1, 5, 17, 100, 250])
@@ -27,7 +42,7 @@ def test_splitter_reassembles_events_across_reads(cut: int) -> None:
     s = SSESplitter()
     out: list[bytes] = []
     for i in range(0, len(stream), cut):
-        out += s.feed(stream[i:i + cut])
+        out += s.feed(stream[i : i + cut])
     assert out == [ROLE, TOKEN, b"[DONE]"]
     assert not s.pending
 
@@ -45,7 +60,7 @@ def test_capture_collects_and_hides_what_turnkv_added() -> None:
     assert cap.kv_transfer_params == {"do_remote_decode": True, "remote_num_tokens": 6}
     assert cap.finish_reason == "stop"
     assert [visible for _, visible in outs] == [False, True, True, True]
-    seen = [json.loads(b) for b, _ in outs]
+    seen = [json.loads(_some(b)) for b, _ in outs]
     assert seen[0]["prompt_token_ids"] is None
     assert all(c["choices"][0].get("token_ids") is None for c in seen[1:])
     assert seen[3]["kv_transfer_params"] is None
@@ -58,8 +73,8 @@ def test_capture_keeps_ids_the_client_asked_for() -> None:
     out, _ = cap.chunk(TOKEN)
     assert out == TOKEN  # nothing to change: forwarded byte for byte
     out, _ = cap.chunk(FINAL)
-    assert json.loads(out)["choices"][0]["token_ids"] == [2]
-    assert json.loads(out)["kv_transfer_params"] is None
+    assert json.loads(_some(out))["choices"][0]["token_ids"] == [2]
+    assert json.loads(_some(out))["kv_transfer_params"] is None
 
 
 def test_error_event_is_recorded_and_forwarded() -> None:
@@ -72,9 +87,18 @@ def test_error_event_is_recorded_and_forwarded() -> None:
 
 def test_non_streaming_body() -> None:
     cap = DecodeCapture(keep_token_ids=False)
-    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "x", "reasoning": "r"},
-                         "finish_reason": "length", "token_ids": [4, 5]}],
-            "prompt_token_ids": [1], "kv_transfer_params": {"remote_num_tokens": 2}}
+    body = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "x", "reasoning": "r"},
+                "finish_reason": "length",
+                "token_ids": [4, 5],
+            }
+        ],
+        "prompt_token_ids": [1],
+        "kv_transfer_params": {"remote_num_tokens": 2},
+    }
     out = cap.body(body)
     assert (cap.prompt_token_ids, cap.token_ids, cap.finish_reason) == ([1], [4, 5], "length")
     assert cap.kv_transfer_params == {"remote_num_tokens": 2}
@@ -88,41 +112,47 @@ def test_a_stateless_turn_sees_what_a_collecting_one_sees(payload: bytes) -> Non
     fast, full = DecodeCapture(keep_token_ids=True, collect=False), DecodeCapture(keep_token_ids=True)
     (out_fast, vis_fast), (out_full, vis_full) = fast.chunk(payload), full.chunk(payload)
     assert vis_fast == vis_full
-    assert json.loads(out_fast) == json.loads(out_full)
+    assert json.loads(_some(out_fast)) == json.loads(_some(out_full))
     assert fast.finish_reason == full.finish_reason
 
 
 def test_stateless_turns_still_never_see_a_handle() -> None:
     out, _ = DecodeCapture(keep_token_ids=True, collect=False).chunk(FINAL)
-    assert json.loads(out)["kv_transfer_params"] is None
+    assert json.loads(_some(out))["kv_transfer_params"] is None
 
 
 # vLLM writes compact JSON; another server might not. Either way the ids are captured and hidden.
 SPACED = b'{"choices": [{"index": 0, "delta": {"content": ""}}], "prompt_token_ids": [1, 2, 3]}'
 # a first chunk that also ends the answer and carries the handle
-ONE_CHUNK = (b'{"id":"c","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"length","token_ids":[9]}],'
-             b'"prompt_token_ids":[1,2,3],"kv_transfer_params":{"do_remote_decode":true,"remote_num_tokens":4}}')
+ONE_CHUNK = (
+    b'{"id":"c","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"length","token_ids":[9]}],'
+    b'"prompt_token_ids":[1,2,3],"kv_transfer_params":{"do_remote_decode":true,"remote_num_tokens":4}}'
+)
 
 
-@pytest.mark.parametrize(("payload", "keep"), [(ROLE, False), (ROLE, True), (SPACED, False), (SPACED, True),
-                                               (ONE_CHUNK, False), (ONE_CHUNK, True)])
+@pytest.mark.parametrize(
+    ("payload", "keep"),
+    [(ROLE, False), (ROLE, True), (SPACED, False), (SPACED, True), (ONE_CHUNK, False), (ONE_CHUNK, True)],
+)
 def test_prompt_ids_are_captured_and_shown_only_when_asked(payload: bytes, keep: bool) -> None:
     cap = DecodeCapture(keep_token_ids=keep)
     out, _ = cap.chunk(payload)
-    assert json.loads(out)["prompt_token_ids"] == ([1, 2, 3] if keep else None)
+    assert json.loads(_some(out))["prompt_token_ids"] == ([1, 2, 3] if keep else None)
     assert cap.prompt_token_ids == [1, 2, 3]
-    assert "kv_transfer_params" not in json.loads(out) or json.loads(out)["kv_transfer_params"] is None
+    assert "kv_transfer_params" not in json.loads(_some(out)) or json.loads(_some(out))["kv_transfer_params"] is None
 
 
 # a completion's chunk carries the prompt's ids in its choice, not at the top level
-COMPLETION = (b'{"id":"c","object":"text_completion","choices":[{"index":0,"text":"x","prompt_token_ids":[1,2,3],'
-              b'"token_ids":[9],"finish_reason":"length"}],"kv_transfer_params":{"do_remote_decode":true}}')
+COMPLETION = (
+    b'{"id":"c","object":"text_completion","choices":[{"index":0,"text":"x","prompt_token_ids":[1,2,3],'
+    b'"token_ids":[9],"finish_reason":"length"}],"kv_transfer_params":{"do_remote_decode":true}}'
+)
 SPACED_IDS = b'{"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [9]}], "prompt_token_ids":[1,2,3]}'
 
 
 def test_a_completion_keeps_its_ids_where_they_were() -> None:
     out, _ = DecodeCapture(keep_token_ids=True).chunk(COMPLETION)
-    seen = json.loads(out)
+    seen = json.loads(_some(out))
     assert seen["choices"][0]["prompt_token_ids"] == [1, 2, 3] and "prompt_token_ids" not in seen
     assert seen["kv_transfer_params"] is None
 
@@ -130,22 +160,25 @@ def test_a_completion_keeps_its_ids_where_they_were() -> None:
 @pytest.mark.parametrize("keep", [False, True])
 def test_generated_ids_in_spaced_json_are_hidden_unless_asked(keep: bool) -> None:
     cap = DecodeCapture(keep_token_ids=keep)
-    seen = json.loads(cap.chunk(SPACED_IDS)[0])
+    seen = json.loads(_some(cap.chunk(SPACED_IDS)[0]))
     assert seen["choices"][0]["token_ids"] == ([9] if keep else None)
     assert seen["prompt_token_ids"] == ([1, 2, 3] if keep else None)
     assert (cap.token_ids, cap.prompt_token_ids) == ([9], [1, 2, 3])
 
 
-IDS_ONLY = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-            b'"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[9]}]}')
-USAGE = (b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],'
-         b'"usage":{"prompt_tokens":40,"total_tokens":45,"completion_tokens":5,'
-         b'"prompt_tokens_details":{"cached_tokens":40}}}')
+IDS_ONLY = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+    b'"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[9]}]}'
+)
+USAGE = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],'
+    b'"usage":{"prompt_tokens":40,"total_tokens":45,"completion_tokens":5,'
+    b'"prompt_tokens_details":{"cached_tokens":40}}}'
+)
 
 
 @pytest.mark.parametrize(("keep", "forwarded", "visible"), [(False, False, False), (True, True, True)])
-def test_a_chunk_of_token_ids_alone_is_only_forwarded_to_who_asked(keep: bool, forwarded: bool,
-                                                                   visible: bool) -> None:
+def test_a_chunk_of_token_ids_alone_is_only_forwarded_to_who_asked(keep: bool, forwarded: bool, visible: bool) -> None:
     # D sends an empty delta to carry the ids of a token that shows no text; plain vLLM would not have
     # sent it, and it is no first token (a failure after it can still be rerun unseen)
     cap = DecodeCapture(keep_token_ids=keep)
@@ -159,4 +192,4 @@ def test_usage_says_what_this_turn_did_not_compute(cached: int | None, seen: int
     cap = DecodeCapture(keep_token_ids=False, collect=False, cached_tokens=cached)
     out, _ = cap.chunk(USAGE)
     assert out is not None
-    assert json.loads(out)["usage"]["prompt_tokens_details"]["cached_tokens"] == seen
+    assert json.loads(_some(out))["usage"]["prompt_tokens_details"]["cached_tokens"] == seen

@@ -1,0 +1,28 @@
+"""The engine seam: what turnkv asks of an inference engine (``base.Engine``), and the engines behind it.
+
+``vllm`` speaks vLLM's HTTP API and P/D protocol; ``fake`` is a small deterministic engine in memory, for
+in-process tests of the pipeline. ``open_engine`` builds the one ``settings.engine`` names, with whatever
+it owns (an HTTP session) closed when the gateway stops. docs/extending.md says how to add an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+
+from turnkv.config import ConfigError, Settings
+from turnkv.engine.base import Engine
+from turnkv.engine.vllm import vllm_engine
+
+ENGINES: dict[str, Callable[[Settings], AbstractAsyncContextManager[Engine]]] = {"vllm": vllm_engine}
+
+
+def open_engine(settings: Settings) -> AbstractAsyncContextManager[Engine]:
+    try:
+        factory = ENGINES[settings.engine]
+    except KeyError:
+        raise ConfigError(f"unknown engine {settings.engine!r}; known: {', '.join(ENGINES)}") from None
+    return factory(settings)
+
+
+__all__ = ["ENGINES", "Engine", "open_engine"]

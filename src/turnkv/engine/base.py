@@ -1,0 +1,270 @@
+"""The engine seam: what turnkv asks of an inference engine, and nothing of how it is asked.
+
+One ``Engine`` serves every instance of one engine family, as an httpx transport serves every
+request of its client: calls name the instance by its base URL. The turn pipeline, the fleet
+(health and load) and the releaser speak only this protocol. Everything about one engine's wire
+protocol lives behind it: field names, how a KV handle is trimmed for a pull or turned into a
+release, where a stream carries D's handle, which versions do what (``engine.vllm``).
+``engine.fake`` is an in-memory engine for in-process tests.
+
+Errors: calls raise the ``turnkv.errors.UpstreamError`` tree, translated once at the engine's own
+boundary, naming the leg (render, prefill, decode, probe) and the instance. A stream that breaks
+while it is read raises ``StreamBroken``.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from turnkv.gateway.answer import AnswerAccumulator
+
+# An engine's KV handle (vLLM: D's ``kv_transfer_params``): opaque outside the engine that made it,
+# stored verbatim with the conversation and handed back to the same engine family.
+Handle = dict[str, Any]
+# One SSE event of a decode answer as the relay sees it: the payload to forward (None: nothing a client
+# of the plain engine would have got), whether it shows the client output, and whether the engine has
+# reported an error by this event.
+Piece = tuple[bytes | None, bool, bool]
+
+
+class StreamBroken(Exception):
+    """The decode stream failed while it was read (connection reset, read timeout)."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+class HandleProblem(enum.StrEnum):
+    """Why a handle an engine returned cannot be stored for the next turn."""
+
+    NOT_A_DECODE_HANDLE = "not_a_decode_handle"
+    INCONSISTENT = "inconsistent_handle"
+    INCOMPLETE = "incomplete_handle"
+
+
+@dataclass(frozen=True)
+class HandleFacts:
+    """What turnkv needs to know about a handle it may keep."""
+
+    tokens: int  # tokens of KV the handle's blocks hold on D
+    engine_id: str  # the engine that holds them
+
+
+@dataclass(frozen=True)
+class CallMeta:
+    """Who an engine call is for: the request id it is logged under, and the client's credentials, passed
+    on when the gateway has none of its own for the engines."""
+
+    request_id: str | None = None
+    authorization: str | None = None
+
+
+@dataclass(frozen=True)
+class HandleUse:
+    """A stored handle as a prefill engine gets it: pull D's first ``tokens`` tokens of KV, or, with 0,
+    nothing: P then only tells D to free the blocks (a release on the way)."""
+
+    handle: Handle
+    tokens: int
+
+    @classmethod
+    def release(cls, handle: Handle) -> HandleUse:
+        return cls(handle, 0)
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    """One prefill: the prompt as token ids (rendered) or, when there are none, as the client's request."""
+
+    path: str  # the client's endpoint, for a prompt sent as the client's request
+    body: Mapping[str, Any]  # the client's request as the engines get it
+    prompt_ids: Sequence[int] | None
+    handle: HandleUse | None
+    timeout_s: float  # the whole call, a pull included
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    for_decode: Handle | None  # what D needs to take P's KV over (vLLM: P's kv_transfer_params)
+    cached_tokens: int | None  # prompt tokens P did not compute (its prefix cache and the pull)
+    prompt_tokens: int | None  # the prompt's length as P counted it
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """One decode: the client's request, continued from P's KV (``for_decode``) or, without it, computed by
+    D itself (decode-local; D then pins nothing for a next turn)."""
+
+    path: str
+    body: Mapping[str, Any]
+    stream: bool
+    track: bool  # a conversation's turn: collect D's prompt and generated ids and its handle
+    for_decode: Handle | None
+    prompt_ids: Sequence[int] | None  # the prompt, for an engine that takes it as ids (``EngineInfo``)
+    keep_token_ids: bool  # the client asked for token ids itself: do not hide them
+    cached_tokens: int | None  # what the client's usage says of cached prompt tokens (None: D's own figure)
+
+
+class Collected(Protocol):
+    """What a decode answer showed, collected while it is relayed: what the next turn is built from."""
+
+    token_ids: list[int]
+    finish_reason: str | None
+    error: dict[str, Any] | None
+    answer: AnswerAccumulator
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None: ...
+
+    @property
+    def handle(self) -> Handle | None: ...
+
+
+@dataclass
+class NothingCollected:
+    """What a turn holds before any decode answer was read."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None
+    answer: AnswerAccumulator = field(default_factory=AnswerAccumulator)
+    prompt_token_ids: None = None
+    handle: None = None
+
+
+class DecodeStream(abc.ABC):
+    """An open streamed answer, read one network read at a time (so back-pressure reaches the engine)."""
+
+    done: bool = False  # the engine's end marker was read
+    closed: bool = False  # given up (``close`` or ``abort``)
+
+    @property
+    @abc.abstractmethod
+    def collected(self) -> Collected: ...
+
+    @abc.abstractmethod
+    async def read(self) -> list[Piece] | None:
+        """The events of the next read, up to the end marker; None at the end (raises ``StreamBroken``)."""
+
+    @abc.abstractmethod
+    async def drain(self, timeout_s: float) -> None:
+        """After the end marker: read the rest, so the connection can be reused (bounded, never raises)."""
+
+    @abc.abstractmethod
+    async def salvage(self, timeout_s: float) -> None:
+        """The client left: read what the engine already sent, collecting it (bounded, never raises), so a
+        handle on the final event is not lost."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Give the answer up: back to the pool when read to its end, else closed (the engine aborts it)."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Close it now; the engine aborts the request."""
+
+
+@dataclass(frozen=True)
+class DecodeAnswer:
+    """A non-streamed answer, read whole."""
+
+    body: dict[str, Any]  # as the client gets it (what turnkv added to the request removed)
+    collected: Collected
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine said about itself (its version), and what that means for turnkv."""
+
+    version: str | None
+    stream_handles: bool | None  # its streams end with D's handle (None: not known until seen)
+    takes_prompt_ids: bool  # a decode request may carry the prompt as token ids
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """KV transfer totals an engine reports (the reads it made of another engine's blocks)."""
+
+    count: float
+    bytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """One reading of an engine's own metrics."""
+
+    epoch: float | None = None  # process start time: a new one means the engine restarted
+    running: int = 0  # requests running
+    waiting: int = 0  # admitted but not scheduled (no free KV blocks, or a full batch)
+    kv_usage: float = 0.0  # share of its KV cache in use
+    prefix_cache_hits: float | None = None  # prefix-cache hit tokens, a running total
+    prefix_caching_off: bool = False  # it says its prefix cache is off
+    block_size: int | None = None
+    capacity_tokens: int | None = None  # its KV cache size in tokens
+    transfers: Transfers | None = None
+    # prompt and generated tokens computed, a running total (None: not reported): when it moves, the engine
+    # is working, busy rather than stuck
+    tokens_computed: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    name: str
+    max_model_len: int | None
+
+
+class Engine(Protocol):
+    """The calls turnkv makes of an engine family; each names the instance by its base URL."""
+
+    @property
+    def name(self) -> str: ...
+
+    # -- one turn --------------------------------------------------------------------------------
+    async def render(self, base: str, body: Mapping[str, Any], meta: CallMeta) -> list[int]:
+        """The chat request's prompt as the engines will see it, in token ids (empty: an ``UpstreamError``)."""
+
+    async def prefill(self, base: str, call: PrefillCall, meta: CallMeta) -> PrefillResult: ...
+
+    async def open_decode(self, base: str, call: DecodeCall, meta: CallMeta) -> DecodeStream:
+        """Send D the turn and return its answer once the engine accepted it (its first token may follow)."""
+
+    async def decode_json(self, base: str, call: DecodeCall, meta: CallMeta, timeout_s: float) -> DecodeAnswer:
+        """Send D the turn and read its whole answer within ``timeout_s``."""
+
+    async def release(self, base: str, handle: Handle, model: str | None) -> None:
+        """Free the blocks ``handle`` pins on D, through the prefill engine at ``base``."""
+
+    # -- handles -------------------------------------------------------------------------------
+    def read_handle(self, handle: Handle, *, seq_len: int, block_size: int) -> HandleFacts | HandleProblem:
+        """What a handle D returned holds, given the sequence D computed (``seq_len`` tokens), or why it
+        cannot be kept."""
+
+    def pin_id(self, handle: Handle) -> str:
+        """What tells this pin from any other: a handle is released at most once."""
+
+    def pins_memory(self, handle: Handle) -> bool:
+        """Whether the handle holds blocks on D that stay pinned until used or released."""
+
+    # -- the engine's own view -------------------------------------------------------------------
+    async def health(self, base: str) -> bool: ...
+
+    async def info(self, base: str, role: str) -> EngineInfo | None:
+        """Its version and what follows from it for an engine of ``role``; None when it cannot say now."""
+
+    async def load(self, base: str) -> LoadSample | None:
+        """A reading of its metrics; None when it cannot be read now."""
+
+    async def models(self, base: str) -> list[ModelCard] | None:
+        """The models it serves; None when it does not say."""
+
+    # -- the rest of its OpenAI-compatible API, passed through ------------------------------------
+    async def api_get(self, base: str, path: str) -> tuple[int, bytes]: ...
+
+    async def api_post(self, base: str, path: str, body: Any, meta: CallMeta) -> dict[str, Any]:
+        """POST and read a JSON object; any status >= 400 raises ``UpstreamStatus`` with the body kept."""

@@ -1,0 +1,215 @@
+"""``VllmEngine``: the engine seam over vLLM's HTTP API and its P/D protocol (NixlConnector).
+
+A turn's calls as vLLM's P/D proxy makes them: P prefills with ``max_tokens: 1`` and
+``kv_transfer_params`` asking for remote decode (with D's trimmed handle to pull, or a release);
+its params go to D with the client's request and ``return_token_ids``; D's handle comes back in the
+answer (the final SSE chunk from 0.33 on). A rendered prompt goes to P as token ids on
+``/v1/completions``, and to D inside the params from 0.32 on, so D cannot tokenize differently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp
+
+from turnkv.config import Settings
+from turnkv.engine.base import (
+    CallMeta,
+    DecodeAnswer,
+    DecodeCall,
+    EngineInfo,
+    Handle,
+    HandleFacts,
+    HandleProblem,
+    LoadSample,
+    ModelCard,
+    PrefillCall,
+    PrefillResult,
+)
+from turnkv.engine.vllm import handles
+from turnkv.engine.vllm.http import Upstream
+from turnkv.engine.vllm.info import PLUGIN_HEADER, engine_info, load_sample
+from turnkv.engine.vllm.stream import DecodeCapture, VllmDecodeStream
+from turnkv.errors import UpstreamError, UpstreamStatus
+
+RENDER_PATH = "/v1/chat/completions/render"
+RELEASE_TIMEOUT_S = 10.0
+# request fields that do not shape the prompt (vLLM's render refuses some of them)
+_NOT_FOR_RENDER = (
+    "stream",
+    "stream_options",
+    "kv_transfer_params",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "n",
+)
+# fields of the client's request a 1-token prefill does without
+_NOT_FOR_PREFILL = (
+    "stream",
+    "stream_options",
+    "min_tokens",
+    "min_completion_tokens",
+    "kv_transfer_params",
+    "return_token_ids",
+    "n",
+    "logprobs",
+    "top_logprobs",
+)
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, upstream: Upstream, block_size: int) -> None:
+        self.upstream = upstream
+        self.block_size = block_size
+
+    # -- one turn --------------------------------------------------------------------------------
+    async def render(self, base: str, body: Mapping[str, Any], meta: CallMeta) -> list[int]:
+        req = {k: v for k, v in body.items() if k not in _NOT_FOR_RENDER}
+        data = await self.upstream.post_json("render", base, RENDER_PATH, req, self._headers(meta))
+        ids = data.get("token_ids")
+        if not isinstance(ids, list) or not ids:
+            raise UpstreamStatus(
+                502, {"error": {"message": "render returned no token ids"}}, leg="render", instance=base
+            )
+        return ids  # each id is checked to be an int when the chain is built (array("q") refuses others)
+
+    def _prefill_request(self, call: PrefillCall) -> tuple[str, dict[str, Any]]:
+        params = handles.prefill_params(call.handle, self.block_size)
+        if call.prompt_ids is not None:
+            body: dict[str, Any] = {
+                "model": call.body.get("model"),
+                "prompt": call.prompt_ids,
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": params,
+            }
+            if call.body.get("cache_salt") is not None:
+                body["cache_salt"] = call.body["cache_salt"]
+            return "/v1/completions", {k: v for k, v in body.items() if v is not None}
+        body = {k: v for k, v in call.body.items() if k not in _NOT_FOR_PREFILL}
+        body["stream"] = False
+        body["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        body["kv_transfer_params"] = params
+        return call.path, body
+
+    async def prefill(self, base: str, call: PrefillCall, meta: CallMeta) -> PrefillResult:
+        path, body = self._prefill_request(call)
+        data = await self.upstream.post_json("prefill", base, path, body, self._headers(meta), timeout_s=call.timeout_s)
+        params = data.get("kv_transfer_params")
+        usage = data.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        cached, prompt = details.get("cached_tokens"), usage.get("prompt_tokens")
+        return PrefillResult(
+            for_decode=params if isinstance(params, dict) else None,
+            cached_tokens=cached if isinstance(cached, int) else None,
+            prompt_tokens=prompt if isinstance(prompt, int) else None,
+        )
+
+    def _decode_request(self, call: DecodeCall) -> dict[str, Any]:
+        body = dict(call.body)
+        body["stream"] = call.stream
+        if call.track:
+            body["return_token_ids"] = True
+        # Without P's params (decode-local) D gets none at all: vLLM (0.26-0.33) pins the blocks of a
+        # request whose params set neither do_remote_prefill nor do_remote_decode but never tracks the pin,
+        # so no release or TTL frees it until D restarts. Its prefix cache still holds the turn.
+        if call.for_decode:
+            params = dict(call.for_decode)
+            if call.prompt_ids is not None:
+                params["prompt_token_ids"] = call.prompt_ids
+            body["kv_transfer_params"] = params
+        return body
+
+    def _capture(self, call: DecodeCall) -> DecodeCapture:
+        return DecodeCapture(keep_token_ids=call.keep_token_ids, collect=call.track, cached_tokens=call.cached_tokens)
+
+    async def open_decode(self, base: str, call: DecodeCall, meta: CallMeta) -> VllmDecodeStream:
+        resp = await self.upstream.open_stream(
+            "decode", base, call.path, self._decode_request(call), self._headers(meta)
+        )
+        return VllmDecodeStream(resp, self._capture(call))
+
+    async def decode_json(self, base: str, call: DecodeCall, meta: CallMeta, timeout_s: float) -> DecodeAnswer:
+        data = await self.upstream.post_json(
+            "decode", base, call.path, self._decode_request(call), self._headers(meta), timeout_s=timeout_s
+        )
+        capture = self._capture(call)
+        return DecodeAnswer(capture.body(data), capture)
+
+    async def release(self, base: str, handle: Handle, model: str | None) -> None:
+        body: dict[str, Any] = {"prompt": ".", "max_tokens": 1, "kv_transfer_params": handles.release_handle(handle)}
+        if model:
+            body["model"] = model
+        await self.upstream.post_json(
+            "prefill", base, "/v1/completions", body, self._headers(CallMeta()), timeout_s=RELEASE_TIMEOUT_S
+        )
+
+    # -- handles -------------------------------------------------------------------------------
+    def read_handle(self, handle: Handle, *, seq_len: int, block_size: int) -> HandleFacts | HandleProblem:
+        return handles.read_handle(handle, seq_len=seq_len, block_size=block_size)
+
+    def pin_id(self, handle: Handle) -> str:
+        return handles.pin_id(handle)
+
+    def pins_memory(self, handle: Handle) -> bool:
+        return handles.pins_memory(handle)
+
+    # -- the engine's own view -------------------------------------------------------------------
+    async def health(self, base: str) -> bool:
+        try:
+            status, _ = await self.upstream.get(base, "/health")
+        except UpstreamError:
+            return False
+        return status == 200
+
+    async def info(self, base: str, role: str) -> EngineInfo | None:
+        try:
+            _, raw, headers = await self.upstream.probe(base, "/version")
+            version = str(json.loads(raw).get("version"))
+        except (UpstreamError, ValueError, AttributeError):
+            return None
+        return engine_info(version, headers.get(PLUGIN_HEADER, ""), base=base, decode=role == "decode")
+
+    async def load(self, base: str) -> LoadSample | None:
+        try:
+            status, raw = await self.upstream.get(base, "/metrics")
+        except UpstreamError:
+            return None
+        return load_sample(raw.decode("utf-8", "replace")) if status == 200 else None
+
+    async def models(self, base: str) -> list[ModelCard] | None:
+        status, raw = await self.upstream.get(base, "/v1/models")
+        if status != 200:
+            return None
+        listed = json.loads(raw).get("data", [])  # vLLM lists max_model_len; OpenAI does not
+        return [
+            ModelCard(str(m["id"]), m["max_model_len"] if isinstance(m.get("max_model_len"), int) else None)
+            for m in listed
+        ]
+
+    # -- passed through ----------------------------------------------------------------------------
+    async def api_get(self, base: str, path: str) -> tuple[int, bytes]:
+        return await self.upstream.get(base, path)
+
+    async def api_post(self, base: str, path: str, body: Any, meta: CallMeta) -> dict[str, Any]:
+        return await self.upstream.post_json("render", base, path, body, self._headers(meta))
+
+    def _headers(self, meta: CallMeta) -> dict[str, str]:
+        return self.upstream.headers(meta.request_id, meta.authorization)
+
+
+@contextlib.asynccontextmanager
+async def vllm_engine(settings: Settings) -> AsyncIterator[VllmEngine]:
+    """A ``VllmEngine`` with its own aiohttp session (one per process, closed on exit)."""
+    connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0, keepalive_timeout=30)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        yield VllmEngine(Upstream(session, settings.timeouts, settings.upstream_api_key), settings.block_size)

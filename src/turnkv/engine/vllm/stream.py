@@ -1,0 +1,292 @@
+"""Reads vLLM's decode answer once, for two readers: the client and the next turn.
+
+For the client it removes what turnkv added to the request (token ids it did not ask for, the KV
+handle); for the next turn it collects D's prompt ids, generated ids, the handle (on the final chunk
+under vLLM >= 0.33 or with turnkv's plugin, or in the JSON body) and the answer's text. Works on SSE
+events (``DecodeCapture.chunk``, read through ``VllmDecodeStream``) and on a non-streamed body alike.
+vLLM writes compact JSON, which most of the parsing relies on to avoid a full parse of every chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from turnkv.engine.base import DecodeStream, Handle, Piece, StreamBroken
+from turnkv.gateway.answer import AnswerAccumulator
+from turnkv.gateway.sse import DONE, SSESplitter
+
+_PROMPT_IDS = b'"prompt_token_ids":['
+_OUTPUT_MARKS = (b'"content":"', b'"reasoning":"', b'"reasoning_content":"', b'"text":"')
+
+
+def _relay_as_is(payload: bytes) -> bool:
+    """A chunk a stateless turn forwards untouched: no error, no handle, no finish to note."""
+    return (
+        not payload.startswith(b'{"error"')
+        and b'"kv_transfer_params":{' not in payload
+        and b'"finish_reason":"' not in payload
+    )
+
+
+def _shows_output(payload: bytes) -> bool:
+    """Whether a chunk carries generated text or a tool call (vLLM writes compact JSON)."""
+    if b'"tool_calls":[' in payload:
+        return True
+    for mark in _OUTPUT_MARKS:
+        i = payload.find(mark)
+        if i >= 0 and payload[i + len(mark) : i + len(mark) + 1] != b'"':
+            return True
+    return False
+
+
+def _cut_list(payload: bytes, key: bytes) -> tuple[bytes, bytes | None]:
+    """The payload with the first ``key`` list of ints in compact JSON replaced by null, and that list's
+    JSON (ids never hold a ']'); (payload, None) when there is none."""
+    i = payload.find(key)
+    if i < 0:
+        return payload, None
+    start = i + len(key) - 1
+    end = payload.find(b"]", start)
+    if end < 0:
+        return payload, None
+    return payload[:start] + b"null" + payload[end + 1 :], payload[start : end + 1]
+
+
+def _null_list(payload: bytes, key: bytes) -> bytes:
+    return _cut_list(payload, key)[0]
+
+
+def _empty(choice: dict[str, Any]) -> bool:
+    """A choice that says nothing once its token ids are gone: no text, no role, no finish, no logprobs."""
+    if choice.get("finish_reason") is not None or choice.get("logprobs") or choice.get("text"):
+        return False
+    delta = choice.get("delta")
+    return not (isinstance(delta, dict) and any(v not in (None, "", []) for v in delta.values()))
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@dataclass
+class DecodeCapture:
+    """What the decode leg produced, gathered while it is relayed."""
+
+    keep_token_ids: bool  # the client asked for return_token_ids itself
+    collect: bool = True  # gather what the next turn needs; False: only relay (a stateless turn)
+    _prompt_ids: list[int] | None = None
+    # D's prompt ids as D sent them (a 16k-token prompt is 100 KB of JSON in the first chunk): parsed when
+    # the capture needs them, after the answer, rather than before the first token is relayed
+    _prompt_ids_json: bytes | None = None
+    token_ids: list[int] = field(default_factory=list)
+    kv_transfer_params: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None
+    answer: AnswerAccumulator = field(default_factory=AnswerAccumulator)
+    # prompt tokens this turn did not compute (P's cache and pull, as P counted them): what the client's
+    # usage.prompt_tokens_details.cached_tokens says instead of D's view (D got them all from P)
+    cached_tokens: int | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        if self._prompt_ids_json is not None:
+            try:
+                ids = json.loads(self._prompt_ids_json)
+            except ValueError:
+                ids = None
+            self._prompt_ids = ids if isinstance(ids, list) else None
+            self._prompt_ids_json = None
+        return self._prompt_ids
+
+    @prompt_token_ids.setter
+    def prompt_token_ids(self, ids: list[int] | None) -> None:
+        self._prompt_ids, self._prompt_ids_json = ids, None
+
+    @property
+    def handle(self) -> Handle | None:
+        return self.kv_transfer_params
+
+    def _usage(self, obj: dict[str, Any]) -> bool:
+        """Note the usage; True when its cached_tokens were corrected (the chunk must be re-encoded)."""
+        usage = obj.get("usage")
+        if not isinstance(usage, dict):
+            return False
+        details = usage.get("prompt_tokens_details")
+        if self.cached_tokens is None or not isinstance(details, dict) or "cached_tokens" not in details:
+            return False
+        details["cached_tokens"] = min(self.cached_tokens, int(usage.get("prompt_tokens") or 0))
+        return True
+
+    def chunk(self, payload: bytes) -> tuple[bytes | None, bool]:
+        """One SSE payload: the bytes to forward (None: nothing a client of plain vLLM would have got, so
+        nothing to forward), and whether it shows the client output (text, a tool call, the finish, or
+        token ids the client asked for)."""
+        if payload == DONE:
+            return payload, False
+        if (
+            not self.collect
+            and _relay_as_is(payload)
+            and not (self.cached_tokens is not None and b'"cached_tokens"' in payload)
+        ):
+            return payload, _shows_output(payload)
+        cut, prompt_json = _cut_list(payload, _PROMPT_IDS)
+        try:
+            obj = json.loads(cut)
+        except ValueError:
+            return payload, False
+        if not isinstance(obj, dict):
+            return payload, False
+        if prompt_json is not None and not (obj.get("prompt_token_ids", 0) is None and payload.count(_PROMPT_IDS) == 1):
+            # not the chunk's own top-level list (a completion's choice carries it): parse it all
+            obj, prompt_json = json.loads(payload), None
+        if "error" in obj and "choices" not in obj:
+            self.error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
+            return payload, False
+        redump = False  # the handle is removed from the parsed chunk; the ids are nulled in the bytes
+        if prompt_json is not None:
+            self._prompt_ids, self._prompt_ids_json = None, prompt_json
+            if not self.keep_token_ids:
+                payload = cut
+        elif isinstance(obj.get("prompt_token_ids"), list):  # not compact JSON: parsed with the rest
+            self.prompt_token_ids = obj["prompt_token_ids"]
+            if not self.keep_token_ids:
+                obj["prompt_token_ids"] = None
+                redump = True
+        if obj.get("kv_transfer_params") is not None:
+            if isinstance(obj["kv_transfer_params"], dict):
+                self.kv_transfer_params = obj["kv_transfer_params"]
+            obj["kv_transfer_params"] = None
+            redump = True
+        redump = self._usage(obj) or redump
+        visible = False
+        only_ours = False  # the chunk carried token ids the client did not ask for, and nothing else
+        for choice in obj.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            ids = choice.get("token_ids")
+            if isinstance(ids, list):
+                self.token_ids += ids
+                visible = visible or (bool(ids) and self.keep_token_ids)
+                only_ours = (
+                    not self.keep_token_ids
+                    and _empty(choice)
+                    and prompt_json is None
+                    and "prompt_token_ids" not in obj
+                    and not obj.get("usage")
+                )
+                if not self.keep_token_ids:
+                    choice["token_ids"] = None
+                    nulled = _null_list(payload, b'"token_ids":[')
+                    redump = redump or nulled is payload  # not compact JSON: only a redump hides them
+                    payload = nulled
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                self.answer.delta(delta)
+                if (
+                    delta.get("content")
+                    or delta.get("reasoning")
+                    or delta.get("reasoning_content")
+                    or delta.get("tool_calls")
+                ):
+                    visible = True
+            if choice.get("text"):
+                visible = True
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = str(choice["finish_reason"])
+                visible = True
+        if only_ours and not visible:
+            return None, False
+        if not redump:
+            return payload, visible
+        if prompt_json is not None and self.keep_token_ids:
+            obj["prompt_token_ids"] = self.prompt_token_ids  # the client asked for them
+        return _dumps(obj), visible
+
+    def body(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """A non-streaming body: collect, and return it as the client should see it."""
+        if isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt_token_ids = obj["prompt_token_ids"]
+            if not self.keep_token_ids:
+                obj["prompt_token_ids"] = None
+        if isinstance(obj.get("kv_transfer_params"), dict):
+            self.kv_transfer_params = obj["kv_transfer_params"]
+        if "kv_transfer_params" in obj:
+            obj["kv_transfer_params"] = None
+        self._usage(obj)
+        for choice in obj.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            if isinstance(choice.get("token_ids"), list):
+                self.token_ids = list(choice["token_ids"])
+                if not self.keep_token_ids:
+                    choice["token_ids"] = None
+            if isinstance(choice.get("message"), dict):
+                self.answer.message(choice["message"])
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = str(choice["finish_reason"])
+        return obj
+
+
+class VllmDecodeStream(DecodeStream):
+    """D's SSE answer (an open aiohttp response), parsed as it is read."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, capture: DecodeCapture) -> None:
+        self._resp = resp
+        self._capture = capture
+        self._splitter = SSESplitter()
+
+    @property
+    def collected(self) -> DecodeCapture:
+        return self._capture
+
+    async def read(self) -> list[Piece] | None:
+        if self.done:
+            return None
+        try:
+            data = await self._resp.content.readany()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise StreamBroken(type(exc).__name__) from exc
+        if not data:
+            return None
+        cap = self._capture
+        out: list[Piece] = []
+        for payload in self._splitter.feed(data):
+            if payload == DONE:
+                self.done = True
+                break
+            body, visible = cap.chunk(payload)
+            out.append((body, visible, cap.error is not None))
+        return out
+
+    async def drain(self, timeout_s: float) -> None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            await asyncio.wait_for(self._resp.content.read(), timeout_s)
+
+    async def salvage(self, timeout_s: float) -> None:
+        if self.done or self._capture.error is not None:
+            return
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                async for data in self._resp.content.iter_any():
+                    for payload in self._splitter.feed(data):
+                        if payload == DONE:
+                            self.done = True
+                            return
+                        self._capture.chunk(payload)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.done and self._resp.content.at_eof():
+            self._resp.release()
+        else:
+            self._resp.close()
+
+    def abort(self) -> None:
+        self.closed = True
+        self._resp.close()

@@ -1,0 +1,269 @@
+"""The engines turnkv routes to, as the gateway sees them: health, version, load, restarts, deadline misses,
+what this gateway has in flight there and what its handles pin, read as immutable ``InstanceView``
+snapshots (``views``, ``view``).
+
+Background probes (``run``) refresh health and version and read the engines' own metrics through the
+engine seam: the process start time (to notice restarts), running and waiting requests and KV usage,
+the tokens it computed (when that total last moved: a first-token deadline waits for a busy engine),
+KV transfer totals (for the link estimate), prefix-cache settings and hits (for what P still holds).
+Turns report what they see as it happens: a failed connection, a missed or met first-token deadline,
+the requests they hold there. Which engine a request goes to is the router's decision
+(``turnkv.routing``), made on a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from turnkv.engine.base import Engine, LoadSample, Transfers
+from turnkv.routing.base import InstanceView
+
+log = logging.getLogger("turnkv.fleet")
+MIN_EXPECTED_HITS = 256  # tokens of expected cache hits before the observed ones are compared with them
+MISSES_TO_SUSPEND = 3  # first-token deadlines missed in a row before an engine is taken out of routing
+SUSPEND_S = 30.0  # how long; then one more miss takes it out again
+
+
+@dataclass
+class _Engine:
+    """One engine's live state; only the fleet writes it."""
+
+    url: str
+    role: str
+    healthy: bool = True
+    in_flight: int = 0
+    epoch: float | None = None
+    version: str | None = None
+    takes_prompt_ids: bool = False
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    capacity_tokens: int | None = None
+    deadline_misses: int = 0  # first-token deadlines missed in a row
+    suspended_until: float = 0.0  # monotonic; out of routing until then (missed deadlines), whatever /health says
+    stream_handles: bool | None = None
+    # how much of the prefix-cache hit the gateway expects actually happens (1: all; 0: cache off or evicting)
+    cache_factor: float = 1.0
+    expected_hits: float = 0.0
+    prefix_caching: bool = True
+    block_size_warned: bool = False
+    pinned_tokens: int = 0
+    pin_budget_tokens: int | None = None
+    progressed_at: float = 0.0  # monotonic; when its token counters last moved
+    work: float | None = field(default=None, repr=False)  # its tokens computed, as last read
+    hits: float | None = field(default=None, repr=False)
+    transfers: Transfers | None = field(default=None, repr=False)
+    _view: InstanceView | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name != "_view":
+            object.__setattr__(self, "_view", None)  # what the last snapshot said no longer holds
+
+    def view(self, now: float) -> InstanceView:
+        """A snapshot; the same one again while nothing changed (and no suspension ran out since)."""
+        cached = self._view
+        if cached is not None and (cached.routable or not cached.healthy or now < self.suspended_until):
+            return cached
+        v = InstanceView(
+            url=self.url,
+            role=self.role,
+            healthy=self.healthy,
+            routable=self.healthy and now >= self.suspended_until,
+            in_flight=self.in_flight,
+            running=self.running,
+            waiting=self.waiting,
+            kv_usage=self.kv_usage,
+            epoch=self.epoch,
+            version=self.version,
+            stream_handles=self.stream_handles,
+            takes_prompt_ids=self.takes_prompt_ids,
+            cache_factor=self.cache_factor,
+            capacity_tokens=self.capacity_tokens,
+            pinned_tokens=self.pinned_tokens,
+            pin_budget_tokens=self.pin_budget_tokens,
+            progressed_at=self.progressed_at,
+        )
+        object.__setattr__(self, "_view", v)
+        return v
+
+
+class Slot:
+    """One request's place in an engine's in-flight count, given back once."""
+
+    def __init__(self, engine: _Engine) -> None:
+        self._engine = engine
+        self._held = True
+        engine.in_flight += 1
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._engine.in_flight -= 1
+
+
+class Fleet:
+    def __init__(self, prefill: list[str], decode: list[str], block_size: int = 16) -> None:
+        self.block_size = block_size
+        self._engines = {u: _Engine(u, "prefill") for u in prefill} | {u: _Engine(u, "decode") for u in decode}
+        self._roles = {r: [e for e in self._engines.values() if e.role == r] for r in ("prefill", "decode")}
+        self.on_restart: Callable[[InstanceView], None] = lambda view: None
+        self.on_scraped: Callable[[InstanceView], None] = lambda view: None  # after each read of its metrics
+        # (role of the engine that read, mean bytes, mean seconds, transfers)
+        self.on_link_sample: Callable[[str, float, float, float], None] = lambda r, b, s, c: None
+
+    # -- snapshots ---------------------------------------------------------------------------------
+    def views(self, role: str) -> tuple[InstanceView, ...]:
+        now = time.monotonic()
+        return tuple(e.view(now) for e in self._roles.get(role, ()))
+
+    def view(self, url: str | None) -> InstanceView | None:
+        e = self._engines.get(url) if url else None
+        return e.view(time.monotonic()) if e is not None else None
+
+    def urls(self, role: str) -> list[str]:
+        return [e.url for e in self._roles.get(role, ())]
+
+    def size(self, role: str) -> int:
+        return len(self._roles.get(role, ()))
+
+    # -- what turns report -----------------------------------------------------------------------
+    def hold(self, url: str) -> Slot:
+        """Count a request in flight on ``url`` until the slot is released."""
+        return Slot(self._engines[url])
+
+    @contextlib.contextmanager
+    def busy(self, url: str) -> Iterator[None]:
+        slot = self.hold(url)
+        try:
+            yield
+        finally:
+            slot.release()
+
+    def mark_failed(self, url: str) -> None:
+        e = self._engines.get(url)
+        if e is not None and e.healthy:
+            log.warning("instance.unhealthy url=%s", url)
+            e.healthy = False
+
+    def missed_deadline(self, url: str) -> None:
+        """A first-token deadline passed on this engine; a few in a row take it out of routing until its
+        health probe passes again."""
+        e = self._engines.get(url)
+        if e is None:
+            return
+        e.deadline_misses += 1
+        if e.deadline_misses >= MISSES_TO_SUSPEND and e.healthy and time.monotonic() >= e.suspended_until:
+            log.warning(
+                "instance.suspended url=%s reason=first_token_deadline misses=%d for_s=%.0f",
+                url,
+                e.deadline_misses,
+                SUSPEND_S,
+            )
+            e.suspended_until = time.monotonic() + SUSPEND_S
+            e.deadline_misses = MISSES_TO_SUSPEND - 1
+
+    def met_deadline(self, url: str | None) -> None:
+        e = self._engines.get(url) if url else None
+        if e is not None:
+            e.deadline_misses = 0
+
+    def expect_hits(self, url: str | None, tokens: int) -> None:
+        """The gateway expects ``tokens`` of prefix-cache hits on ``url`` (compared with what it reports)."""
+        e = self._engines.get(url) if url else None
+        if e is not None:
+            e.expected_hits += tokens
+
+    def saw_stream_handle(self, url: str, seen: bool) -> None:
+        """Whether a stream of this engine that should have ended with a handle did: what its streams carry."""
+        e = self._engines.get(url)
+        if e is not None:
+            e.stream_handles = seen
+
+    def pinned(self, url: str, tokens: int, budget: int | None) -> None:
+        """What the gateway's stored handles pin on ``url`` (``gateway.pins``), and what they may."""
+        e = self._engines.get(url)
+        if e is not None:
+            e.pinned_tokens, e.pin_budget_tokens = tokens, budget
+
+    # -- background refresh ------------------------------------------------------------------
+    async def probe(self, engine: Engine, url: str) -> None:
+        e = self._engines[url]
+        ok = await engine.health(url)
+        if ok != e.healthy:
+            log.warning("instance.%s url=%s", "healthy" if ok else "unhealthy", url)
+        e.healthy = ok
+        if ok and e.version is None:
+            info = await engine.info(url, e.role)
+            if info is not None:
+                e.version, e.takes_prompt_ids = info.version, info.takes_prompt_ids
+                if info.stream_handles:
+                    e.stream_handles = True
+
+    async def scrape(self, engine: Engine, url: str) -> None:
+        sample = await engine.load(url)
+        if sample is not None:
+            self.apply_load(url, sample)
+
+    def apply_load(self, url: str, sample: LoadSample) -> None:
+        e = self._engines[url]
+        if sample.prefix_caching_off:
+            e.cache_factor = 0.0  # nothing the gateway expects P to have cached is there
+            e.prefix_caching = False
+        if sample.capacity_tokens is not None:
+            e.capacity_tokens = sample.capacity_tokens
+        bs = sample.block_size
+        if bs is not None and bs != self.block_size and not e.block_size_warned:
+            e.block_size_warned = True
+            log.warning("instance.block_size_mismatch url=%s engine=%s gateway=%s", url, bs, self.block_size)
+        if sample.epoch is not None:
+            restarted = e.epoch is not None and sample.epoch != e.epoch
+            e.epoch = sample.epoch
+            if restarted:
+                log.warning("instance.restarted url=%s", url)
+                self.on_restart(e.view(time.monotonic()))
+        e.running, e.waiting, e.kv_usage = sample.running, sample.waiting, sample.kv_usage
+        work = sample.tokens_computed
+        if work is not None:
+            if e.work is not None and work > e.work:
+                e.progressed_at = time.monotonic()  # it computed something since the last reading: busy, not stuck
+            e.work = work
+        self._cache_factor(e, sample.prefix_cache_hits)
+        self.on_scraped(e.view(time.monotonic()))
+        cur = sample.transfers
+        if cur is None:
+            return
+        prev, e.transfers = e.transfers, cur
+        if prev is not None and cur.count > prev.count:
+            dc = cur.count - prev.count
+            self.on_link_sample(e.role, (cur.bytes - prev.bytes) / dc, (cur.seconds - prev.seconds) / dc, dc)
+
+    @staticmethod
+    def _cache_factor(e: _Engine, hits: float | None) -> None:
+        """Compare the prefix-cache hits the engine reports with those the gateway expected of it."""
+        if hits is None:
+            return
+        prev, e.hits = e.hits, hits
+        if prev is None or hits < prev:  # first reading, or the engine restarted
+            e.expected_hits = 0.0
+            return
+        if e.expected_hits >= MIN_EXPECTED_HITS and e.prefix_caching:
+            seen = min(1.0, (hits - prev) / e.expected_hits)
+            e.cache_factor = 0.5 * e.cache_factor + 0.5 * seen
+            e.expected_hits = 0.0
+
+    async def run(self, engine: Engine, health_s: float, scrape_s: float) -> None:
+        """Probe health every ``health_s`` and read metrics every ``scrape_s``, until cancelled."""
+        ticks = max(1, round(scrape_s / health_s))
+        for n in itertools.count():
+            urls = list(self._engines)
+            await asyncio.gather(*(self.probe(engine, u) for u in urls))
+            if n % ticks == 0:
+                await asyncio.gather(*(self.scrape(engine, u) for u in urls))
+            await asyncio.sleep(health_s)

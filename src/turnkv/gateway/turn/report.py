@@ -1,0 +1,94 @@
+"""What a turn tells the outside, computed from its results: the response's decision headers, and at its
+end one ``turn`` log event and its metrics.
+
+Clients, the benchmark and the dashboard read these: header names and log fields are kept as they are
+(tests/pipeline/test_capture.py pins them).
+"""
+
+from __future__ import annotations
+
+from turnkv.gateway.metrics import turn_bucket
+from turnkv.gateway.turn.results import Capture
+from turnkv.gateway.turn.run import TurnRun
+
+
+def headers(run: TurnRun) -> dict[str, str]:
+    """The turn's decision, for clients and benchmarks that want to see it. Token counts and prefill time
+    tell a client about the engines' caches (README, Security and limits): only with decision_headers full."""
+    plan, prefilled = run.plan, run.prefilled
+    h = {
+        "x-request-id": run.turn.request_id,
+        "x-turnkv-outcome": plan.outcome(run.stateful),
+        "x-turnkv-action": plan.action.value,
+        "x-turnkv-reason": plan.reason.value,
+    }
+    if plan.direct:
+        h["x-turnkv-direct"] = "true"  # decode-local without a render call (turn/direct.py)
+    if run.svc.settings.decision_headers != "full":
+        return h
+    if plan.assessment is not None:
+        h["x-turnkv-matched-tokens"] = str(plan.assessment.tokens)
+    prompt_ids = run.rendered.prompt_ids
+    if prompt_ids is not None:
+        h["x-turnkv-prompt-tokens"] = str(len(prompt_ids))
+    elif prefilled is not None and prefilled.result.prompt_tokens is not None:
+        h["x-turnkv-prompt-tokens"] = str(prefilled.result.prompt_tokens)  # not rendered: P's count
+    h["x-turnkv-pulled-tokens"] = str(plan.pull_tokens)
+    if prefilled is not None and prefilled.result.cached_tokens is not None:
+        h["x-turnkv-prefill-cached-tokens"] = str(prefilled.result.cached_tokens)
+    if run.prefill_url is not None and not plan.decode_local:
+        h["x-turnkv-prefill-ms"] = f"{(prefilled.seconds if prefilled else 0.0) * 1e3:.1f}"
+    return h
+
+
+def account(run: TurnRun, capture: Capture) -> None:
+    """The turn's metrics and its one log event."""
+    svc, turn, plan, prefilled = run.svc, run.turn, run.plan, run.prefilled
+    m = svc.metrics
+    outcome = plan.outcome(run.stateful)
+    collected = run.collected
+    m.decisions.labels(outcome, plan.action.value, plan.reason.value).inc()
+    prompt_ids, seen = run.rendered.prompt_ids, collected.prompt_token_ids
+    n_prompt = len(prompt_ids) if prompt_ids is not None else (len(seen) if seen else 0)
+    p_cached = prefilled.result.cached_tokens if prefilled is not None else None
+    cached = p_cached if p_cached is not None else plan.expected_cached
+    computed = max(n_prompt - cached, 0)
+    generated = len(collected.token_ids)
+    m.tokens.labels("prompt").inc(n_prompt)
+    m.tokens.labels("pulled").inc(plan.pull_tokens)
+    m.tokens.labels("computed").inc(computed)
+    m.tokens.labels("generated").inc(generated)
+    ttft_ms = None
+    first = run.journal.first_token_at
+    if first is not None:
+        ttft = first - turn.started
+        ttft_ms = round(ttft * 1e3, 2)
+        m.ttft.labels(turn_bucket(turn.index), outcome).observe(ttft)
+    conv = turn.conversation
+    a = plan.assessment
+    svc.log.info(
+        "turn",
+        request_id=turn.request_id,
+        conversation=conv.log_id if conv else None,
+        turn=turn.index,
+        outcome=outcome,
+        action=plan.action.value,
+        reason=plan.reason.value,
+        matched_tokens=a.tokens if a else 0,
+        tokens_pulled=plan.pull_tokens,
+        tokens_cached=cached,
+        tokens_computed=computed,
+        prompt_tokens=n_prompt,
+        generated_tokens=generated,
+        prefill=run.prefill_url,
+        decode=run.decode_url,
+        render_ms=round(run.rendered.seconds * 1e3, 2),
+        planned_ms=round(run.planned_s * 1e3, 2),
+        prefill_ms=round((prefilled.seconds if prefilled else 0.0) * 1e3, 2),
+        ttft_ms=ttft_ms,
+        capture=capture.value,
+        retries=list(run.journal.retries) or None,
+        estimates_ms=dict(plan.estimates) or None,
+        direct=plan.direct or None,
+        conversation_source=conv.source if conv else None,
+    )

@@ -1,0 +1,163 @@
+"""What each step of a turn decided, as frozen values: the driver passes them on, nothing edits them.
+
+``Rendered`` (RENDER: the prompt's token ids and the claimed record), ``Plan`` (PLAN: how the turn runs
+and why), ``Prefilled`` (PREFILL: P's params for D), ``Opened`` (DECODE: D's answer, open), ``Capture``
+(CAPTURE: what the turn left for the next one), and ``Fallback`` (why a plan became plain P/D).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from turnkv.engine.base import Collected, DecodeAnswer, DecodeStream, HandleUse, PrefillResult
+from turnkv.gateway.fleet import Slot
+from turnkv.gateway.turn.deadline import Deadline
+from turnkv.reuse.assess import Assessment, Reason
+from turnkv.reuse.chain import ChainBuilder
+from turnkv.reuse.cost import Action
+from turnkv.state.base import Claim, ClaimStatus
+from turnkv.state.record import ConversationRecord
+
+
+class Next(enum.Enum):
+    """Where a turn goes after RENDER."""
+
+    PLAN = "plan"  # rendered: check the tokens and decide
+    PREFILL = "prefill"  # plain P/D with the client's messages (no conversation, or nothing to check against)
+    DECODE = "decode"  # decode-local without a render (``Rendered.direct`` holds the plan)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    next: Next
+    reason: Reason  # why the turn reuses nothing, as far as RENDER can tell
+    prompt_ids: Sequence[int] | None = None
+    chain: ChainBuilder | None = None  # the hash chain of ``prompt_ids``
+    claim: Claim | None = None  # None: not claimed (no conversation) or the store failed
+    claimed: bool = False  # the store holds this turn's in-flight marker
+    seconds: float = 0.0  # render and claim, side by side
+    direct: Plan | None = None
+    failure: BaseException | None = None  # the turn cannot go on: the client gets this error
+
+    @property
+    def record(self) -> ConversationRecord | None:
+        """The claimed record, when there was one to claim."""
+        c = self.claim
+        return c.record if c is not None and c.status is ClaimStatus.FOUND else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the turn runs: the action, why, on which engines, and what P gets of the stored handle."""
+
+    action: Action
+    reason: Reason
+    prefill_url: str | None = None
+    decode_url: str | None = None
+    send: HandleUse | None = None  # the stored handle for P: pulled (trimmed to what matches) or released
+    pull_tokens: int = 0  # tokens P is expected to pull (what D has beyond P's own cache)
+    expected_cached: int = 0  # prompt tokens the engines should not have to compute
+    estimates: Mapping[str, float] = field(default_factory=dict)  # the policy's TTFT estimates, ms
+    assessment: Assessment | None = None
+    direct: bool = False  # decode-local without a render
+    expect_hits: int = 0  # tokens P should find in its prefix cache (for the cache-factor measurement)
+
+    @property
+    def decode_local(self) -> bool:
+        return self.action is Action.DECODE_LOCAL
+
+    def outcome(self, stateful: bool) -> str:
+        """What became of the conversation's KV: full, partial, none, decode_local, or stateless."""
+        if self.action is Action.DECODE_LOCAL:
+            return "decode_local"
+        if self.action is Action.PULL and self.assessment is not None:
+            return self.assessment.outcome
+        return "none" if stateful else "stateless"
+
+
+class Fallback(enum.Enum):
+    """Why a planned turn runs as plain P/D without the stored handle after all."""
+
+    PULL_FAILED = ("prefill", "pull_failed")  # P could not pull D's blocks
+    PREFILL_DEADLINE = ("prefill", "first_token_deadline")  # P stalled past its deadline on a handle
+    DECODE_FAILED = ("decode", "decode_failed")  # D failed before its first token
+    DECODE_DEADLINE = ("decode", "first_token_deadline")  # D missed its first-token deadline
+    DECODE_LOCAL_FAILED = ("decode", "decode_local_failed")  # the D holding the conversation failed
+
+    @property
+    def leg(self) -> str:
+        return self.value[0]
+
+    @property
+    def why(self) -> str:
+        return self.value[1]
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    url: str
+    seconds: float
+    result: PrefillResult
+
+
+@dataclass(frozen=True)
+class Opened:
+    """D's answer, opened: a stream the relay reads, or a whole JSON answer."""
+
+    url: str
+    slot: Slot  # D's in-flight count, held until the answer is closed
+    deadline: Deadline  # for a stream's first output (renewed while D is busy)
+    sent: float  # loop time the request went out: the deadline counts from it
+    stream: DecodeStream | None = None
+    answer: DecodeAnswer | None = None
+
+    @property
+    def collected(self) -> Collected:
+        if self.stream is not None:
+            return self.stream.collected
+        assert self.answer is not None, "an opened answer is a stream or a body"
+        return self.answer.collected
+
+
+class Capture(enum.StrEnum):
+    """What a turn left for the next one (the value is what logs and metrics say)."""
+
+    STORED = "stored"  # the next record, with D's new handle kept pinned
+    STORED_NOT_NEEDED = "stored_not_needed"  # ... its handle released: a pull would not pay
+    STORED_DECODE_LOCAL = "stored_decode_local"  # ... D was asked for no handle (decode-local)
+    STORED_NO_HANDLE_IN_STREAM = "stored_no_handle_in_stream"  # ... D's stream carried none
+    NO_SESSION = "no_session"  # a stateless turn
+    FAILED = "failed"  # the turn failed
+    NO_TOKEN_IDS = "no_token_ids"  # D did not say its prompt's token ids
+    NO_HANDLE = "no_handle"  # D returned no handle where it should have
+    NOT_A_DECODE_HANDLE = "not_a_decode_handle"
+    INCONSISTENT_HANDLE = "inconsistent_handle"  # the handle does not fit the tokens D computed
+    INCOMPLETE_HANDLE = "incomplete_handle"  # the handle does not say where its blocks are
+    STORE_UNAVAILABLE = "store_unavailable"
+    # nothing new was stored, and the turn had not used the claimed record: it was put back
+    FAILED_KEPT_PREVIOUS = "failed_kept_previous"
+    NO_TOKEN_IDS_KEPT_PREVIOUS = "no_token_ids_kept_previous"
+    NO_HANDLE_KEPT_PREVIOUS = "no_handle_kept_previous"
+    NOT_A_DECODE_HANDLE_KEPT_PREVIOUS = "not_a_decode_handle_kept_previous"
+    INCONSISTENT_HANDLE_KEPT_PREVIOUS = "inconsistent_handle_kept_previous"
+    INCOMPLETE_HANDLE_KEPT_PREVIOUS = "incomplete_handle_kept_previous"
+
+    @property
+    def stored(self) -> bool:
+        """A next record was stored (whether or not it holds a handle)."""
+        return self in _STORED
+
+    def kept_previous(self) -> Capture:
+        return Capture(f"{self.value}_kept_previous")
+
+    @classmethod
+    def unpinned(cls, why: str) -> Capture:
+        """A record stored without a handle, for ``why`` (``ConversationRecord.unpinned``)."""
+        return cls(f"stored_{why}")
+
+
+_STORED = frozenset(
+    {Capture.STORED, Capture.STORED_NOT_NEEDED, Capture.STORED_DECODE_LOCAL, Capture.STORED_NO_HANDLE_IN_STREAM}
+)

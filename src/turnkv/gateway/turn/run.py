@@ -1,0 +1,186 @@
+"""A turn in flight, as the driver holds it: the request, each step's latest result, and a journal.
+
+The steps return their results (``results``); only the driver stores them here, and ``fall_back`` is
+the one place a plan changes once made. The journal is what happened along the way (engine calls
+retried, the claimed handle spent, the first token's time), which steps add to as it happens.
+``abort`` ends the turn early (a shutdown past its drain): its open answer is closed, and every wait
+``until_aborted`` gives way; that wait also keeps the first-token deadlines (``deadline``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+
+from turnkv.engine.base import Collected, DecodeStream, NothingCollected
+from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamError, UpstreamUnavailable, retryable
+from turnkv.gateway.services import Services
+from turnkv.gateway.turn.deadline import Deadline
+from turnkv.gateway.turn.fallback import without_handle
+from turnkv.gateway.turn.request import Turn
+from turnkv.gateway.turn.results import Fallback, Next, Opened, Plan, Prefilled, Rendered
+from turnkv.reuse.assess import Reason
+from turnkv.reuse.cost import Action
+
+T = TypeVar("T")
+STOP_WAIT_S = 1.0  # how long a call given up on may take to stop (it was cancelled)
+
+
+@dataclass
+class Journal:
+    """What happened along the way."""
+
+    retries: list[str] = field(default_factory=list)  # "<leg>_<why>", in order
+    handle_spent: bool = False  # the claimed handle went to P: it cannot be put back
+    tried_decode: set[str] = field(default_factory=set)  # decode engines that failed this leg
+    avoid_decode: set[str] = field(default_factory=set)  # missed a first-token deadline: another D if any
+    first_token_at: float | None = None  # when the client's first output left (streams)
+
+    @property
+    def rerun(self) -> bool:
+        return "turn_rerun" in self.retries
+
+
+def _unstarted() -> Rendered:
+    return Rendered(Next.PREFILL, Reason.NO_SESSION)
+
+
+def _unplanned() -> Plan:
+    return Plan(Action.RECOMPUTE, Reason.NO_SESSION)
+
+
+@dataclass(eq=False)
+class TurnRun:
+    """The turn in flight: the request, the latest result of each step, the journal, the abort switch."""
+
+    svc: Services
+    turn: Turn
+    journal: Journal = field(default_factory=Journal)
+    rendered: Rendered = field(default_factory=_unstarted)
+    plan: Plan = field(default_factory=_unplanned)
+    planned_s: float = 0.0  # from the turn's start to its plan: the gateway's own latency
+    prefilled: Prefilled | None = None
+    opened: Opened | None = None  # the last answer D opened
+    aborted: str | None = None  # why the gateway ended the turn early ("shutdown")
+    _abort: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def stateful(self) -> bool:
+        return self.turn.conversation is not None
+
+    @property
+    def collected(self) -> Collected:
+        return self.opened.collected if self.opened is not None else NothingCollected()
+
+    @property
+    def prefill_url(self) -> str | None:
+        return self.prefilled.url if self.prefilled is not None else self.plan.prefill_url
+
+    @property
+    def decode_url(self) -> str | None:
+        return self.opened.url if self.opened is not None else self.plan.decode_url
+
+    # -- the one way a plan changes ------------------------------------------------------------
+    def fall_back(self, why: Fallback) -> Plan:
+        """Run the rest of the turn as plain P/D without the stored handle (``fallback``), and say so."""
+        release = None
+        if why.leg == "prefill":
+            self.retrying("prefill", why.why)
+        elif why is Fallback.DECODE_LOCAL_FAILED:
+            self.journal.retries.append(why.why)
+            rec = self.rendered.record
+            release = rec.handle if rec is not None else None  # P frees it on the way
+        if why.leg == "decode":
+            self.journal.tried_decode.clear()
+        self.plan = without_handle(self.plan, why, stateful=self.stateful, release=release)
+        return self.plan
+
+    # -- the journal -------------------------------------------------------------------------------
+    def retrying(self, leg: str, why: str) -> None:
+        self.svc.metrics.retries.labels(leg, why).inc()
+        self.journal.retries.append(f"{leg}_{why}")
+
+    def failed(self, leg: str, url: str, exc: UpstreamError) -> None:
+        """Count an engine call's failure; raise it again when no other attempt can help."""
+        self.svc.metrics.upstream_errors.labels(leg, exc.kind).inc()
+        if not retryable(exc):
+            raise exc
+        if isinstance(exc, UpstreamUnavailable):
+            self.svc.fleet.mark_failed(url)
+
+    # -- ending it early ---------------------------------------------------------------------------
+    def abort(self, why: str) -> None:
+        """End the turn early: its decode answer is closed (D aborts the request) and its steps stop."""
+        self.aborted = why
+        self._abort.set()
+        if self.opened is not None and self.opened.stream is not None:
+            self.opened.stream.abort()
+
+    def check(self) -> None:
+        if self.aborted is not None:
+            raise ShuttingDown("the gateway is shutting down; send the turn again")
+
+    async def until_aborted(
+        self, call: Awaitable[T], deadline: Deadline | None = None, *, started: float | None = None
+    ) -> T:
+        """``call``, unless the turn is aborted (``ShuttingDown``) or ``deadline`` passes first, counted from
+        ``started`` (a loop time; default now) and renewed while the engine is busy (``FirstTokenDeadline``).
+        A call given up on, for whatever reason (this turn cancelled too), is cancelled and waited for
+        before this returns, so that nothing else reads what it was reading (an answer it opened is
+        closed)."""
+        if self.aborted is not None:
+            if inspect.iscoroutine(call):
+                call.close()
+            self.check()
+        loop = asyncio.get_running_loop()
+        started = loop.time() if started is None else started
+        until = None if deadline is None else started + deadline.first_s
+        task = asyncio.ensure_future(call)
+        stop = asyncio.ensure_future(self._abort.wait())
+        try:
+            while True:
+                timeout = None if until is None else max(0.0, until - loop.time())
+                done, _ = await asyncio.wait({task, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    return task.result()
+                self.check()  # the abort came first
+                if deadline is None:
+                    continue  # without a deadline only the call or the abort ends the wait
+                now = loop.time()
+                if not deadline.renews(self.svc.fleet.view(deadline.url), started, now):
+                    raise FirstTokenDeadline(
+                        f"the {deadline.leg} engine missed its first-token deadline",
+                        leg=deadline.leg,
+                        instance=deadline.url,
+                    )
+                self.svc.metrics.deadline_renewals.labels(deadline.leg).inc()  # busy, not stuck: wait on
+                until = now + deadline.first_s
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.add_done_callback(_close_answer)
+                task.cancel()
+                # shielded: a turn cancelled by its cancel scope (the client left) is cancelled again at
+                # every wait within it, and this wait must still end first
+                with anyio.move_on_after(STOP_WAIT_S, shield=True):
+                    await asyncio.wait({task})
+
+    def close_answer(self) -> None:
+        """Give D's answer up and its in-flight place back: its connection back to the pool when it was read
+        to its end, else closed, which makes D abort the request."""
+        opened = self.opened
+        if opened is not None:
+            if opened.stream is not None:
+                opened.stream.close()
+            opened.slot.release()
+
+
+def _close_answer(task: asyncio.Future[Any]) -> None:
+    """A call given up on may still have opened an answer: close it (the engine aborts the request)."""
+    if not task.cancelled() and task.exception() is None and isinstance(task.result(), DecodeStream):
+        task.result().abort()

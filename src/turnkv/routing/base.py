@@ -1,0 +1,84 @@
+"""The routing contract: what a routing plugin sees of an engine, what it is asked, and what it answers.
+
+One pick runs a profile over one snapshot of the engines of a role: its **filters** keep the
+candidates that may serve the request, its **scorers** rate each survivor in [0, 1] (weighted and
+summed), and its **picker** chooses among the best. Every plugin is pure and synchronous: the fleet
+takes the snapshot (``gateway.fleet``), the router runs the plugins (``router``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """One engine as the gateway sees it at one moment."""
+
+    url: str
+    role: str  # prefill | decode
+    healthy: bool  # its health probe passes
+    routable: bool  # healthy, and not suspended for missing first-token deadlines
+    in_flight: int  # this gateway's requests running there
+    running: int  # the engine's own count, as of its last metrics
+    waiting: int  # requests it admitted but has not scheduled
+    kv_usage: float  # share of its KV cache in use
+    epoch: float | None  # its process start time
+    version: str | None
+    stream_handles: bool | None  # its streams end with D's handle (seen, or by version)
+    takes_prompt_ids: bool  # a decode request may carry the prompt as token ids
+    cache_factor: float  # how much of the prefix-cache hits the gateway expects of it do happen
+    capacity_tokens: int | None  # its KV cache size
+    pinned_tokens: int  # decode KV the gateway's stored handles pin there (as far as it knows)
+    pin_budget_tokens: int | None  # what they may pin (None: no budget known)
+    progressed_at: float  # monotonic; when its token counters last moved (it computed something), 0: never seen
+
+    @property
+    def busy(self) -> int:
+        """Requests running there: the engine's own count, or this gateway's requests in flight when more
+        (the engine's count is as old as the last scrape, and a burst since is only seen here)."""
+        return max(self.running, self.in_flight)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What one pick is for."""
+
+    role: str
+    prefer: str | None = None  # the engine that holds the conversation's KV or its prefix
+    exclude: frozenset[str] = frozenset()  # tried by this turn already: never again
+    avoid: frozenset[str] = frozenset()  # missed a deadline in this turn: only when no other is left
+
+
+class Params(BaseModel):
+    """A plugin's parameters: validated when the profile is built (at start), unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoParams(Params):
+    pass
+
+
+class Filter(Protocol):
+    """Keeps the candidates that may serve the request (it may return them all, or none)."""
+
+    def filter(self, req: RouteRequest, candidates: Sequence[InstanceView]) -> Sequence[InstanceView]: ...
+
+
+class Scorer(Protocol):
+    """Rates each candidate in [0, 1], 1 best."""
+
+    def score(self, req: RouteRequest, candidates: Sequence[InstanceView]) -> Sequence[float]: ...
+
+
+class Picker(Protocol):
+    """Chooses one candidate given their weighted scores (same order); None only when there are none."""
+
+    def pick(
+        self, req: RouteRequest, candidates: Sequence[InstanceView], scores: Sequence[float]
+    ) -> InstanceView | None: ...

@@ -1,0 +1,1 @@
+"""In-process pipeline tests: fast, no processes, no sockets (``-m "not integration"`` runs them)."""

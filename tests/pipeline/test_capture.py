@@ -1,0 +1,187 @@
+"""Every capture outcome (what a turn leaves for the next one), the handles it gives back, and the turn's
+headers and log event, in process over the fake engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.pipeline.harness import D0, P0, Chat, EditableStore, Gateway, gateway
+from turnkv.engine.fake import FakeEngine
+
+
+async def first_turn(gw: Gateway, *, stream: bool = False, **body: object) -> Chat:
+    chat = Chat(gw, session="c1", stream=stream, body=dict(body))
+    a = await chat.say("what is the weather like")
+    assert a.status == 200, a.body
+    return chat
+
+
+async def test_stored_with_the_handle() -> None:
+    async with gateway() as gw:
+        chat = await first_turn(gw)
+        assert gw.turns[-1]["capture"] == "stored"
+        assert len(gw.engine[D0].pins) == 1
+        assert gw.metric("turnkv_handle_captures_total", result="stored") == 1
+        assert (await chat.say("again")).reason == "full_match"
+
+
+async def test_a_handle_the_policy_would_not_pull_is_released_at_once() -> None:
+    async with gateway(policy={"name": "never-pull"}) as gw:
+        await first_turn(gw)
+        assert gw.turns[-1]["capture"] == "stored_not_needed"
+        await gw.wait_for("the release", lambda: not gw.engine[D0].pins)
+        assert gw.metric("turnkv_handle_releases_total", why="not_needed") == 1
+
+
+async def test_a_decode_local_turn_asks_for_no_handle_and_supersedes_the_claimed_one() -> None:
+    async with gateway(policy={"name": "decode-local"}, decode_memory={"pin": "always"}) as gw:
+        chat = await first_turn(gw)
+        pin = next(iter(gw.engine[D0].pins))
+        await chat.say("and then?")
+        assert gw.turns[-1]["capture"] == "stored_decode_local"
+        await gw.wait_for("the release", lambda: pin in gw.engine[D0].released)
+        assert not gw.engine[D0].pins  # D pinned nothing for the decode-local turn
+        assert gw.metric("turnkv_handle_releases_total", why="superseded") == 1
+
+
+async def test_a_stream_without_a_handle() -> None:
+    engine = FakeEngine([P0], [D0])
+    engine.faults(D0, no_handle_in_stream=True)
+    async with gateway(engine) as gw:
+        await first_turn(gw, stream=True)
+        assert gw.turns[-1]["capture"] == "stored_no_handle_in_stream"
+
+
+async def test_a_stateless_turns_handle_is_released() -> None:
+    async with gateway() as gw:
+        await Chat(gw).say("hello")
+        assert gw.turns[-1]["capture"] == "no_session"
+        await gw.wait_for("the release", lambda: not gw.engine[D0].pins)
+        assert gw.metric("turnkv_handle_releases_total", why="unused") == 1
+
+
+@pytest.mark.parametrize(
+    ("fault", "outcome"),
+    [
+        ({"no_token_ids": True}, "no_token_ids"),
+        ({"no_handle": True}, "no_handle"),
+        ({"bad_handle": "not_a_decode_handle"}, "not_a_decode_handle"),
+        ({"bad_handle": "inconsistent_handle"}, "inconsistent_handle"),
+        ({"bad_handle": "incomplete_handle"}, "incomplete_handle"),
+    ],
+)
+async def test_an_answer_that_cannot_be_kept(fault: dict[str, object], outcome: str) -> None:
+    engine = FakeEngine([P0], [D0])
+    engine.faults(D0, **fault)
+    async with gateway(engine) as gw:
+        chat = await first_turn(gw)
+        assert gw.turns[-1]["capture"] == outcome
+        await gw.wait_for("D's handle to be released", lambda: not engine[D0].pins)
+        engine.faults(D0, no_token_ids=False, no_handle=False, bad_handle=None)
+        assert (await chat.say("again")).reason == "no_record"
+
+
+async def test_a_stream_that_breaks_after_its_first_token_fails_the_turn() -> None:
+    async with gateway() as gw:
+        chat = await first_turn(gw, stream=True)
+        gw.engine.faults(D0, drop=1, drop_after=3)
+        a = await chat.say("and then?")
+        assert a.error is not None and a.error["code"] == "upstream_protocol_error"
+        assert gw.turns[-1]["capture"] == "failed"
+        assert gw.metric("turnkv_upstream_errors_total", leg="decode", kind="stream") == 1
+
+
+async def test_a_turn_refused_before_p_used_the_handle_keeps_the_record() -> None:
+    async with gateway() as gw:
+        chat = await first_turn(gw)
+        image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,x"}}]}
+        a = await gw.chat([*chat.messages, image], session="c1")
+        assert a.status == 400  # the engine's render refused it: the client hears the engine's words
+        assert gw.turns[-1]["capture"] == "failed_kept_previous"
+        assert (await chat.say("never mind")).reason == "full_match"
+
+
+async def test_a_store_that_fails_on_put_releases_the_new_handle() -> None:
+    store = EditableStore()
+    async with gateway(store=store) as gw:
+        store.failing.add("put")
+        await first_turn(gw)
+        assert gw.turns[-1]["capture"] == "store_unavailable"
+        await gw.wait_for("the release", lambda: not gw.engine[D0].pins)
+        assert gw.metric("turnkv_handle_releases_total", why="store_unavailable") == 1
+
+
+# -- the turn's headers and log event: clients, the benchmark and the dashboard read them ------------
+BASIC = {"x-request-id", "x-turnkv-outcome", "x-turnkv-action", "x-turnkv-reason", "x-turnkv-conversation"}
+FULL = BASIC | {
+    "x-turnkv-matched-tokens",
+    "x-turnkv-prompt-tokens",
+    "x-turnkv-pulled-tokens",
+    "x-turnkv-prefill-cached-tokens",
+    "x-turnkv-prefill-ms",
+}
+LOGGED = {
+    "request_id",
+    "conversation",
+    "turn",
+    "outcome",
+    "action",
+    "reason",
+    "matched_tokens",
+    "tokens_pulled",
+    "tokens_cached",
+    "tokens_computed",
+    "prompt_tokens",
+    "generated_tokens",
+    "prefill",
+    "decode",
+    "render_ms",
+    "planned_ms",
+    "prefill_ms",
+    "capture",
+    "conversation_source",
+    "event",
+    "level",
+    "timestamp",
+}
+
+
+def ours(headers: object) -> set[str]:
+    return {k for k in headers if k.startswith("x-")}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_headers_and_log_of_a_pull(stream: bool) -> None:
+    async with gateway() as gw:
+        chat = await first_turn(gw, stream=stream)
+        a = await chat.say("again")
+        assert ours(a.headers) == FULL
+        assert set(gw.turns[-1]) == LOGGED | {"ttft_ms"} if stream else LOGGED
+        assert a.headers["x-turnkv-conversation"] == "header"
+
+
+@pytest.mark.parametrize(("policy", "logged"), [("decode-local", {"direct"}), ("adaptive", {"direct", "estimates_ms"})])
+async def test_headers_and_log_of_a_direct_decode_local_turn(policy: str, logged: set[str]) -> None:
+    async with gateway(policy={"name": policy}) as gw:
+        chat = await first_turn(gw)
+        a = await chat.say("again")
+        assert a.action == "decode_local"
+        # not rendered, not prefilled: no token counts but the pull's
+        assert ours(a.headers) == (
+            FULL
+            - {
+                "x-turnkv-prefill-ms",
+                "x-turnkv-prefill-cached-tokens",
+                "x-turnkv-matched-tokens",
+                "x-turnkv-prompt-tokens",
+            }
+        ) | {"x-turnkv-direct"}
+        assert set(gw.turns[-1]) == LOGGED | logged
+
+
+async def test_headers_and_log_of_a_stateless_turn_with_basic_headers() -> None:
+    async with gateway(decision_headers="basic") as gw:
+        a = await Chat(gw).say("hello")
+        assert ours(a.headers) == BASIC
+        assert a.headers["x-turnkv-conversation"] == "none"
+        assert set(gw.turns[-1]) == LOGGED - {"conversation", "conversation_source"}

@@ -1,0 +1,341 @@
+"""Every reason code a turn can give, each from the situation that causes it, in process over the fake
+engine. Every answer is checked against a colocated engine's (``Chat`` does it): a reason is never
+bought with a wrong answer."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from tests.pipeline.harness import D0, D1, P0, Chat, EditableStore, Gateway, gateway
+from turnkv.engine.fake import FakeEngine
+from turnkv.routing import InstanceView
+
+
+def view(gw: Gateway, url: str) -> InstanceView:
+    v = gw.svc.fleet.view(url)
+    assert v is not None
+    return v
+
+
+async def conversation(gw: Gateway, turns: int = 1, *, stream: bool = False, session: str = "c1") -> Chat:
+    chat = Chat(gw, session=session, stream=stream)
+    for i in range(turns):
+        a = await chat.say(f"question number {i} about the weather")
+        assert a.status == 200, a.body
+    return chat
+
+
+async def test_full_match_pulls_all_of_ds_kv() -> None:
+    async with gateway() as gw:
+        chat = await conversation(gw)
+        a = await chat.say("and tomorrow?")
+        assert (a.outcome, a.action, a.reason) == ("full", "pull", "full_match")
+        matched, pulled = int(a.headers["x-turnkv-matched-tokens"]), int(a.headers["x-turnkv-pulled-tokens"])
+        assert 0 < pulled <= matched  # what P's own prefix cache lacks
+
+
+async def test_no_session_is_plain_pd() -> None:
+    async with gateway() as gw:
+        a = await Chat(gw).say("hello")
+        assert (a.outcome, a.action, a.reason) == ("stateless", "recompute", "no_session")
+        assert gw.turns[-1]["capture"] == "no_session"
+
+
+async def test_a_first_turn_with_nothing_stored_is_not_rendered() -> None:
+    async with gateway() as gw:
+        renders = gw.engine[P0].calls.count("render")  # the template audit's
+        a = await Chat(gw, session="new").say("hello")
+        assert (a.outcome, a.reason) == ("none", "no_record")
+        assert gw.engine[P0].calls.count("render") == renders
+
+
+async def test_a_later_turn_of_an_unknown_conversation_is_rendered_and_finds_nothing() -> None:
+    async with gateway() as gw:
+        chat = await conversation(gw, session="a")
+        chat.session = "b"  # the same history under another id
+        renders = gw.engine[P0].calls.count("render")
+        a = await chat.say("go on")
+        assert (a.outcome, a.reason) == ("none", "no_record")
+        assert gw.engine[P0].calls.count("render") == renders + 1
+
+
+async def test_a_turn_while_another_holds_the_record_is_concurrent() -> None:
+    async with gateway(timeouts={"prefill_first_token_s": 0.3}) as gw:
+        chat = await conversation(gw)
+        messages = [*chat.messages, {"role": "user", "content": "first"}]
+        gw.engine.faults(P0, hang=1, leg="prefill")  # the first turn's pull waits: it holds the record meanwhile
+        first = asyncio.create_task(gw.chat(messages, session="c1"))
+        await gw.wait_for("the first turn at P", lambda: gw.engine[P0].calls.count("prefill") == 2)
+        second = await gw.chat([*chat.messages, {"role": "user", "content": "second"}], session="c1")
+        assert (second.outcome, second.reason) == ("none", "concurrent_turn")
+        assert (await first).reason == "first_token_deadline"  # its pull stalled: run again without it
+
+
+@pytest.mark.parametrize("failing", ["claim", "all"])
+async def test_a_store_that_fails_costs_the_turn_its_reuse_only(failing: str) -> None:
+    store = EditableStore()
+    async with gateway(store=store) as gw:
+        chat = await conversation(gw)
+        store.failing.add(failing)
+        a = await chat.say("still there?")
+        assert (a.outcome, a.reason) == ("none", "store_unavailable")
+        assert gw.metric("turnkv_redis_errors_total", op="claim") == 1
+
+
+@pytest.mark.parametrize("first", [True, False])
+async def test_a_busy_store_costs_that_turn_its_reuse_and_is_not_taken_for_down(first: bool) -> None:
+    # every store connection in use: load, not an outage. The turn runs without its record and says why;
+    # the guard stays closed, so the next turn finds the record this one stored
+    store = EditableStore()
+    async with gateway(store=store) as gw:
+        chat = Chat(gw, session="c1") if first else await conversation(gw)
+        store.busy.add("claim")
+        a = await chat.say("still there?")
+        assert a.status == 200 and (a.outcome, a.action, a.reason) == ("none", "recompute", "store_busy")
+        assert gw.turns[-1]["reason"] == "store_busy"
+        assert gw.metric("turnkv_store_busy_total", op="claim") == 1
+        assert gw.metric("turnkv_redis_errors_total", op="claim") == 0 and gw.metric("turnkv_store_up") == 1
+        store.busy.clear()
+        a = await chat.say("and now?")
+        assert (a.outcome, a.reason) == ("full", "full_match")
+
+
+async def test_a_failed_render_runs_the_turn_as_plain_pd_and_releases_the_handle() -> None:
+    render = "http://render.fake"
+    engine = FakeEngine([P0, render], [D0])
+    async with gateway(engine, render=render) as gw:
+        chat = await conversation(gw)
+        pin = next(iter(engine[D0].pins))
+        engine.faults(render, fail=1)
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "render_failed")
+        assert pin in engine[D0].released  # P freed it on the way
+        assert gw.metric("turnkv_upstream_errors_total", leg="render", kind="status") == 1
+
+
+async def test_more_than_one_choice_is_not_tracked() -> None:
+    async with gateway() as gw:
+        chat = await conversation(gw)
+        a = await chat.say("two answers please", n=2)
+        assert (a.outcome, a.reason) == ("none", "unsupported_request")
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (lambda r: dataclasses.replace(r, expires_at=time.time() - 1), "expired"),
+        (lambda r: dataclasses.replace(r, tenant="someone-else"), "tenant"),
+        (lambda r: dataclasses.replace(r, block_size=r.block_size * 2), "block_size_changed"),
+    ],
+)
+async def test_a_record_that_cannot_serve_the_turn(edit: object, reason: str) -> None:
+    store = EditableStore()
+    async with gateway(store=store) as gw:
+        chat = await conversation(gw)
+        store.edit = edit  # type: ignore[assignment]
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", reason)
+
+
+async def test_a_restarted_decode_engine_holds_nothing() -> None:
+    async with gateway() as gw:
+        chat = await conversation(gw)
+        gw.engine.restart(D0)
+        epoch = gw.engine[D0].epoch
+        await gw.wait_for("the restart to be seen", lambda: view(gw, D0).epoch == epoch)
+        a = await chat.say("go on")
+        assert (a.outcome, a.reason) == ("none", "engine_restarted")
+        assert gw.metric("turnkv_engine_restarts_total", role="decode") == 1
+
+
+async def test_an_unhealthy_decode_engine_is_left_for_another() -> None:
+    engine = FakeEngine([P0], [D0, D1])
+    async with gateway(engine, decode=[D0, D1]) as gw:
+        chat = await conversation(gw)
+        holder = gw.turns[-1]["decode"]
+        engine.faults(holder, unreachable=True)
+        await gw.wait_for("the engine to be marked down", lambda: not view(gw, holder).healthy)
+        a = await chat.say("go on")
+        assert (a.outcome, a.reason) == ("none", "decode_unavailable")
+        assert gw.turns[-1]["decode"] != holder
+
+
+async def test_an_edited_history_is_refused() -> None:
+    async with gateway() as gw:
+        chat = await conversation(gw, 2)
+        chat.messages[0]["content"] = "a different first question"
+        a = await chat.say("go on")
+        assert a.reason == "history_edited"
+        assert a.outcome in ("partial", "none")
+
+
+async def test_a_client_that_drops_the_reasoning() -> None:
+    async with gateway() as gw:
+        chat = await conversation(gw)
+        assert "reasoning" in chat.messages[-1]
+        del chat.messages[-1]["reasoning"]
+        a = await chat.say("go on")
+        assert (a.outcome, a.reason) == ("partial", "reasoning_stripped")
+
+
+async def test_a_template_that_drops_the_reasoning_is_trimmed_to_what_matches() -> None:
+    engine = FakeEngine([P0], [D0], template="strip")
+    async with gateway(engine) as gw:
+        chat = await conversation(gw)
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("partial", "pull", "reasoning_stripped")
+        assert 0 < int(a.headers["x-turnkv-matched-tokens"]) < int(a.headers["x-turnkv-prompt-tokens"])
+
+
+async def test_an_edited_answer_is_refused() -> None:
+    async with gateway() as gw:
+        chat = await conversation(gw)
+        chat.messages[-1]["content"] = "Something else entirely."
+        a = await chat.say("go on")
+        assert a.reason == "answer_edited"
+
+
+async def test_an_answer_that_tokenizes_differently_when_sent_back() -> None:
+    async with gateway(FakeEngine([P0], [D0], drift=True)) as gw:
+        chat = Chat(gw, session="c1")
+        seen = set()
+        for i in range(6):
+            a = await chat.say(f"question {i}")
+            seen.add(a.reason)
+            if a.reason == "retokenized":
+                assert a.outcome == "partial"
+                break
+        assert "retokenized" in seen, seen
+
+
+async def test_a_truncated_history_is_shorter_than_ds() -> None:
+    async with gateway() as gw:
+        chat = await conversation(gw, 2)
+        chat.messages = chat.messages[:1]
+        a = await chat.send()
+        assert (a.outcome, a.reason) == ("partial", "prompt_shorter")
+
+
+async def test_the_policy_may_prefer_recomputing() -> None:
+    async with gateway(policy={"name": "never-pull"}) as gw:
+        chat = await conversation(gw)
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "cheaper_to_recompute")
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_decode_local(direct: bool) -> None:
+    async with gateway(policy={"name": "decode-local"}, decode_local_direct=direct) as gw:
+        chat = await conversation(gw)
+        renders = gw.engine[P0].calls.count("render")
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("decode_local", "decode_local", "decode_local")
+        assert (a.headers.get("x-turnkv-direct") == "true") is direct
+        assert (gw.engine[P0].calls.count("render") == renders) is direct  # direct: no render call
+        assert "x-turnkv-prefill-ms" not in a.headers
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("load", [{"waiting": 2}, {"kv_usage": 0.95}], ids=["queue", "kv_full"])
+async def test_a_decode_engine_with_a_queue_or_short_of_kv_takes_no_decode_local_turn(
+    direct: bool, load: dict[str, float]
+) -> None:
+    # its idle conversations' freed blocks are the first it evicts: a decode-local turn would compute the
+    # whole history again there, behind the queue. The turn goes through P, and says why.
+    async with gateway(policy={"name": "decode-local"}, decode_local_direct=direct) as gw:
+        chat = await conversation(gw)
+        for k, v in load.items():
+            setattr(gw.engine[D0], k, v)
+        await gw.wait_for("the fleet to see D's load", lambda: not gw.svc.pins.room_for_local(view(gw, D0)))
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "decode_busy")
+        assert "x-turnkv-direct" not in a.headers and gw.turns[-1]["prefill"] == P0
+        gw.engine[D0].waiting, gw.engine[D0].kv_usage = 0, None
+        await gw.wait_for("D to have room again", lambda: gw.svc.pins.room_for_local(view(gw, D0)))
+        a = await chat.say("and now?")
+        assert (a.outcome, a.action, a.reason) == ("decode_local", "decode_local", "decode_local")
+
+
+async def test_a_pull_that_fails_is_run_again_without_the_handle() -> None:
+    async with gateway() as gw:
+        chat = await conversation(gw)
+        gw.engine[D0].pins.clear()  # D let the blocks go: P cannot pull them
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "pull_failed")
+        assert gw.turns[-1]["retries"] == ["prefill_pull_failed"]
+        assert gw.metric("turnkv_retries_total", leg="prefill", reason="pull_failed") == 1
+
+
+async def test_a_handle_given_back_for_memory_says_so() -> None:
+    async with gateway() as gw:
+        first = await conversation(gw, session="a")
+        pinned = gw.engine[D0].pinned_tokens
+        gw.engine[D0].capacity_tokens = pinned * 3  # a budget of 1.5 conversations like this one
+        await gw.wait_for("the capacity to be read", lambda: view(gw, D0).capacity_tokens == pinned * 3)
+        await conversation(gw, session="b")  # its pin crosses the budget: the idle one goes
+        await gw.wait_for("a's pin to be released", lambda: len(gw.engine[D0].released) == 1)
+        d = view(gw, D0)  # what routing sees of it
+        assert d.pin_budget_tokens == int(pinned * 3 * 0.5) and 0 < d.pinned_tokens <= d.pin_budget_tokens
+        a = await first.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "pin_released")
+
+
+async def test_a_stream_without_ds_handle() -> None:
+    engine = FakeEngine([P0], [D0])
+    engine.faults(D0, no_handle_in_stream=True)
+    async with gateway(engine) as gw:
+        chat = await conversation(gw, stream=True)
+        assert gw.turns[-1]["capture"] == "stored_no_handle_in_stream"
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "no_handle_in_stream")
+
+
+async def test_a_decode_engine_past_its_first_token_deadline() -> None:
+    async with gateway(timeouts={"decode_first_token_s": 0.5}) as gw:
+        chat = await conversation(gw, stream=True)
+        gw.engine.faults(D0, stall=1)
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("full", "pull", "full_match")  # headers went out first
+        assert a.done and a.error is None
+        t = gw.turns[-1]
+        assert (t["outcome"], t["action"], t["reason"]) == ("none", "recompute", "first_token_deadline")
+        assert t["retries"] == ["decode_first_token_deadline", "turn_rerun"]
+        assert gw.metric("turnkv_first_token_deadline_misses_total", leg="decode") == 1
+
+
+async def test_a_prefill_engine_past_its_first_token_deadline_on_a_pull() -> None:
+    async with gateway(timeouts={"prefill_first_token_s": 0.2}) as gw:
+        chat = await conversation(gw)
+        gw.engine.faults(P0, hang=1, leg="prefill")
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "first_token_deadline")
+        assert gw.turns[-1]["retries"] == ["prefill_first_token_deadline"]
+        assert gw.metric("turnkv_first_token_deadline_misses_total", leg="prefill") == 1
+
+
+@pytest.mark.parametrize("fault", [{"drop": 1, "drop_after": 0}, {"error": 1}])
+async def test_a_decode_engine_that_fails_before_its_first_token(fault: dict[str, int]) -> None:
+    async with gateway() as gw:
+        chat = await conversation(gw, stream=True)
+        gw.engine.faults(D0, **fault)
+        a = await chat.say("go on")
+        assert a.done and a.error is None
+        t = gw.turns[-1]
+        assert (t["outcome"], t["action"], t["reason"]) == ("none", "recompute", "decode_failed")
+        assert t["retries"] == ["turn_rerun"]
+
+
+def test_every_reason_is_covered() -> None:
+    """A reason added to ``Reason`` needs a test here (corrupt_record: Redis only, tests/unit/test_store.py)."""
+    import inspect
+    import sys
+
+    from turnkv.reuse.assess import Reason
+
+    source = inspect.getsource(sys.modules[__name__])
+    missing = [r.value for r in Reason if f'"{r.value}"' not in source and r is not Reason.CORRUPT_RECORD]
+    assert not missing
