@@ -73,6 +73,19 @@ class DecodeMemory(BaseModel):
         description="auto: keep a conversation's handle pinned "
         "only when the policy would pull it on the next turn; always: keep every handle",
     )
+    admit_share: float = Field(
+        0.9,
+        ge=0,
+        le=1,
+        description="decode admission: turns in flight on a decode engine "
+        "may reserve (prompt and answer tokens) this share of its KV capacity, less "
+        "what stored handles pin; others wait in the gateway (0: no admission control)",
+    )
+    admission_wait_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long a turn may wait for room on a decode engine before it is answered 503 with Retry-After",
+    )
     janitor_interval_s: float = Field(
         5.0, gt=0, description="how often pins are checked against budget, pressure, expiry and engine restarts"
     )

@@ -32,6 +32,7 @@ from turnkv.gateway.audit import classify, engine_renderer
 from turnkv.gateway.edge import EdgeMiddleware
 from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpected
 from turnkv.gateway.fleet import Fleet
+from turnkv.gateway.kv_admission import DecodeAdmission
 from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
@@ -231,6 +232,15 @@ def create_app(
             releaser = Releaser(eng, router, metrics, lambda: next(iter(settings.models or catalog.models), None))
             pins = PinKeeper(settings, fleet, guard, releaser, metrics, log)
             fleet.on_scraped = pins.on_scraped
+            dm = settings.decode_memory
+            admission = DecodeAdmission(
+                capacity=lambda url: pins.capacity(url) if dm.admit_share > 0 else None,
+                pinned=pins.pinned,
+                admit_share=dm.admit_share,
+                wait_s=dm.admission_wait_s,
+                on_wait=lambda url: metrics.admission_waits.labels(url).inc(),
+            )
+            pins.on_change = admission.wake
             svc = Services(
                 settings=settings,
                 engine=eng,
@@ -243,6 +253,7 @@ def create_app(
                 log=log,
                 releaser=releaser,
                 pins=pins,
+                admission=admission,
                 drain=drain,
                 catalog=catalog,
             )

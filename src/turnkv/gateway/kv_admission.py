@@ -30,6 +30,19 @@ class _Engine:
     queue: deque[tuple[int, asyncio.Future[None]]] = field(default_factory=deque)
 
 
+class Ticket:
+    """A reservation; ``release`` gives it back (once, whatever calls it more)."""
+
+    def __init__(self, admission: DecodeAdmission, url: str, tokens: int) -> None:
+        self._admission, self.url, self.tokens = admission, url, tokens
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._admission._give_back(self.url, self.tokens)
+
+
 class DecodeAdmission:
     def __init__(
         self,
@@ -64,37 +77,42 @@ class DecodeAdmission:
         e = self._engines.get(url)
         return e.reserved if e else 0
 
+    async def acquire(self, url: str, tokens: int) -> Ticket:
+        """Reserve ``tokens`` on ``url``, waiting (bounded, first come first served) for room; the ticket
+        gives it back (``Overloaded`` past the wait)."""
+        e = self._engines.setdefault(url, _Engine())
+        if not e.queue and self._fits(url, tokens):
+            self._take(url, tokens)
+            return Ticket(self, url, tokens)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        e.queue.append((tokens, fut))
+        self._on_wait(url)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self._wait_s)
+        except TimeoutError:
+            if not fut.done():
+                e.queue.remove((tokens, fut))
+                self._wake(url)
+                raise Overloaded(
+                    "the decode engines are full; send the turn again", retry_after_s=max(1, round(self._wait_s / 4))
+                ) from None
+        except BaseException:
+            if (tokens, fut) in e.queue:
+                e.queue.remove((tokens, fut))
+                self._wake(url)
+            elif fut.done():  # admitted as it was cancelled: give the room back
+                self._give_back(url, tokens)
+            raise
+        return Ticket(self, url, tokens)
+
     @contextlib.asynccontextmanager
     async def hold(self, url: str, tokens: int) -> AsyncIterator[None]:
-        """Reserve ``tokens`` on ``url`` for as long as the block runs; waits (bounded) for room."""
-        e = self._engines.setdefault(url, _Engine())
-        if e.queue or not self._fits(url, tokens):
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            e.queue.append((tokens, fut))
-            self._on_wait(url)
-            try:
-                await asyncio.wait_for(asyncio.shield(fut), self._wait_s)
-            except TimeoutError:
-                if not fut.done():
-                    e.queue.remove((tokens, fut))
-                    self._wake(url)
-                    raise Overloaded(
-                        "the decode engines are full; send the turn again",
-                        retry_after_s=max(1, round(self._wait_s / 4)),
-                    ) from None
-            except BaseException:
-                if (tokens, fut) in e.queue:
-                    e.queue.remove((tokens, fut))
-                    self._wake(url)
-                elif fut.done():  # admitted as it was cancelled: give the room back
-                    self._give_back(url, tokens)
-                raise
-        else:
-            self._take(url, tokens)
+        """``acquire`` for as long as the block runs."""
+        ticket = await self.acquire(url, tokens)
         try:
             yield
         finally:
-            self._give_back(url, tokens)
+            ticket.release()
 
     def _take(self, url: str, tokens: int) -> None:
         e = self._engines[url]
@@ -121,7 +139,7 @@ class DecodeAdmission:
             self._take(url, tokens)
             fut.set_result(None)
 
-    def wake_all(self) -> None:
-        """Pins were released: room may have appeared anywhere."""
-        for url in list(self._engines):
+    def wake(self, url: str) -> None:
+        """Pins were released on ``url``: room may have appeared there."""
+        if url in self._engines:
             self._wake(url)

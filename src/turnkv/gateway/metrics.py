@@ -72,6 +72,12 @@ class GatewayMetrics:
         self.pinned_budget_bytes = shared(
             "turnkv_pinned_kv_budget_bytes", "Decode KV bytes stored handles may pin (0: no budget known)", "decode"
         )
+        self.admission_waits = Counter(
+            "turnkv_decode_admission_waits",
+            "Turns that waited in the gateway for room on a decode engine's KV",
+            ["decode"],
+            registry=r,
+        )
         self.deadline_misses = Counter(
             "turnkv_first_token_deadline_misses", "Engine calls past their first-token deadline", ["leg"], registry=r
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from turnkv.config import Settings
@@ -49,6 +49,7 @@ class PinKeeper:
         self._estimate: dict[str, int] = {}
         self._handles: dict[str, int] = {}
         self._urgent: asyncio.Queue[str] = asyncio.Queue()
+        self.on_change: Callable[[str], None] = lambda url: None  # pins on ``url`` went down
 
     # -- budgets -----------------------------------------------------------------------------
     def capacity(self, url: str) -> int | None:
@@ -61,9 +62,13 @@ class PinKeeper:
         return None if cap is None else int(cap * self._dm.pin_budget_share)
 
     def _set(self, url: str, tokens: int) -> None:
-        """What this process believes is pinned on ``url``; the fleet's views say it too (for routing)."""
+        """What this process believes is pinned on ``url``; the fleet's views say it too (for routing),
+        and fewer pins may let turns waiting for decode admission in (``on_change``)."""
+        before = self._estimate.get(url, 0)
         self._estimate[url] = tokens
         self._fleet.pinned(url, tokens, self.budget(url))
+        if tokens < before:
+            self.on_change(url)
 
     def room_for_local(self, inst: InstanceView) -> bool:
         """Whether D can take a decode-local turn: its KV is not nearly full and nothing waits on it. A
@@ -91,6 +96,10 @@ class PinKeeper:
         entries = await self._store.evict(url, keep_tokens=max(budget - tokens, 0), why="budget")
         self.release(entries, "budget")
         self._set(url, min(est, budget))
+
+    def pinned(self, url: str) -> int:
+        """Tokens pinned on ``url``, as far as this process knows."""
+        return self._estimate.get(url, 0)
 
     def release(self, entries: Iterable[PinEntry], why: str) -> None:
         for e in entries:

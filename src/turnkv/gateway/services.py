@@ -12,6 +12,7 @@ from typing import Any
 from turnkv.config import Settings
 from turnkv.engine.base import Engine
 from turnkv.gateway.fleet import Fleet
+from turnkv.gateway.kv_admission import DecodeAdmission
 from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
@@ -55,6 +56,7 @@ class Services:
     log: Any  # a structlog BoundLogger
     releaser: Releaser
     pins: PinKeeper
+    admission: DecodeAdmission
     drain: Drain
     catalog: Catalog = field(default_factory=Catalog)
 

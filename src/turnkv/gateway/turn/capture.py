@@ -189,6 +189,8 @@ async def end(run: TurnRun, *, ok: bool) -> None:
         log.exception("capture.failed request_id=%s", run.turn.request_id)
     finally:
         run.svc.drain.untrack(run)
+        if run.ticket is not None:
+            run.ticket.release()
 
 
 def _release(svc: Services, handle: Handle, why: str) -> None:

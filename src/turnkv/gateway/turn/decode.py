@@ -35,6 +35,11 @@ def _pick(router: Router, planned: str | None, journal: Journal) -> InstanceView
     return router.pick("decode", prefer=prefer, exclude=tried, avoid=frozenset(journal.avoid_decode))
 
 
+def pick(run: TurnRun) -> InstanceView | None:
+    """The decode engine this turn would go to now."""
+    return _pick(run.svc.router, run.plan.decode_url, run.journal)
+
+
 def _call(run: TurnRun, inst: InstanceView, prefilled: Prefilled | None) -> DecodeCall:
     turn, local = run.turn, run.plan.decode_local
     prompt_ids = run.rendered.prompt_ids

@@ -17,11 +17,14 @@ from starlette.responses import JSONResponse, Response
 from turnkv.errors import UpstreamError, UpstreamUnavailable, retryable
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn import capture, decode, plan, prefill, render, report, stream
+from turnkv.gateway.turn.direct import BYTES_PER_TOKEN, TOKENS_PER_MESSAGE, text_size
 from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Fallback, Next, Plan, Rendered
 from turnkv.gateway.turn.run import TurnRun
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
+
+ANSWER_RESERVE = 2048  # answer tokens a turn reserves on D at most
 
 
 async def _legs(run: TurnRun) -> None:
@@ -55,6 +58,27 @@ def _plan(run: TurnRun, rendered: Rendered) -> Plan:
     return made
 
 
+def _context_tokens(run: TurnRun) -> int:
+    """The KV the turn will hold on D: its prompt (rendered, else as the plan or the messages' text
+    suggest) and its answer (at most ``ANSWER_RESERVE``: D allocates as it generates)."""
+    if run.rendered.prompt_ids is not None:
+        prompt = len(run.rendered.prompt_ids)
+    else:  # not rendered: from the text (at least what a direct plan knows D holds)
+        size = text_size(run.turn.messages) if run.turn.chat else None
+        digits, other = size if size is not None else (0, len(str(run.turn.body.get("prompt", ""))))
+        estimate = int(digits + other / BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * len(run.turn.messages)
+        prompt = max(estimate, run.plan.expected_cached)
+    return prompt + min(run.turn.max_output or ANSWER_RESERVE, ANSWER_RESERVE)
+
+
+async def _admit(run: TurnRun) -> None:
+    """Wait, bounded, until the decode engine the turn will most likely use has room for it
+    (``gateway.kv_admission``); held until the turn is settled (``capture.end``)."""
+    d = decode.pick(run)
+    if d is not None:
+        run.ticket = await run.until_aborted(run.svc.admission.acquire(d.url, _context_tokens(run)))
+
+
 async def _advance(run: TurnRun) -> None:
     run.check()
     if run.turn.chat:
@@ -64,6 +88,7 @@ async def _advance(run: TurnRun) -> None:
     else:
         run.rendered = Rendered(Next.PREFILL, Reason.NO_SESSION)
     run.plan = _plan(run, run.rendered)
+    await _admit(run)
     await _legs(run)
 
 

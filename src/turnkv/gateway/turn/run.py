@@ -19,6 +19,7 @@ import anyio
 
 from turnkv.engine.base import Collected, DecodeStream, NothingCollected
 from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamError, UpstreamUnavailable, retryable
+from turnkv.gateway.kv_admission import Ticket
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.deadline import Deadline
 from turnkv.gateway.turn.fallback import without_handle
@@ -67,6 +68,7 @@ class TurnRun:
     prefilled: Prefilled | None = None
     opened: Opened | None = None  # the last answer D opened
     aborted: str | None = None  # why the gateway ended the turn early ("shutdown")
+    ticket: Ticket | None = None  # its reservation on a decode engine's KV (gateway.kv_admission)
     _abort: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
