@@ -179,7 +179,29 @@ async def test_a_client_that_drops_the_reasoning() -> None:
         assert "reasoning" in chat.messages[-1]
         del chat.messages[-1]["reasoning"]
         a = await chat.say("go on")
-        assert (a.outcome, a.reason) == ("partial", "reasoning_stripped")
+        assert (a.outcome, a.reason) == ("partial", "client_dropped_reasoning")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"topic": {"type": "string"}}}},
+    }
+]
+
+
+async def test_a_client_that_sends_tool_calls_back_as_text() -> None:
+    async with gateway() as gw:
+        chat = Chat(gw, session="c1", body={"tools": TOOLS})
+        for i in range(8):  # the engine is deterministic: some answer calls the tool
+            a = await chat.say(f"look up topic {i}")
+            assert a.status == 200
+            if chat.messages[-1].get("tool_calls"):
+                break
+        call = chat.messages[-1].pop("tool_calls")[0]["function"]
+        chat.messages[-1]["content"] = f"Calling {call['name']} with {call['arguments']}"  # as smolagents does
+        a = await chat.say("and the result?")
+        assert a.reason == "answer_as_text" or a.headers.get("x-turnkv-divergence") == "answer_as_text"
 
 
 async def test_a_template_that_drops_the_reasoning_is_trimmed_to_what_matches() -> None:

@@ -91,9 +91,19 @@ STRIPPED = PROMPT + [60, 61, 62, 63, 64, 65, 66, 67]  # the answer re-rendered w
         ({"decode": EngineView(True, 2.0)}, (0, False, Reason.ENGINE_RESTARTED, False)),
         ({"decode": EngineView(True, None)}, (N, True, Reason.FULL_MATCH, True)),
         # the answer's reasoning is gone: two blocks of the old prompt still agree
-        ({"prompt": STRIPPED, "echoed": EchoedAnswer("A", False, None)}, (8, False, Reason.REASONING_STRIPPED, True)),
+        # the client sent it back without (LangChain, smolagents): not the template's doing
+        ({"prompt": STRIPPED, "echoed": EchoedAnswer("A", False, None)}, (8, False, Reason.REASONING_DROPPED, True)),
         ({"prompt": STRIPPED, "template": TemplateClass.DROPS_REASONING}, (8, False, Reason.REASONING_STRIPPED, True)),
         ({"prompt": STRIPPED, "echoed": EchoedAnswer("B", True, "R")}, (8, False, Reason.ANSWER_EDITED, True)),
+        # an answer that called a tool, sent back as text (smolagents)
+        (
+            {
+                "prompt": STRIPPED,
+                "echoed": EchoedAnswer("B", True, "R"),
+                "claim": Claim(ClaimStatus.FOUND, dataclasses.replace(REC, answer_calls=1)),
+            },
+            (8, False, Reason.ANSWER_AS_TEXT, True),
+        ),
         ({"prompt": STRIPPED, "echoed": EchoedAnswer("A", True, "X")}, (8, False, Reason.ANSWER_EDITED, True)),
         ({"prompt": STRIPPED}, (8, False, Reason.RETOKENIZED, True)),
         ({"prompt": STRIPPED, "template": TemplateClass.REWRITES_HISTORY}, (8, False, Reason.HISTORY_EDITED, True)),

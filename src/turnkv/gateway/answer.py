@@ -81,7 +81,8 @@ def echoed_answer(messages: Sequence[Any]) -> EchoedAnswer | None:
     m = messages[i]
     reasoning = reasoning_of(m)
     rd = reasoning_digest(reasoning if isinstance(reasoning, str) else None)
-    return EchoedAnswer(answer_digest(_text(m.get("content")), _calls(m)), rd is not None, rd)
+    calls = _calls(m)
+    return EchoedAnswer(answer_digest(_text(m.get("content")), calls), rd is not None, rd, len(calls))
 
 
 @dataclass

@@ -34,8 +34,10 @@ class Reason(enum.StrEnum):
     DECODE_UNAVAILABLE = "decode_unavailable"
     BLOCK_SIZE_CHANGED = "block_size_changed"
     HISTORY_EDITED = "history_edited"
-    REASONING_STRIPPED = "reasoning_stripped"
+    REASONING_STRIPPED = "reasoning_stripped"  # the chat template drops earlier reasoning
+    REASONING_DROPPED = "client_dropped_reasoning"  # the client sent the answer back without its reasoning
     ANSWER_EDITED = "answer_edited"
+    ANSWER_AS_TEXT = "answer_as_text"  # the client sent the answer's tool calls back as text
     RETOKENIZED = "retokenized"
     PROMPT_SHORTER = "prompt_shorter"
     CHEAPER_TO_RECOMPUTE = "cheaper_to_recompute"
@@ -62,6 +64,7 @@ class EchoedAnswer:
     answer_digest: str
     has_reasoning: bool
     reasoning_digest: str | None
+    calls: int = 0  # tool calls it carries
 
 
 @dataclass(frozen=True)
@@ -152,9 +155,12 @@ def explain(
     if diverge_start + block_size <= r.prompt_tokens or echoed is None:
         return Reason.HISTORY_EDITED  # the difference lies before the last answer
     if echoed.answer_digest != r.answer_digest:
-        return Reason.ANSWER_EDITED
-    if r.had_reasoning and (not echoed.has_reasoning or template is TemplateClass.DROPS_REASONING):
+        # an answer that called tools and comes back without calls was rewritten as text (smolagents does)
+        return Reason.ANSWER_AS_TEXT if r.answer_calls and not echoed.calls else Reason.ANSWER_EDITED
+    if r.had_reasoning and template is TemplateClass.DROPS_REASONING:
         return Reason.REASONING_STRIPPED
+    if r.had_reasoning and not echoed.has_reasoning:
+        return Reason.REASONING_DROPPED  # the client's doing (LangChain, smolagents), not the template's
     if r.had_reasoning and echoed.reasoning_digest != r.reasoning_digest:
         return Reason.ANSWER_EDITED
     if template is TemplateClass.REWRITES_HISTORY:

@@ -47,6 +47,7 @@ class ConversationRecord:
     # turn, "decode_local"; a stream without it, "no_handle_in_stream"); D's blocks may still sit in
     # its prefix cache, so decode-local can use them
     unpinned: str | None = None
+    answer_calls: int = 0  # tool calls the last answer made (to tell a rewrite as text from an edit)
 
     @property
     def pin_id(self) -> str | None:

@@ -100,6 +100,7 @@ def build_record(run: TurnRun) -> ConversationRecord | Capture:
         history_digest=history_digest(turn.body, messages) if direct else None,
         bytes_per_token=bytes_per_token(messages, len(prompt)) if direct else None,
         unpinned=unpinned,
+        answer_calls=len(cap.answer.calls),
     )
 
 

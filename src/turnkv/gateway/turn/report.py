@@ -24,6 +24,9 @@ def headers(run: TurnRun) -> dict[str, str]:
     }
     if plan.direct:
         h["x-turnkv-direct"] = "true"  # decode-local without a render call (turn/direct.py)
+    divergence = _divergence(run)
+    if divergence is not None:
+        h["x-turnkv-divergence"] = divergence  # why D's KV did not match, whatever the turn then did
     if run.svc.settings.decision_headers != "full":
         return h
     if plan.assessment is not None:
@@ -39,6 +42,15 @@ def headers(run: TurnRun) -> dict[str, str]:
     if run.prefill_url is not None and not plan.decode_local:
         h["x-turnkv-prefill-ms"] = f"{(prefilled.seconds if prefilled else 0.0) * 1e3:.1f}"
     return h
+
+
+def _divergence(run: TurnRun) -> str | None:
+    """Why the prompt left D's sequence, when the token check found it did and the reason the turn gives
+    says something else (a decode-local or recomputed turn names the action's reason)."""
+    a = run.plan.assessment
+    if a is None or a.full or a.record is None or a.reason is run.plan.reason:
+        return None
+    return a.reason.value
 
 
 def account(run: TurnRun, capture: Capture) -> None:
@@ -90,5 +102,6 @@ def account(run: TurnRun, capture: Capture) -> None:
         retries=list(run.journal.retries) or None,
         estimates_ms=dict(plan.estimates) or None,
         direct=plan.direct or None,
+        divergence=_divergence(run),
         conversation_source=conv.source if conv else None,
     )
