@@ -21,7 +21,7 @@ from turnkv.gateway.requests import read_json
 from turnkv.gateway.turn.direct import history_digest
 
 DOCS: list[Any] = [
-    {"model": "m", "messages": [{"role": "user", "content": "héllo \u2028 \x00\x1f \"q\" \\ / 😀 é"}]},
+    {"model": "m", "messages": [{"role": "user", "content": 'héllo \u2028 \x00\x1f "q" \\ / 😀 é'}]},
     {"z": 1, "a": [1, 2.5, -3, None, True, False, "x"], "m": {"b": {}, "a": []}, 3: "int key"},
     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "n": 1 << 62},
     [0.1, 1.0, 123456789.0, -0.0, 1e16],
