@@ -31,6 +31,7 @@ from turnkv.gateway.turn.results import Opened
 from turnkv.gateway.turn.run import TurnRun
 
 DRAIN_TIMEOUT_S = 1.0
+DONE_FRAME = frame(DONE)  # the relay's last yield: RelayResponse ends the HTTP body with it, in one write
 SALVAGE_S = 0.5
 Restart = Callable[[TurnRun], Awaitable[None]]
 
@@ -168,7 +169,7 @@ async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> 
         ok = c.error is None and c.finish_reason is not None and run.aborted is None
         finished = True
         await capture.end(run, ok=ok)
-        yield frame(DONE)
+        yield DONE_FRAME
     finally:
         if not finished:
             opened = run.opened
@@ -197,6 +198,16 @@ class RelayResponse(StreamingResponse):
 
     def _start(self) -> None:
         self._started = True
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, but ``[DONE]`` goes out with the end of the body (one write, not two)."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self._relay:
+            last = chunk is DONE_FRAME
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if last:
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _stream_until_left(self, receive: Receive, send: Send) -> None:
         relaying = asyncio.current_task()
