@@ -150,12 +150,13 @@ def spawn(
     log_dir: Path | None = None,
     env: dict[str, str] | None = None,
     timeout_s: float = READY_TIMEOUT_S,
+    module: str = "turnkv",
 ) -> Running:
-    """Run ``python -m turnkv ARGS --port 0`` and return once it announced its URL."""
+    """Run ``python -m MODULE ARGS --port 0`` and return once it announced its URL."""
     log = (log_dir / f"{name}.log") if log_dir else None
     err: Any = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it open
     proc = subprocess.Popen(
-        [sys.executable, "-m", "turnkv", *args, "--port", "0"],
+        [sys.executable, "-m", module, *args, "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=err,
         text=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -193,3 +194,42 @@ def test_usage_says_what_this_turn_did_not_compute(cached: int | None, seen: int
     out, _ = cap.chunk(USAGE)
     assert out is not None
     assert json.loads(_some(out))["usage"]["prompt_tokens_details"]["cached_tokens"] == seen
+
+
+class _PlainSplitter:
+    """The reference: split the whole text at the first event end, again and again."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self.buf += data
+        out: list[bytes] = []
+        while True:
+            i, j = self.buf.find(b"\n\n"), self.buf.find(b"\r\n\r\n")
+            if i < 0 and j < 0:
+                return out
+            if j >= 0 and (i < 0 or j < i):
+                event, self.buf = self.buf[:j], self.buf[j + 4 :]
+            else:
+                event, self.buf = self.buf[:i], self.buf[i + 2 :]
+            lines = [ln[5:].lstrip(b" ") for ln in event.splitlines() if ln.startswith(b"data:")]
+            if lines:
+                out.append(b"\n".join(lines))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_splitter_agrees_with_the_plain_reading_on_mixed_streams(seed: int) -> None:
+    rng = random.Random(seed)
+    parts = [b"data: a", b"data:b", b"data:  c", b"\n", b"\r\n", b"\n\n", b"\r\n\r\n", b": note", b"\r", b"x"]
+    stream = b"".join(rng.choice(parts) for _ in range(200))
+    ours, ref = SSESplitter(), _PlainSplitter()
+    got: list[bytes] = []
+    want: list[bytes] = []
+    i = 0
+    while i < len(stream):
+        n = rng.randint(1, 40)
+        got += ours.feed(stream[i : i + n])
+        want += ref.feed(stream[i : i + n])
+        i += n
+    assert got == want and ours.pending == bool(ref.buf.strip())

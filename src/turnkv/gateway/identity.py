@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from turnkv import jsonwire
 from turnkv.errors import ClientError
 from turnkv.gateway.answer import last_assistant
 
@@ -197,7 +198,7 @@ def _calls(message: Mapping[str, Any]) -> list[Any]:
 
 
 def _json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return jsonwire.dumps_sorted(value)
 
 
 def _normalized(message: Any) -> bytes:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from turnkv import jsonwire
 from turnkv.errors import BodyTooLarge, ClientError, ClientGone, ModelNotFound, RequestTimeout
 
 Number = Annotated[float, Field(strict=True)]  # an int or a float, never a string or a bool
@@ -86,10 +87,14 @@ Body = TypeVar("Body", ChatBody, CompletionBody)
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
 
 
-# Lone surrogates can only come from a \uD800-\uDFFF escape or from their (invalid) UTF-8 bytes, which
-# json.loads lets through; a body without either needs no walk over its strings.
+# Lone surrogates can only come from a \uD800-\uDFFF escape or from their (invalid) UTF-8 bytes: orjson
+# refuses both; the stdlib (kept for bodies with integers past 64 bits) lets them through, so its result
+# is walked for them when the raw bytes may hold one.
 _MAY_HOLD_SURROGATES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ERROR = "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text"
+# orjson reads an integer past 64 bits as a float: such a body is read again with the stdlib, exactly
+_BIG = float(1 << 63)
 
 
 async def _read(request: Request, max_bytes: int) -> bytes:
@@ -101,10 +106,12 @@ async def _read(request: Request, max_bytes: int) -> bytes:
     return bytes(raw)
 
 
-def check_tree(body: Any, max_depth: int, strings: bool) -> None:
+def check_tree(body: Any, max_depth: int, strings: bool) -> bool:
     """Refuse a body nested deeper than ``max_depth`` or (``strings``) holding text that UTF-8 cannot encode:
-    either would fail later, in a validator, an encoder or an engine, as a 500."""
+    either would fail later, in a validator, an encoder or an engine, as a 500. True when a number in it is
+    a float of an integer's size past 64 bits (orjson's reading of a big integer)."""
     stack: list[tuple[Any, int]] = [(body, 1)]
+    big = False
     while stack:
         value, depth = stack.pop()
         if isinstance(value, dict):
@@ -117,10 +124,12 @@ def check_tree(body: Any, max_depth: int, strings: bool) -> None:
             if depth > max_depth:
                 break
             stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, float):
+            big = big or abs(value) >= _BIG
         elif strings and isinstance(value, str) and _SURROGATE.search(value):
-            raise ClientError("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
+            raise ClientError(_SURROGATE_ERROR)
     else:
-        return
+        return big
     raise ClientError(f"request body is nested more than {max_depth} levels deep")
 
 
@@ -139,13 +148,30 @@ async def read_json(
     except ClientDisconnect:
         raise ClientGone("the client disconnected before its request body arrived") from None
     try:
+        body: Any = jsonwire.loads(raw)
+    except ValueError as exc:
+        text = str(exc)
+        if "surrogate" in text:
+            raise ClientError(_SURROGATE_ERROR) from None
+        if text.startswith("depth limit"):
+            raise ClientError(f"request body is nested more than {max_depth} levels deep") from None
+        raise ClientError(f"request body is not valid JSON: {text}") from None
+    if not isinstance(body, dict):
+        raise ClientError("request body must be a JSON object")
+    if check_tree(body, max_depth, strings=False):
+        return _stdlib_read(raw, max_depth)
+    return body
+
+
+def _stdlib_read(raw: bytes, max_depth: int) -> dict[str, Any]:
+    """The body as the stdlib reads it (integers of any size), for the rare body orjson would round."""
+    try:
         body = json.loads(raw)
     except RecursionError:
         raise ClientError(f"request body is nested more than {max_depth} levels deep") from None
     except ValueError as exc:
-        raise ClientError(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise ClientError("request body must be a JSON object")
+        raise ClientError(f"request body is not valid JSON: {exc}") from None
+    assert isinstance(body, dict)  # orjson read the same bytes as an object
     check_tree(body, max_depth, strings=_MAY_HOLD_SURROGATES.search(raw) is not None)
     return body
 

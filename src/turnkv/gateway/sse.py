@@ -16,20 +16,33 @@ class SSESplitter:
         self._buf = b""
 
     def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data
+        # one pass over what one read brought: events are cut by position, not by slicing the rest of the
+        # buffer after each (a batch of N events cost N copies of it), and CRLF ends are looked for only
+        # in a buffer that holds a CR
+        buf = self._buf + data if self._buf else data
         out: list[bytes] = []
+        pos = 0
+        crlf = -1 if b"\r" in buf else None  # None: no CRLF end anywhere; else the next one (or -1: find it)
         while True:
-            i = self._buf.find(b"\n\n")
-            j = self._buf.find(b"\r\n\r\n")
-            if i < 0 and j < 0:
-                return out
-            if j >= 0 and (i < 0 or j < i):
-                event, self._buf = self._buf[:j], self._buf[j + 4 :]
+            i = buf.find(b"\n\n", pos)
+            if crlf is not None and crlf < pos:
+                crlf = buf.find(b"\r\n\r\n", pos)
+                if crlf < 0:
+                    crlf = None
+            if crlf is not None and (i < 0 or crlf < i):
+                event, pos = buf[pos:crlf], crlf + 4
+            elif i >= 0:
+                event, pos = buf[pos:i], i + 2
             else:
-                event, self._buf = self._buf[:i], self._buf[i + 2 :]
+                break
+            if event.startswith(b"data:") and b"\n" not in event and b"\r" not in event:
+                out.append(event[5:].lstrip(b" "))  # the usual event: one data line
+                continue
             lines = [ln[5:].lstrip(b" ") for ln in event.splitlines() if ln.startswith(b"data:")]
             if lines:
                 out.append(b"\n".join(lines))
+        self._buf = buf[pos:] if pos else buf
+        return out
 
     @property
     def pending(self) -> bool:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from turnkv import jsonwire
 
 FORMAT_VERSION = 3  # 2: explicit chaining, d[i] = H(d[i-1] + block i); 3: optional handle
 
@@ -62,11 +63,11 @@ class ConversationRecord:
         d = asdict(self)
         d["chain"] = base64.b64encode(self.chain).decode()
         d["v"] = FORMAT_VERSION
-        return json.dumps(d, separators=(",", ":"))
+        return jsonwire.dumps(d).decode()
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> ConversationRecord:
-        d = json.loads(raw)
+        d = jsonwire.loads_lenient(raw)
         if d.pop("v", None) != FORMAT_VERSION:
             raise ValueError("record written by another format version")
         d["chain"] = base64.b64decode(d["chain"])

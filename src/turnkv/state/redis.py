@@ -62,7 +62,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Sequence
@@ -82,6 +81,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, NoScriptError, RedisClusterException, RedisError
 
+from turnkv import jsonwire
 from turnkv.errors import StoreBusy, StoreError
 from turnkv.state.base import Claim, ClaimStatus, PinEntry, Pinned
 from turnkv.state.record import ConversationRecord
@@ -382,7 +382,7 @@ class RedisStore:
             return [(PUT, [k], [body, "", "", "", ttl_ms])]
         pin = _pin_of(record.handle)
         index = self._index(record.decode_url)
-        entry = json.dumps(
+        entry = jsonwire.dumps(
             {
                 "pin": pin,
                 "tokens": record.num_tokens,
@@ -391,11 +391,10 @@ class RedisStore:
                 "expires_at": record.expires_at,
                 "epoch": record.engine_epoch,
                 "n": secrets.token_hex(4),
-            },
-            separators=(",", ":"),
-        )
+            }
+        ).decode()
         return [
-            (PUT, [k], [body, json.dumps(record.handle, separators=(",", ":")), pin, index.id, ttl_ms]),
+            (PUT, [k], [body, jsonwire.dumps(record.handle).decode(), pin, index.id, ttl_ms]),
             (PIN_ADD, index.keys, [key, repr(record.created_at), entry, record.num_tokens]),
         ]
 
@@ -561,7 +560,7 @@ def _claim_of(res: Sequence[Any]) -> Claim:
 def _decode(body: str, handle: str, unpinned: str) -> ConversationRecord:
     record = ConversationRecord.from_json(body)
     if handle:
-        return dataclasses.replace(record, handle=json.loads(handle))
+        return dataclasses.replace(record, handle=jsonwire.loads_lenient(handle))
     if unpinned:
         return dataclasses.replace(record, unpinned=unpinned)
     return record
@@ -570,7 +569,7 @@ def _decode(body: str, handle: str, unpinned: str) -> ConversationRecord:
 def _entry(decode_url: str, key: str, raw: str) -> tuple[PinEntry, str]:
     """An index entry and its pin id."""
     try:
-        d = json.loads(raw)
+        d = jsonwire.loads_lenient(raw)
         return PinEntry(
             key=key,
             decode_url=decode_url,

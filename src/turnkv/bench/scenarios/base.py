@@ -43,7 +43,7 @@ GATEWAY_METRICS = (
 
 @dataclass(frozen=True)
 class Deployment:
-    kind: str  # colocated | pd | pd-direct
+    kind: str  # colocated | relay (the bare relay in front of one colocated engine) | pd | pd-direct
     engine_flags: tuple[str, ...] = ()  # every engine
     prefill_flags: tuple[str, ...] = ()
     decode_flags: tuple[str, ...] = ()
@@ -72,6 +72,8 @@ class Deployment:
         e = " ".join(self.engine_flags)
         if self.kind == "colocated":
             return [f"turnkv sim --role colocated {e}".strip()]
+        if self.kind == "relay":
+            return [f"turnkv sim --role colocated {e}".strip(), "python -m turnkv.bench.baseline_relay --upstream $E"]
         out = [
             f"turnkv sim --role prefill {e} {' '.join(self.prefill_flags)}".strip(),
             f"turnkv sim --role decode {e} {' '.join(self.decode_flags)}".strip(),
@@ -134,6 +136,14 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
             started.append(eng)
             target = Target(url=eng.url)
             gateway = None
+        elif d.kind == "relay":
+            eng = launch.sim("colocated", "colocated", *d.engine_flags, log_dir=log_dir)
+            started.append(eng)
+            gateway = launch.spawn(
+                "relay", ["--upstream", eng.url], log_dir=log_dir, module="turnkv.bench.baseline_relay"
+            )
+            started.append(gateway)
+            target = Target(url=gateway.url)
         else:
             p = launch.sim("prefill", "prefill", *d.engine_flags, *d.prefill_flags, log_dir=log_dir)
             started.append(p)
@@ -238,7 +248,7 @@ def _measure(plan: ConfigPlan, d: Deployment, dep: Deployed, show_progress: bool
         meta["redis_round_trips_by_command"] = {
             k: v - cmd0.get(k, 0) for k, v in dep.relay.by_command.items() if v != cmd0.get(k, 0)
         }
-    if dep.gateway:
+    if dep.gateway and d.kind == "pd":
         meta["gateway_metrics"] = scrape(dep.gateway.url, GATEWAY_METRICS)
     meta["engine_metrics"] = {e.name: scrape(e.url, ENGINE_METRICS) for e in dep.engines}
     return ConfigResult(

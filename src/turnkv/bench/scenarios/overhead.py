@@ -62,6 +62,8 @@ LOADS: tuple[tuple[str, dict[str, float]], ...] = (
 UNSATURATED = ("c1", "r25", "r50")
 SETUP_COMMANDS = ("hello", "client", "script", "ping", "info", "select", "auth")
 STREAMS = 256
+# issue 15: turnkv's gateway CPU per request over the bare relay's (0: reported, no target)
+RATIO_TARGETS = (("turnkv-stateless", 1.15), ("turnkv-session", 0.0), ("turnkv-redis", 1.3))
 CHUNKS = 32
 
 BASE = WorkloadSpec(
@@ -135,6 +137,17 @@ def benches(conversations: int | None = None) -> list[Bench]:
         Bench(
             Deployment("colocated", engine_flags=ZERO, pin=True),
             _sweep("direct-colocated", "ttft", "one zero-cost colocated engine, direct", False, 100),
+            warmup=stateless_warmup,
+        ),
+        Bench(
+            Deployment("relay", engine_flags=ZERO, pin=True),
+            _sweep(
+                "bare-relay",
+                "ttft",
+                "a bare aiohttp.web relay (no parsing) in front of one zero-cost engine",
+                False,
+                150,
+            ),
             warmup=stateless_warmup,
         ),
         Bench(
@@ -282,8 +295,9 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
                 f"{util:.0%}",
             ]
         )
-        if cfg.meta.get("tags", {}).get("load") == LOADS[-1][0]:
+        if cfg.meta.get("tags", {}).get("load") == LOADS[-1][0] and cfg.name.startswith("turnkv"):
             checks.append(("streamed req/s per core >= 1000 (32 chunks)", cfg.name, 1e3 / cpu_ms, 1000.0, "req/s"))
+    out += _ratio_table(configs, checks)
     out += [
         "## Gateway CPU per request (32 chunks), from /proc/<pid>/stat",
         "",
@@ -358,7 +372,7 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
         )
     out += _long_table(by)
     out += [
-        "## Targets (issue 4)",
+        "## Targets (issues 4 and 15)",
         "",
         md_table(
             ["target", "where", "measured", "limit", "met"],
@@ -376,6 +390,44 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
         "",
     ]
     return "\n".join(out), {"redis-round-trips: TTFT by turn of 4-turn conversations": ["redis-round-trips"]}
+
+
+def _cpu_ms(cfg: ConfigResult) -> float:
+    return float(cfg.meta.get("gateway_cpu_s", math.nan)) * 1e3 / max(len(cfg.requests), 1)
+
+
+def _ratio_table(configs: Sequence[ConfigResult], checks: list[tuple[str, str, float, float, str]]) -> list[str]:
+    """turnkv's gateway CPU per request over the bare relay's at the same load (each against its own
+    zero-cost engines, both pinned alone on CPU 1)."""
+    by = {c.name: c for c in configs}
+    rows = []
+    for label, _ in LOADS:
+        base = by.get(f"bare-relay-{label}")
+        if base is None or "gateway_cpu_s" not in base.meta:
+            continue
+        b = _cpu_ms(base)
+        for name, limit in RATIO_TARGETS:
+            cfg = by.get(f"{name}-{label}")
+            if cfg is None or "gateway_cpu_s" not in cfg.meta:
+                continue
+            t = _cpu_ms(cfg)
+            rows.append([label, name, f"{b:.3f}", f"{t:.3f}", f"{t / b:.2f}x", f"{limit:g}x" if limit else "-"])
+            if limit and label == LOADS[-1][0]:
+                checks.append(
+                    (f"gateway CPU/request vs bare relay <= {limit:g}x", f"{name}-{label}", t / b, limit, "x")
+                )
+    if not rows:
+        return []
+    return [
+        "## Gateway CPU per request against the bare relay",
+        "",
+        "The bare relay (`turnkv.bench.baseline_relay`: aiohttp.web, forwards bytes without parsing) runs in "
+        "front of one zero-cost engine, pinned to CPU 1 like the gateway; *ratio* = turnkv's CPU ms per "
+        "request / the relay's at the same load. turnkv makes two engine calls per turn (P and D), the relay one.",
+        "",
+        md_table(["load", "config", "bare relay CPU ms", "turnkv CPU ms", "ratio", "target"], rows),
+        "",
+    ]
 
 
 def _long_table(by: dict[str, ConfigResult]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from turnkv.bench.records import ConfigResult, RunResult
@@ -59,6 +60,13 @@ def write(run: RunResult, out: Path) -> None:
             )
 
 
+def _only(bench: Bench, only: list[str] | None) -> Bench:
+    """The bench with just the plans whose name contains one of ``only`` (all of them without ``only``)."""
+    if not only:
+        return bench
+    return replace(bench, plans=tuple(p for p in bench.plans if any(s in p.name for s in only)))
+
+
 def run_suite(
     name: str,
     out: Path,
@@ -75,9 +83,7 @@ def run_suite(
     ``gateway_workers`` above 1 every gateway runs that many workers, with a Redis store."""
     make, _ = SUITES[name]
     benches = [
-        with_gateway_workers(b, gateway_workers)
-        for b in make(conversations)
-        if not only or any(s in p.name for s in only for p in b.plans)
+        with_gateway_workers(b, gateway_workers) for b in (_only(b, only) for b in make(conversations)) if b.plans
     ]
     run = RunResult(suite=name, command=command)
     run.extra["failures"] = []

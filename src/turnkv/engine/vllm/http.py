@@ -8,12 +8,12 @@ the instance (an internal URL) rides on the exception, for logs.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import aiohttp
 
+from turnkv import jsonwire
 from turnkv.config import Timeouts
 from turnkv.errors import UpstreamProtocolError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
 
@@ -36,7 +36,7 @@ def map_aiohttp_errors(leg: str, instance: str) -> Iterator[None]:
 
 
 def _dumps(body: Any) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return jsonwire.dumps(body)
 
 
 class Upstream:
@@ -84,7 +84,7 @@ class Upstream:
                 raw = await resp.read()
                 status = resp.status
         try:
-            data = json.loads(raw) if raw else None
+            data = jsonwire.loads_lenient(raw) if raw else None
         except ValueError:
             data = None
         if status >= 400:
@@ -112,7 +112,7 @@ class Upstream:
                 finally:
                     resp.release()
                 try:
-                    data = json.loads(raw) if raw else None
+                    data = jsonwire.loads_lenient(raw) if raw else None
                 except ValueError:
                     data = None
                 raise UpstreamStatus(resp.status, data, leg=leg, instance=base)

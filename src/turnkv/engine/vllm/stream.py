@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from turnkv import jsonwire
 from turnkv.engine.base import DecodeStream, Handle, Piece, StreamBroken
 from turnkv.gateway.answer import AnswerAccumulator
 from turnkv.gateway.sse import DONE, SSESplitter
@@ -97,7 +98,7 @@ class DecodeCapture:
     def prompt_token_ids(self) -> list[int] | None:
         if self._prompt_ids_json is not None:
             try:
-                ids = json.loads(self._prompt_ids_json)
+                ids = jsonwire.loads_lenient(self._prompt_ids_json)
             except ValueError:
                 ids = None
             self._prompt_ids = ids if isinstance(ids, list) else None
@@ -137,14 +138,14 @@ class DecodeCapture:
             return payload, _shows_output(payload)
         cut, prompt_json = _cut_list(payload, _PROMPT_IDS)
         try:
-            obj = json.loads(cut)
+            obj = jsonwire.loads_lenient(cut)
         except ValueError:
             return payload, False
         if not isinstance(obj, dict):
             return payload, False
         if prompt_json is not None and not (obj.get("prompt_token_ids", 0) is None and payload.count(_PROMPT_IDS) == 1):
             # not the chunk's own top-level list (a completion's choice carries it): parse it all
-            obj, prompt_json = json.loads(payload), None
+            obj, prompt_json = jsonwire.loads_lenient(payload), None
         if "error" in obj and "choices" not in obj:
             self.error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
             return payload, False

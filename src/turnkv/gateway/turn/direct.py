@@ -14,11 +14,11 @@ own token ids.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from turnkv import jsonwire
 from turnkv.gateway.answer import echoed_answer, last_assistant
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.request import Turn
@@ -51,8 +51,7 @@ def history_digest(body: Mapping[str, Any], messages: Sequence[Any]) -> str:
     """Digest of ``messages`` with the request fields that shape the prompt; equal digests, equal prompts
     up to the end of these messages (the client sent the same history, tools and template options)."""
     doc = {"messages": list(messages), **{k: body[k] for k in PROMPT_FIELDS if k in body}}
-    raw = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
-    return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b(jsonwire.dumps_sorted(doc), digest_size=16).hexdigest()
 
 
 _DIGITS = b"0123456789"  # tokenizers give each its own token

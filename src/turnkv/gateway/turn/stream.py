@@ -14,6 +14,7 @@ the first token is awaited stops that read before anything else (the salvage) re
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
@@ -30,6 +31,7 @@ from turnkv.gateway.turn.results import Opened
 from turnkv.gateway.turn.run import TurnRun
 
 DRAIN_TIMEOUT_S = 1.0
+DONE_FRAME = frame(DONE)  # the relay's last yield: RelayResponse ends the HTTP body with it, in one write
 SALVAGE_S = 0.5
 Restart = Callable[[TurnRun], Awaitable[None]]
 
@@ -167,7 +169,7 @@ async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> 
         ok = c.error is None and c.finish_reason is not None and run.aborted is None
         finished = True
         await capture.end(run, ok=ok)
-        yield frame(DONE)
+        yield DONE_FRAME
     finally:
         if not finished:
             opened = run.opened
@@ -182,7 +184,11 @@ async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> 
 class RelayResponse(StreamingResponse):
     """A streaming answer that cleans up when the response ends, however it ends: a relay the client left
     mid-way is closed then (its own clean-up runs at once, not whenever the generator is collected), and
-    one the client left before it began is settled here."""
+    one the client left before it began is settled here.
+
+    The client's leaving is watched as Starlette does (uvicorn's ``receive`` returns ``http.disconnect``),
+    but by one plain asyncio task that cancels the relaying task, instead of Starlette's anyio task group
+    per response: the same outcome for a fraction of the CPU a turn costs."""
 
     def __init__(self, run: TurnRun, restart: Restart, headers: dict[str, str]) -> None:
         self._run = run
@@ -193,9 +199,44 @@ class RelayResponse(StreamingResponse):
     def _start(self) -> None:
         self._started = True
 
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, but ``[DONE]`` goes out with the end of the body (one write, not two)."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self._relay:
+            last = chunk is DONE_FRAME
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if last:
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _stream_until_left(self, receive: Receive, send: Send) -> None:
+        relaying = asyncio.current_task()
+        assert relaying is not None
+        state = {"done": False, "left": False}
+
+        async def watch() -> None:
+            try:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+            except Exception:  # the server's receive failed: it ends the request itself
+                return
+            if not state["done"]:
+                state["left"] = True
+                relaying.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not state["left"] or relaying.uncancel() > 0:
+                raise  # cancelled from outside too (a shutdown): not ours to swallow
+        finally:
+            state["done"] = True
+            watcher.cancel()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await self._stream_until_left(receive, send)
         finally:
             if self._started:
                 with anyio.CancelScope(shield=True):

@@ -1,0 +1,67 @@
+"""The bare relay the overhead suite measures turnkv against: it must relay, byte for byte, or its CPU
+figure is not a baseline. A real simulated engine and the relay as its own process on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from turnkv import launch
+
+pytestmark = pytest.mark.integration
+
+BODY = {
+    "model": "sim-model",
+    "messages": [{"role": "user", "content": "héllo"}],
+    "max_tokens": 8,
+    "stream": True,
+    "seed": 3,
+    "temperature": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def urls() -> Iterator[tuple[str, str]]:
+    eng = launch.sim("colocated", "colocated", "--time-scale", "0", "--no-thinking")
+    try:
+        relay = launch.spawn("relay", ["--upstream", eng.url], module="turnkv.bench.baseline_relay")
+        try:
+            yield eng.url, relay.url
+        finally:
+            assert relay.stop() in (0, -15)
+    finally:
+        eng.stop()
+
+
+async def _post(s: aiohttp.ClientSession, url: str, body: object) -> tuple[int, str, bytes]:
+    async with s.post(url + "/v1/chat/completions", json=body) as r:
+        return r.status, r.content_type, await r.read()
+
+
+async def test_streams_and_errors_are_relayed_unchanged_under_concurrency(urls: tuple[str, str]) -> None:
+    eng, relay = urls
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        direct = await _post(s, eng, BODY)
+        relayed = await asyncio.gather(*(_post(s, relay, BODY) for _ in range(16)))
+        bad_direct = await _post(s, eng, {"messages": "nope"})
+        bad_relayed = await _post(s, relay, {"messages": "nope"})
+    assert direct[0] == 200 and direct[1] == "text/event-stream" and direct[2].endswith(b"data: [DONE]\n\n")
+    # ids and timestamps differ per answer: compare the chunks' content
+    for status, ctype, data in relayed:
+        assert (status, ctype) == (200, "text/event-stream")
+        assert _contents(data) == _contents(direct[2])
+    assert bad_direct[0] >= 400 and bad_relayed[:2] == bad_direct[:2]
+
+
+def _contents(data: bytes) -> list[str]:
+    out = []
+    for line in data.decode().split("\n\n"):
+        if line.startswith("data: {"):
+            chunk = json.loads(line[len("data: ") :])
+            out += [c.get("delta", {}).get("content") or "" for c in chunk.get("choices", [])]
+    return out
