@@ -200,9 +200,10 @@ class RelayResponse(StreamingResponse):
         self._started = True
 
     async def stream_response(self, send: Send) -> None:
-        """Starlette's, but ``[DONE]`` goes out with the end of the body (one write, not two)."""
+        """Starlette's, but ``[DONE]`` goes out with the end of the body (one write, not two). The body is
+        ``body_iterator``: the relay, or what a front end made of it (the Responses API's events)."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for chunk in self._relay:
+        async for chunk in self.body_iterator:
             last = chunk is DONE_FRAME
             await send({"type": "http.response.body", "body": chunk, "more_body": not last})
             if last:
@@ -240,6 +241,9 @@ class RelayResponse(StreamingResponse):
         finally:
             if self._started:
                 with anyio.CancelScope(shield=True):
+                    outer = self.body_iterator
+                    if outer is not self._relay and hasattr(outer, "aclose"):
+                        await outer.aclose()  # a front end's translation of the relay: it closes the relay too
                     await self._relay.aclose()  # bounded: its clean-up is (salvage, capture)
             else:
                 self._run.close_answer()
