@@ -4,8 +4,11 @@ Decides what vLLM's scheduler would: the local prefix-cache hit (full blocks, ca
 prompt length so one token is computed), when a request is admitted (a prompt that does not fit
 in the free blocks waits for blocks to be freed, as in vLLM's waiting queue; a running request that
 cannot get a block for its next token waits too, as a preempted one would), how prefill chunks
-and decode steps share a step (a running prefill stalls decode on the same engine), how long a
-step takes (``costs``), and which KV values each step writes (``oracle``). What a request pulls
+and decode steps share a step (``schedule_chunks``: the running streams' decode tokens first out of
+``max_num_batched_tokens``, then prefill chunks in arrival order, a long prompt split over steps),
+how long a step takes (``costs.step_s`` of the decode batch, the context it reads and the prefill
+chunks in it: a prefill lengthens the step every running stream waits for), and which KV values
+each step writes (``oracle``). What a request pulls
 from another engine and what it pins when it finishes is the ``connector``'s decision.
 """
 
@@ -38,6 +41,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("turnkv.sim")
 STALL_WAIT_S = 0.05
 
+
+def schedule_chunks(max_num_batched_tokens: int, decode_batch: int, remaining: Sequence[int]) -> list[int]:
+    """The prefill chunk each waiting request gets in one step, in order, as vLLM's scheduler with chunked
+    prefill gives them: every running stream's decode token comes first out of ``max_num_batched_tokens``,
+    then each waiting request takes what is left, up to its remaining prompt; a prompt longer than that
+    goes on in the next steps. The list stops at the first request that gets nothing."""
+    budget = max_num_batched_tokens - decode_batch
+    out: list[int] = []
+    for left in remaining:
+        if budget <= 0:
+            break
+        n = min(budget, left)
+        out.append(n)
+        budget -= n
+    return out
 
 
 class EngineConfig(BaseModel):
@@ -227,19 +245,11 @@ class Engine:
                 await self._wake.wait()
             self.report_load()
             decoding = list(self._running)
-            budget = self.cfg.max_num_batched_tokens - len(decoding)
-            chunks: list[tuple[Seq, int]] = []
-            for seq in self._waiting:
-                if budget <= 0:
-                    break
-                n = min(budget, len(seq.prompt) - seq.num_computed)
-                chunks.append((seq, n))
-                budget -= n
-            costs = self.cfg.costs
-            duration = costs.decode_s(len(decoding))
-            if chunks:
-                prefill = sum(costs.prefill_s(n, s.num_computed) for s, n in chunks)
-                duration += max(costs.prefill_floor_s, prefill)
+            sizes = schedule_chunks(self.cfg.max_num_batched_tokens, len(decoding),
+                                    [len(s.prompt) - s.num_computed for s in self._waiting])
+            chunks = list(zip(self._waiting, sizes, strict=False))
+            duration = self.cfg.costs.step_s(len(decoding), sum(s.num_computed for s in decoding),
+                                             [(n, s.num_computed) for s, n in chunks])
             freed = self._freed
             await self.sleep(duration)
             for seq in decoding:

@@ -25,7 +25,8 @@ from turnkv.bench.workload import WorkloadSpec
 
 ZERO = ("--vllm-compat", "0.33", "--time-scale", "0", "--no-thinking")
 PACED = ("--vllm-compat", "0.33", "--no-thinking", "--decode-itl-ms", "20", "--prefill-floor-ms", "0",
-         "--prefill-us-per-token", "0", "--api-overhead-ms", "0", "--link-latency-ms", "0", "--link-gbps", "1000")
+         "--prefill-us-per-token", "0", "--prefill-attn-ns", "0", "--decode-ctx-ns", "0", "--api-overhead-ms", "0",
+         "--link-latency-ms", "0", "--link-gbps", "1000")
 GATEWAY = ("--policy", "never-pull")  # same engine legs as pd-direct on every turn
 # With bidirectional KV, D pins every answered request's blocks for decoder_kv_blocks_ttl, and nothing
 # releases those of requests without a session (pd-direct, or turnkv stateless): at hundreds of
