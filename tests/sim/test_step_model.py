@@ -98,17 +98,19 @@ async def _stream_tokens_during_a_long_prefill(budget: int) -> int:
     engine = Engine(cfg, TOK, EngineMetrics("m"))
     await engine.start()
     got: asyncio.Queue[int] = asyncio.Queue()
+    running = asyncio.Event()
 
     async def decode() -> None:
         async for out in engine.generate(TOK.word_ids[:20], Sampling(max_tokens=5000, ignore_eos=True), None, "s"):
             for t in out.token_ids:
                 got.put_nowait(t)
+            if got.qsize() >= 3:
+                running.set()
 
     task = asyncio.create_task(decode())
     try:
         async with asyncio.timeout(30):
-            while got.qsize() < 3:  # the stream runs
-                await asyncio.sleep(0)
+            await running.wait()  # the stream runs
             return await _tokens_until_first(engine, got, TOK.word_ids[100:740])
     finally:
         task.cancel()
