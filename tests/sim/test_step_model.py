@@ -124,3 +124,34 @@ async def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes() -> 
     chunked = await _stream_tokens_during_a_long_prefill(64)
     whole = await _stream_tokens_during_a_long_prefill(8192)
     assert chunked >= 10 > whole
+
+
+async def _answers(num_blocks: int, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int]:
+    cfg = EngineConfig(role="colocated", costs=CostModel(time_scale=0), num_blocks=num_blocks)
+    engine = Engine(cfg, TOK, EngineMetrics("m"))
+    await engine.start()
+
+    async def one(prompt: list[int], rid: str) -> list[int]:
+        ids: list[int] = []
+        async for out in engine.generate(prompt, Sampling(max_tokens=max_tokens, ignore_eos=True), None, rid):
+            ids += out.token_ids
+        return ids
+
+    try:
+        async with asyncio.timeout(30):
+            got = await asyncio.gather(*(one(p, f"r{i}") for i, p in enumerate(prompts)))
+        return list(got), engine.preemptions
+    finally:
+        await engine.stop()
+
+
+async def test_streams_out_of_blocks_preempt_the_newest_and_answer_as_with_room() -> None:
+    # three streams of 64-token prompts and 100-token answers need 33 blocks of 16; the pool has 20:
+    # all three start (4 blocks each), then the newest is preempted, recomputed once blocks are free
+    # again, and answers exactly as it would have with room to spare
+    prompts = [TOK.word_ids[i * 64:(i + 1) * 64] for i in range(3)]
+    tight, preempted = await _answers(20, prompts, 100)
+    roomy, none = await _answers(2000, prompts, 100)
+    assert preempted >= 1 and none == 0
+    assert tight == roomy
+    assert all(len(a) == 100 for a in tight)

@@ -2,8 +2,10 @@
 
 Decides what vLLM's scheduler would: the local prefix-cache hit (full blocks, capped below the
 prompt length so one token is computed), when a request is admitted (a prompt that does not fit
-in the free blocks waits for blocks to be freed, as in vLLM's waiting queue; a running request that
-cannot get a block for its next token waits too, as a preempted one would), how prefill chunks
+in the free blocks waits for blocks to be freed, as in vLLM's waiting queue; when a running stream
+needs a block for its next token and none is free, the newest running request is preempted as vLLM
+does: its blocks are freed and, once blocks are free again and before any new request, its KV is
+recomputed (from what its prefix cache kept) and it decodes on with the same answer), how prefill chunks
 and decode steps share a step (``schedule_chunks``: the running streams' decode tokens first out of
 ``max_num_batched_tokens``, then prefill chunks in arrival order, a long prompt split over steps),
 how long a step takes (``costs.step_s`` of the decode batch, the context it reads and the prefill
@@ -94,6 +96,8 @@ class Engine:
         self.connector = Connector(self)
         self._waiting: deque[Seq] = deque()
         self._running: list[Seq] = []
+        self._preempted: deque[Seq] = deque()  # to be recomputed before any new request is admitted
+        self.preemptions = 0
         self._wake = asyncio.Event()
         self._freed = asyncio.Event()
         self.blocked = 0  # requests waiting for free blocks
@@ -122,7 +126,8 @@ class Engine:
     def report_load(self) -> None:
         """Running and waiting requests and KV usage, as vLLM's gauges say them now."""
         self.metrics.running.set(len(self._running))
-        self.metrics.waiting.set(len(self._waiting) + self.blocked + sum(s.stalled for s in self._running))
+        self.metrics.waiting.set(len(self._waiting) + self.blocked + len(self._preempted)
+                                 + sum(s.stalled for s in self._running))
         self.metrics.kv_usage.set(self.pool.usage())
 
     def pinned_tokens(self) -> int:
@@ -134,10 +139,11 @@ class Engine:
 
     def restart(self) -> None:
         """As a process restart: new engine id, empty cache, every request and pin gone."""
-        for seq in [*self._waiting, *self._running]:
+        for seq in [*self._waiting, *self._running, *self._preempted]:
             self._fail(seq, EngineError("engine restarted"))
         self._waiting.clear()
         self._running.clear()
+        self._preempted.clear()
         self.connector.pins.clear()
         self.engine_id = str(uuid.uuid4())
         self.pool = BlockPool(self.cfg.num_blocks, self.cfg.block_size,
@@ -196,6 +202,8 @@ class Engine:
         while True:
             freed = self._freed
             try:
+                if self._preempted:  # requests preempted for blocks are recomputed first
+                    raise OutOfBlocks("preempted requests wait")
                 self._admit(seq)
                 return
             except OutOfBlocks:
@@ -240,13 +248,14 @@ class Engine:
 
     async def _step_loop(self) -> None:
         while True:
-            if not self._waiting and not self._running:
+            if not self._waiting and not self._running and not self._preempted:
                 self._wake.clear()
                 await self._wake.wait()
             self.report_load()
-            decoding = list(self._running)
+            self._resume_preempted()
+            decoding = self._make_room()
             sizes = schedule_chunks(self.cfg.max_num_batched_tokens, len(decoding),
-                                    [len(s.prompt) - s.num_computed for s in self._waiting])
+                                    [self._target(s) - s.num_computed for s in self._waiting])
             chunks = list(zip(self._waiting, sizes, strict=False))
             duration = self.cfg.costs.step_s(len(decoding), sum(s.num_computed for s in decoding),
                                              [(n, s.num_computed) for s, n in chunks])
@@ -258,12 +267,66 @@ class Engine:
             for seq, n in chunks:
                 if not seq.done:
                     self._prefill_chunk(seq, n)
-            if decoding and not chunks and all(s.stalled for s in decoding):
+            if not chunks and (all(s.stalled for s in decoding) if decoding else self._preempted):
                 # nothing could move: wait for blocks to be freed (a release, an expiry), bounded so
                 # that every wait is looked at again
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(freed.wait(), STALL_WAIT_S)
             self.metrics.kv_usage.set(self.pool.usage())
+
+    @staticmethod
+    def _target(seq: Seq) -> int:
+        """The positions a waiting request computes before it decodes: its prompt, or, after a
+        preemption, all it had computed."""
+        return len(seq.prompt) if seq.resume is None else len(seq.resume)
+
+    def _make_room(self) -> list[Seq]:
+        """The decode batch of this step: every running stream gets a block for its next token; where
+        none is free, the newest running requests are preempted for it (vLLM's scheduler). The newest
+        stream itself is not preempted for nobody's sake: it waits in place (``stalled``) for a block."""
+        bs = self.cfg.block_size
+        for seq in list(self._running):
+            if seq not in self._running:
+                continue  # preempted for an older stream
+            while not seq.done and seq.num_computed // bs >= len(seq.block_ids):
+                try:
+                    seq.block_ids += self.pool.allocate(1)
+                except OutOfBlocks:
+                    victim = self._running[-1]
+                    if victim is seq:
+                        break
+                    self._preempt(victim)
+        return list(self._running)
+
+    def _preempt(self, seq: Seq) -> None:
+        """Free a running request's blocks; its KV is kept aside, to be written again (at the cost of
+        recomputing it) when it is resumed."""
+        seq.resume = [self._prev_kv(seq, i + 1) for i in range(seq.num_computed)]
+        self._running.remove(seq)
+        self.release_blocks(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+        self._preempted.appendleft(seq)
+        self.preemptions += 1
+
+    def _resume_preempted(self) -> None:
+        """Readmit preempted requests, first preempted last, while their blocks fit: each is prefilled
+        again (its prefix-cache hits aside) before any waiting prompt."""
+        bs = self.cfg.block_size
+        while self._preempted:
+            seq = self._preempted[0]
+            assert seq.resume is not None
+            n = len(seq.resume)
+            hit = self.pool.lookup(seq.hashes[: (n - 1) // bs])
+            self.pool.acquire(hit)
+            try:
+                seq.block_ids = hit + self.pool.allocate(-(-n // bs) - len(hit))
+            except OutOfBlocks:
+                self.pool.release(hit)
+                return
+            seq.num_computed = len(hit) * bs
+            self._preempted.popleft()
+            self._waiting.appendleft(seq)
 
     def _prev_kv(self, seq: Seq, position: int) -> int:
         return ROOT_KV if position == 0 else self.pool.value_at(seq.block_ids, position - 1)
@@ -282,6 +345,14 @@ class Engine:
 
     def _prefill_chunk(self, seq: Seq, n: int) -> None:
         start = seq.num_computed
+        if seq.resume is not None:  # a preempted request: its KV again, then it decodes on
+            self._write(seq, start, seq.resume[start:start + n])
+            seq.num_computed += n
+            if seq.num_computed >= len(seq.resume):
+                self._waiting.remove(seq)
+                seq.resume = None
+                self._running.append(seq)
+            return
         values = kv_extend(self._prev_kv(seq, start), seq.prompt[start:start + n], start)
         self._write(seq, start, values)
         seq.num_computed += n
@@ -356,5 +427,7 @@ class Engine:
             self._waiting.remove(seq)
         if seq in self._running:
             self._running.remove(seq)
+        if seq in self._preempted:
+            self._preempted.remove(seq)
         self.release_blocks(seq.block_ids)
         self.metrics.finished("abort")

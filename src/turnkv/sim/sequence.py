@@ -42,5 +42,6 @@ class Seq:
     output: list[int] = field(default_factory=list)
     queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)
     done: bool = False
-    stalled: bool = False  # no free block for its next token: it waits, as a preempted request would
+    stalled: bool = False  # no free block for its next token (none can be made: it waits in place)
+    resume: list[int] | None = None  # after a preemption: the KV of every position it had computed
     first_token_at: float | None = None
