@@ -75,7 +75,7 @@ async def _turns(conv: Conversation, client: TurnClient, spec: WorkloadSpec, sta
             return
         body = conv.next_request()
         sent = time.perf_counter()
-        out = await client.send(body, headers)
+        out = await client.send(body, headers, conv.index)
         rec = RequestRecord(
             conversation=conv.index, turn=conv.turn, start_s=sent - start,
             ttft_ms=None if out.ttft_s is None else out.ttft_s * 1e3,

@@ -1,8 +1,9 @@
 """Configurations and how one is run: start its processes, send the load, measure, stop.
 
-A deployment is ``colocated`` (one engine, the load sent to it), ``pd`` (P and D engines behind a
-turnkv gateway, optionally with a redis-server of its own) or ``pd-direct`` (P and D engines, the
-client runs the P/D handshake itself: no proxy). Around the load the runner reads the gateway's
+A deployment is ``colocated`` (one engine, or several side by side with each conversation sticking
+to one, the load sent to them), ``pd`` (P and D engines, any number of each, behind a turnkv gateway,
+optionally with a redis-server of its own) or ``pd-direct`` (one P and one D engine, the client runs
+the P/D handshake itself: no proxy). Around the load the runner reads the gateway's
 CPU time from /proc, Redis command counts, and the gateway's /metrics.
 """
 
@@ -14,6 +15,7 @@ import os
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,10 @@ GATEWAY_METRICS = ("turnkv_reuse_decisions", "turnkv_link_", "turnkv_handle_capt
                    "turnkv_upstream_errors", "turnkv_render_mismatch", "turnkv_tokens")
 
 
+def _times(n: int) -> str:
+    return f" (x{n})" if n > 1 else ""
+
+
 @dataclass(frozen=True)
 class Deployment:
     kind: str  # colocated | pd | pd-direct
@@ -44,25 +50,37 @@ class Deployment:
     count_redis_round_trips: bool = False  # route Redis through the counting relay
     pin: bool = False  # gateway on CPU 1 (1..N with N workers); engines, redis and the load generator on CPU 0
     gateway_workers: int = 1  # turnkv serve --workers N (needs Redis)
+    prefills: int = 1  # engines of each role (pd); colocated: engines side by side
+    decodes: int = 1
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.prefills, self.decodes, self.replicas) < 1:
+            raise ValueError("a deployment has at least one engine of each kind it uses")
+        if self.kind == "pd-direct" and (self.prefills, self.decodes) != (1, 1):
+            raise ValueError("pd-direct drives one P and one D")
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "engine_flags": list(self.engine_flags), "prefill_flags": list(self.prefill_flags),
                 "decode_flags": list(self.decode_flags), "gateway_flags": list(self.gateway_flags),
                 "gateway_env": dict(self.gateway_env),
-                "redis": self.redis, "pinned": self.pin, "gateway_workers": self.gateway_workers}
+                "redis": self.redis, "pinned": self.pin, "gateway_workers": self.gateway_workers,
+                "prefills": self.prefills, "decodes": self.decodes, "replicas": self.replicas}
 
     def commands(self) -> list[str]:
         """The equivalent shell commands (ports are picked at start: shown as placeholders)."""
         e = " ".join(self.engine_flags)
         if self.kind == "colocated":
-            return [f"turnkv sim --role colocated {e}".strip()]
-        out = [f"turnkv sim --role prefill {e} {' '.join(self.prefill_flags)}".strip(),
-               f"turnkv sim --role decode {e} {' '.join(self.decode_flags)}".strip()]
+            return [f"turnkv sim --role colocated {e}".strip() + _times(self.replicas)]
+        out = [f"turnkv sim --role prefill {e} {' '.join(self.prefill_flags)}".strip() + _times(self.prefills),
+               f"turnkv sim --role decode {e} {' '.join(self.decode_flags)}".strip() + _times(self.decodes)]
         if self.kind == "pd":
             redis = " --redis-url redis://127.0.0.1:$REDIS_PORT/0" if self.redis else ""
             env = "".join(f"{k}={v} " for k, v in self.gateway_env)
             workers = f" --workers {self.gateway_workers}" if self.gateway_workers > 1 else ""
-            out.append(f"{env}turnkv serve --prefill $P --decode $D {' '.join(self.gateway_flags)}{redis}{workers}"
+            ps = " ".join(f"$P{i}" for i in range(self.prefills)) if self.prefills > 1 else "$P"
+            ds = " ".join(f"$D{i}" for i in range(self.decodes)) if self.decodes > 1 else "$D"
+            out.append(f"{env}turnkv serve --prefill {ps} --decode {ds} {' '.join(self.gateway_flags)}{redis}{workers}"
                        .strip())
         return out
 
@@ -104,6 +122,29 @@ class Deployed:
     relay: procs.RoundTripRelay | None
 
 
+def _start_engines(specs: Sequence[tuple[str, str, tuple[str, ...]]], log_dir: Path,
+                   started: list[launch.Running]) -> list[launch.Running]:
+    """Start engines ``(name, role, flags)`` at once; every one that started is in ``started`` (to be
+    stopped) even when another failed, whose error is raised."""
+    with ThreadPoolExecutor(max(1, len(specs))) as pool:
+        futures = [pool.submit(launch.sim, name, role, *flags, log_dir=log_dir) for name, role, flags in specs]
+        out: list[launch.Running] = []
+        errors: list[BaseException] = []
+        for f in futures:
+            try:
+                out.append(f.result())
+            except Exception as exc:  # raised below, once the others are recorded
+                errors.append(exc)
+    started += out
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _names(role: str, n: int) -> list[str]:
+    return [role] if n == 1 else [f"{role}{i}" for i in range(n)]
+
+
 @contextlib.contextmanager
 def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
     started: list[launch.Running] = []
@@ -111,18 +152,18 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
     relay: procs.RoundTripRelay | None = None
     try:
         if d.kind == "colocated":
-            eng = launch.sim("colocated", "colocated", *d.engine_flags, log_dir=log_dir)
-            started.append(eng)
-            target = Target(url=eng.url)
+            engs = _start_engines([(n, "colocated", d.engine_flags) for n in _names("colocated", d.replicas)],
+                                  log_dir, started)
+            target = Target(url=engs[0].url, replicas=tuple(e.url for e in engs[1:]))
             gateway = None
         else:
-            p = launch.sim("prefill", "prefill", *d.engine_flags, *d.prefill_flags, log_dir=log_dir)
-            started.append(p)
-            dd = launch.sim("decode", "decode", *d.engine_flags, *d.decode_flags, log_dir=log_dir)
-            started.append(dd)
+            specs = [(n, "prefill", (*d.engine_flags, *d.prefill_flags)) for n in _names("prefill", d.prefills)]
+            specs += [(n, "decode", (*d.engine_flags, *d.decode_flags)) for n in _names("decode", d.decodes)]
+            engs = _start_engines(specs, log_dir, started)
+            ps, ds = engs[:d.prefills], engs[d.prefills:]
             gateway = None
             if d.kind == "pd-direct":
-                target = Target(prefill=p.url, decode=dd.url)
+                target = Target(prefill=ps[0].url, decode=ds[0].url)
             else:
                 extra = list(d.gateway_flags)
                 if d.gateway_workers > 1:
@@ -135,8 +176,9 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
                         relay.start()
                         url = relay.url
                     extra += ["--redis-url", url]
-                gateway = launch.gateway("gateway", [p.url], [dd.url], *extra, log_dir=log_dir,
-                                         env={"TURNKV_DECISION_HEADERS": "full", **dict(d.gateway_env)})
+                env = {"TURNKV_DECISION_HEADERS": "full", **dict(d.gateway_env)}
+                gateway = launch.gateway("gateway", [p.url for p in ps], [x.url for x in ds], *extra,
+                                         log_dir=log_dir, env=env)
                 started.append(gateway)
                 target = Target(url=gateway.url)
         if d.pin:
