@@ -38,6 +38,17 @@ def test_schedule_chunks_shares_the_budget_with_decode(budget: int, batch: int, 
     assert schedule_chunks(budget, batch, remaining) == chunks
 
 
+@pytest.mark.parametrize(
+    ("remaining", "chunks"),
+    [
+        ([328], [64]),  # --long-prefill-token-threshold 64: a turn's 328 tokens over 6 steps
+        ([328, 40, 8000], [64, 40, 64]),  # every request at most 64 a step
+    ],
+)
+def test_the_long_prefill_threshold_caps_each_request_per_step(remaining: list[int], chunks: list[int]) -> None:
+    assert schedule_chunks(8192, 20, remaining, 64) == chunks
+
+
 def test_a_long_prefill_needs_as_many_steps_as_budgets_it_spans() -> None:
     left, steps = 20_000, 0
     while left:

@@ -155,7 +155,10 @@ def test_configurations_deploy_as_described() -> None:
     vm = suite.bench("2p2d", "vllm-multiturn", 2.0, opts).deployment
     assert vm.gateway_flags == ("--policy", "vllm-multiturn") and ("TURNKV_ROUTING", "round-robin") in vm.gateway_env
     ad = suite.bench("2p2d", "adaptive", 2.0, opts)
-    assert ("TURNKV_POLICY__PARAMS", '{"itl_budget_ms": 30.0}') in ad.deployment.gateway_env
+    assert ("TURNKV_POLICY__PARAMS", '{"itl_budget_ms": 30.0, "decode_chunk_tokens": 64}') in ad.deployment.gateway_env
+    assert "--long-prefill-token-threshold" in ad.deployment.decode_flags
+    before = suite.bench("2p2d", "adaptive-no-itl", 2.0, opts).deployment
+    assert "--long-prefill-token-threshold" not in before.decode_flags
     assert ad.plans[0].workload.session_header
     # the same conversations for every configuration at a rate; others at another rate
     seeds = {suite.bench("2p2d", c, 2.0, opts).plans[0].workload.seed for c in suite.CONFIGS}

@@ -250,3 +250,33 @@ def test_new_turn_facts_default_to_todays_behaviour() -> None:
     assert (f.decode_running, f.decode_context_tokens, f.decode_step_ms, f.itl_budget_ms) == (None, None, None, None)
     assert build_policy("adaptive").decide(f, HOST).action is Action.DECODE_LOCAL
     assert build_policy("adaptive", {"itl_budget_ms": 30}).decide(f, HOST).reason is Reason.ITL_BUDGET
+
+
+THIN = CostParams(decode_chunk_tokens=64)  # D runs with --long-prefill-token-threshold 64
+
+
+def test_thin_chunks_spread_a_turn_over_steps_that_grow_by_little() -> None:
+    added, steps = step_added_s(THIN, 40, 328, EIGHT_K)
+    assert steps == 6  # 64 x 5 + 8
+    # 40 streams and 64 tokens stay within the tokens a step computes for free: only the chunk's attention
+    assert added == pytest.approx(THIN.prefill_attn_s * 64 * (EIGHT_K + 4 * 64 + 32))
+    assert added < step_added_s(HOST, 40, 328, EIGHT_K)[0] / 5
+
+
+def test_with_thin_chunks_decode_local_stays_within_the_budget_and_waits_a_few_steps() -> None:
+    f = turn(40, busy=40)
+    assert build_policy("adaptive", {"itl_budget_ms": 30}).decide(f, HOST).reason is Reason.ITL_BUDGET
+    d = build_policy("adaptive", {"itl_budget_ms": 30, "decode_chunk_tokens": 64}).decide(f, HOST)
+    assert (d.action, d.reason) == (Action.DECODE_LOCAL, Reason.DECODE_LOCAL)
+    # its first token after 6 steps of D's batch: 5 steps more than one chunk would take
+    step = decode_step_s(HOST, 40, 40 * (EIGHT_K + 328))
+    one = estimate(HOST, f)[Action.DECODE_LOCAL]
+    assert estimate(THIN, f)[Action.DECODE_LOCAL] == pytest.approx(one + 5 * step)
+    assert d.estimates[Action.DECODE_LOCAL] == pytest.approx(one + 5 * step)
+
+
+def test_thin_chunks_change_nothing_without_the_setting() -> None:
+    f = turn(40, busy=40)
+    assert estimate(CostParams(), f) == estimate(HOST, f)
+    assert build_policy("adaptive", {"decode_chunk_tokens": 0}).decide(f, HOST) == build_policy("adaptive").decide(
+        f, HOST)

@@ -47,6 +47,10 @@ class CostParams:
     step_per_ctx_token_s: float = 50e-9
     step_free_tokens: int = 128
     max_num_batched_tokens: int = 8192
+    # D's --long-prefill-token-threshold: the most tokens of one prefill a step takes (0: all the budget
+    # leaves). Small chunks keep a decode-local turn's cost per step within the step's free tokens, at the
+    # price of more steps before its first token.
+    decode_chunk_tokens: int = 0
 
     def link(self, *, push: bool = False) -> tuple[float, float]:
         """(fixed seconds per transfer, bytes per second) of D -> P, or of P -> D with ``push``."""
@@ -110,6 +114,12 @@ def estimate(p: CostParams, f: TurnFacts, block_size: int = 16) -> dict[Action, 
         out[Action.PULL] = p.hop_s + transfer_s(p, pulled, block_size) + prefill_s(p, L - have, have) + p_to_d
     if f.decode_local_possible:
         out[Action.DECODE_LOCAL] = p.hop_s + prefill_s(p, L - hitd, hitd)
+        if p.decode_chunk_tokens > 0:  # spread over steps, each as long as D's decode step at least
+            running = f.decode_running if f.decode_running is not None else f.decode_busy
+            _, steps = step_added_s(p, running, L - hitd, hitd)
+            ctx = f.decode_context_tokens if f.decode_context_tokens is not None else running * L
+            step = f.decode_step_ms / 1e3 if f.decode_step_ms is not None else decode_step_s(p, running, ctx)
+            out[Action.DECODE_LOCAL] += max(steps - 1, 0) * max(step, p.step_base_s)
     return out
 
 
@@ -128,6 +138,8 @@ def step_added_s(p: CostParams, running: int, new: int, context: int) -> tuple[f
     if new <= 0:
         return 0.0, 0
     chunk = max(1, p.max_num_batched_tokens - max(running, 0))
+    if p.decode_chunk_tokens > 0:
+        chunk = min(chunk, p.decode_chunk_tokens)
     busy = max(0, running - p.step_free_tokens)
 
     def extra(n: int, c: int) -> float:

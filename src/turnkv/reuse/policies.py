@@ -21,12 +21,15 @@ the turn, their next tokens wait. Above ``decode_local_max_stall_ms`` of estimat
 also refused when D's step time now plus what the turn's prefill adds to a step (chunked: each step
 that carries a chunk is that much longer for every running stream) would exceed the budget while any
 stream runs there: the reason is then ``itl_budget``. TTFT is never bought with the ITL of others.
+A D run with ``--long-prefill-token-threshold`` (``decode_chunk_tokens``) takes a turn's prefill a few
+tokens a step: each step then grows by little (within the tokens a step computes for free, it is only
+the chunk's attention), and the turn's first token comes a few steps later.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -97,6 +100,9 @@ class AdaptiveParams(_Params):
         None, gt=0, description="longest ITL D's running streams may see in a step that also prefills a decode-local "
         "turn (D's step now plus the turn's chunk); the TPOT SLO. Used when the turn's facts carry none; "
         "none: no ITL check")
+    decode_chunk_tokens: int | None = Field(
+        None, ge=0, description="D's --long-prefill-token-threshold (the most tokens of one prefill per step); "
+        "none: the cost model's (0: one chunk of what the token budget leaves)")
     margin: float = Field(0.0, ge=0, description="pull only when it beats recompute by this fraction")
 
 
@@ -109,6 +115,8 @@ class AdaptivePolicy:
         self.may_decode_local = params.decode_local
 
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
+        if self.p.decode_chunk_tokens is not None:
+            costs = replace(costs, decode_chunk_tokens=self.p.decode_chunk_tokens)
         new = facts.prompt_tokens - facts.decode_cached_tokens
         local_ok = (
             self.p.decode_local and facts.decode_local_possible

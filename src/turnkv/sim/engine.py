@@ -44,17 +44,20 @@ log = logging.getLogger("turnkv.sim")
 STALL_WAIT_S = 0.05
 
 
-def schedule_chunks(max_num_batched_tokens: int, decode_batch: int, remaining: Sequence[int]) -> list[int]:
+def schedule_chunks(max_num_batched_tokens: int, decode_batch: int, remaining: Sequence[int],
+                    long_prefill_token_threshold: int = 0) -> list[int]:
     """The prefill chunk each waiting request gets in one step, in order, as vLLM's scheduler with chunked
     prefill gives them: every running stream's decode token comes first out of ``max_num_batched_tokens``,
-    then each waiting request takes what is left, up to its remaining prompt; a prompt longer than that
-    goes on in the next steps. The list stops at the first request that gets nothing."""
+    then each waiting request takes what is left, up to its remaining prompt and, when
+    ``long_prefill_token_threshold`` is set, up to that many tokens a step; what does not fit goes on in
+    the next steps. The list stops at the first request that gets nothing."""
     budget = max_num_batched_tokens - decode_batch
+    cap = long_prefill_token_threshold if long_prefill_token_threshold > 0 else budget
     out: list[int] = []
     for left in remaining:
         if budget <= 0:
             break
-        n = min(budget, left)
+        n = min(budget, left, cap)
         out.append(n)
         budget -= n
     return out
@@ -72,6 +75,8 @@ class EngineConfig(BaseModel):
     kv_lease_duration: float = Field(30.0, gt=0)
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
     max_num_batched_tokens: int = Field(8192, ge=16)
+    long_prefill_token_threshold: int = Field(0, ge=0, description="most prefill tokens of one request a step "
+                                              "(vLLM's --long-prefill-token-threshold); 0: the budget's rest")
     max_model_len: int = Field(40960, ge=16)
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = Field(0, ge=0, le=65535)
@@ -255,7 +260,8 @@ class Engine:
             self._resume_preempted()
             decoding = self._make_room()
             sizes = schedule_chunks(self.cfg.max_num_batched_tokens, len(decoding),
-                                    [self._target(s) - s.num_computed for s in self._waiting])
+                                    [self._target(s) - s.num_computed for s in self._waiting],
+                                    self.cfg.long_prefill_token_threshold)
             chunks = list(zip(self._waiting, sizes, strict=False))
             duration = self.cfg.costs.step_s(len(decoding), sum(s.num_computed for s in decoding),
                                              [(n, s.num_computed) for s, n in chunks])

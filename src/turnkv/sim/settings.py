@@ -50,6 +50,8 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks", type=int, default=20000)
     p.add_argument("--max-model-len", type=int, default=40960)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prefill tokens of one request per step (0: what the token budget leaves)")
     p.add_argument("--side-channel-host", default="127.0.0.1")
     p.add_argument("--side-channel-port", type=int, default=0,
                    help="NIXL side channel port (0: any free port)")
@@ -113,6 +115,7 @@ def settings_from_args(a: argparse.Namespace) -> SimSettings:
         kv_recompute_threshold=a.kv_recompute_threshold, decoder_kv_blocks_ttl=a.decoder_kv_blocks_ttl,
         kv_lease_duration=a.kv_lease_duration, kv_load_failure_policy=a.kv_load_failure_policy,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+        long_prefill_token_threshold=a.long_prefill_token_threshold,
         side_channel_host=a.side_channel_host, side_channel_port=a.side_channel_port,
         clock_skew_s=a.clock_skew, seed=a.seed, costs=costs,
     )

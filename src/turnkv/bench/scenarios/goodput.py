@@ -16,8 +16,9 @@ with two of each). Configurations, side by side at each rate:
   session ids: P recomputes every turn from its prefix cache, D reads P's blocks;
 * ``vllm-multiturn``: vLLM's multi-turn proxy as a policy (the previous handle pulled, unchecked;
   round-robin routing with several engines, as the proxy does);
-* ``adaptive``: turnkv's adaptive policy with the ITL budget at the TPOT SLO;
-* ``adaptive-no-itl``: the same without an ITL budget (turnkv before issue 11);
+* ``adaptive``: turnkv's adaptive policy with the ITL budget at the TPOT SLO, D taking a decode-local
+  turn's prefill ``D_CHUNK_TOKENS`` tokens a step (``--long-prefill-token-threshold``; the policy is told);
+* ``adaptive-no-itl``: adaptive without an ITL budget, D as vLLM's default (turnkv before issue 11);
 * ``adaptive-pull``: adaptive with decode-local off (pull or recompute only).
 
 Engines: the simulator at ``--time-scale 1`` by default (durations slept in real time, so engine time
@@ -51,13 +52,17 @@ TURNKV = "adaptive"
 # conversations arriving per second on one P and one D; a topology with n of each gets n times these
 RATES_1P1D = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
 KV_BLOCKS = 18000
+# D's --long-prefill-token-threshold: a decode-local turn's prefill at most this many tokens a step, so
+# that a step stays within the tokens it computes for free. It changes nothing for plain P/D and the
+# multi-turn proxy (D prefills one token of their turns); adaptive-no-itl runs D as before issue 11.
+D_CHUNK_TOKENS = 64
 WORKLOAD = WorkloadSpec(conversations=8, turns=5, system_tokens=8000, user_tokens=200, answer_tokens=128,
                         think_time_s=1.0, rate=1.0, concurrency=100_000, request_timeout_s=120.0, duration_s=300.0)
 DESCRIPTIONS = {
     "colocated": "colocated engines, one per GPU of the P/D topology, conversations sticking to one",
     "plain": "vLLM's standard P/D (no bidirectional KV) through turnkv without session ids",
     "vllm-multiturn": "turnkv --policy vllm-multiturn (vLLM's multi-turn proxy: previous handle pulled, unchecked)",
-    "adaptive": "turnkv --policy adaptive with the ITL budget at the TPOT SLO",
+    "adaptive": "turnkv --policy adaptive with the ITL budget at the TPOT SLO, D prefilling 64 tokens a step",
     "adaptive-no-itl": "turnkv --policy adaptive without an ITL budget (before issue 11)",
     "adaptive-pull": "turnkv --policy adaptive with decode-local off",
 }
@@ -108,6 +113,9 @@ def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
         return Deployment("colocated", engine_flags=engine, replicas=p + d)
     env: list[tuple[str, str]] = []
     policy = "adaptive"
+    decode = ("--link", "nvlink")
+    if config != "adaptive-no-itl":
+        decode += ("--long-prefill-token-threshold", str(D_CHUNK_TOKENS))
     if config == "plain":
         engine += ("--no-bidirectional",)
         env.append(("TURNKV_CONVERSATION_FROM_HISTORY", "false"))
@@ -116,10 +124,11 @@ def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
         if p > 1 or d > 1:
             env.append(("TURNKV_ROUTING", "round-robin"))  # the upstream proxy round-robins P and D
     elif config == "adaptive":
-        env.append(("TURNKV_POLICY__PARAMS", json.dumps({"itl_budget_ms": opts.slo.tpot_ms})))
+        env.append(("TURNKV_POLICY__PARAMS", json.dumps({"itl_budget_ms": opts.slo.tpot_ms,
+                                                         "decode_chunk_tokens": D_CHUNK_TOKENS})))
     elif config == "adaptive-pull":
         env.append(("TURNKV_POLICY__PARAMS", json.dumps({"decode_local": False})))
-    return Deployment("pd", engine_flags=engine, decode_flags=("--link", "nvlink"), prefills=p, decodes=d,
+    return Deployment("pd", engine_flags=engine, decode_flags=decode, prefills=p, decodes=d,
                       gateway_flags=("--policy", policy), gateway_env=tuple(env))
 
 
