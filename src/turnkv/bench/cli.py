@@ -114,7 +114,7 @@ def _sweep_options(a: argparse.Namespace) -> Any:
         slo=Slo(ttft_ms=a.slo_ttft_ms, tpot_ms=a.slo_tpot_ms),
         window_s=a.window_s, min_conversations=a.conversations or SweepOptions.min_conversations,
         max_conversations=a.max_conversations, past_collapse=a.past_collapse, budget_s=a.max_minutes * 60,
-        time_scale=a.time_scale)
+        time_scale=a.time_scale, **({"configs": tuple(a.configs.split(","))} if a.configs else {}))
 
 
 def _scenarios(a: argparse.Namespace) -> int:
@@ -185,6 +185,9 @@ def add_bench_parser(sub: Any) -> None:
                    help="P/D topology to sweep (repeatable; default both)")
     g.add_argument("--rates", type=_rates, default=None, metavar="R1,R2,...",
                    help="conversations arriving per second on 1P1D (2P2D: twice these); default 0.5,1,1.5,2,2.5,3,4")
+    g.add_argument("--configs", default=None, metavar="C1,C2,...",
+                   help="configurations to run (default: colocated,plain,vllm-multiturn,adaptive,adaptive-no-itl,"
+                        "adaptive-pull)")
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     g.add_argument("--slo-tpot-ms", type=float, default=30.0)
     g.add_argument("--window-s", type=float, default=16.0, help="seconds of arrivals per rate")

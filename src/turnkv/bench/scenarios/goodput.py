@@ -113,7 +113,7 @@ def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
         return Deployment("colocated", engine_flags=engine, replicas=p + d)
     env: list[tuple[str, str]] = []
     policy = "adaptive"
-    decode = ("--link", "nvlink")
+    decode: tuple[str, ...] = ("--link", "nvlink")
     if config != "adaptive-no-itl":
         decode += ("--long-prefill-token-threshold", str(D_CHUNK_TOKENS))
     if config == "plain":
