@@ -187,12 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-time-scale", type=float, default=1.0, help="simulator backend only")
     ap.add_argument("--time-budget-s", type=float, default=300.0,
                     help="start no group after this many seconds (engine start included)")
+    ap.add_argument("--port", type=int, default=PORT)
     ap.add_argument("--keep", action="store_true", help="leave the engine running")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    spec = devlib.EngineSpec("steptime", "colocated", PORT, SIDE_PORT, str(devlib.KIT / f"model-{a.size}-keep"),
+    spec = devlib.EngineSpec("steptime", "colocated", a.port, SIDE_PORT, str(devlib.KIT / f"model-{a.size}-keep"),
                              mem=a.mem, flags=["--enable-prefix-caching", "--max-num-batched-tokens", "8192"],
-                             max_model_len=16384)
+                             max_model_len=20480)
     rec = devlib.start_engine(spec, time_scale=a.sim_time_scale)
     pairs = devlib.words_for(spec.url, 3000)
     words = [w for w, _ in pairs]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 from turnkv.bench.goodput import Slo, collapsed, geometric_rates, meets, next_rate, point_stats, tpot_ms
 from turnkv.bench.records import ConfigResult, RequestRecord
 from turnkv.bench.scenarios import goodput as suite
+from turnkv.reuse.policies import build_policy
 
 SLO = Slo()
 
@@ -155,7 +157,10 @@ def test_configurations_deploy_as_described() -> None:
     vm = suite.bench("2p2d", "vllm-multiturn", 2.0, opts).deployment
     assert vm.gateway_flags == ("--policy", "vllm-multiturn") and ("TURNKV_ROUTING", "round-robin") in vm.gateway_env
     ad = suite.bench("2p2d", "adaptive", 2.0, opts)
-    assert ("TURNKV_POLICY__PARAMS", '{"itl_budget_ms": 30.0, "decode_chunk_tokens": 64}') in ad.deployment.gateway_env
+    params = json.loads(dict(ad.deployment.gateway_env)["TURNKV_POLICY__PARAMS"])
+    assert params == {"itl_budget_ms": 30.0, "decode_chunk_tokens": 64, "decode_cache_max_usage": 0.75,
+                      "decode_kv_tokens": 18000 * 16}
+    assert build_policy("adaptive", params).name == "adaptive"  # the gateway accepts them
     assert "--long-prefill-token-threshold" in ad.deployment.decode_flags
     before = suite.bench("2p2d", "adaptive-no-itl", 2.0, opts).deployment
     assert "--long-prefill-token-threshold" not in before.decode_flags

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from turnkv.config import ConfigError
@@ -280,3 +282,25 @@ def test_thin_chunks_change_nothing_without_the_setting() -> None:
     assert estimate(CostParams(), f) == estimate(HOST, f)
     assert build_policy("adaptive", {"decode_chunk_tokens": 0}).decide(f, HOST) == build_policy("adaptive").decide(
         f, HOST)
+
+
+@pytest.mark.parametrize(
+    ("params", "f", "local"),
+    [
+        # no usage known, or no limit: D's cache is taken to hold the conversation (today's behaviour)
+        ({}, turn(30, busy=30), True),
+        ({"decode_cache_max_usage": 0.75}, turn(30, busy=30), True),
+        # D's running streams and pins hold 90% of its KV: the conversation's blocks are likely gone
+        ({"decode_cache_max_usage": 0.75}, replace(turn(30, busy=30), decode_kv_usage=0.9), False),
+        ({"decode_cache_max_usage": 0.75}, replace(turn(30, busy=30), decode_kv_usage=0.5), True),
+        # estimated from the batch: 30 streams of ~8.7k tokens in 288k tokens of KV is 91%; 10 is 30%
+        ({"decode_cache_max_usage": 0.75, "decode_kv_tokens": 288_000}, turn(30, busy=30), False),
+        ({"decode_cache_max_usage": 0.75, "decode_kv_tokens": 288_000}, turn(10, busy=10), True),
+    ],
+)
+def test_a_crowded_d_is_taken_to_have_lost_the_conversation(params: dict[str, object], f: TurnFacts,
+                                                            local: bool) -> None:
+    d = build_policy("adaptive", params).decide(f, HOST)
+    assert (d.action is Action.DECODE_LOCAL) is local
+    if not local:
+        assert d.reason is Reason.CHEAPER_TO_RECOMPUTE  # the whole prompt on D loses to P

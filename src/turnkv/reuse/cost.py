@@ -75,6 +75,7 @@ class TurnFacts:
     decode_context_tokens: int | None = None  # tokens of KV those streams read per step, all together
     decode_step_ms: float | None = None  # D's step time now, as measured (its recent ITL)
     itl_budget_ms: float | None = None  # longest ITL a stream on D may see in a step that prefills this turn
+    decode_kv_usage: float | None = None  # share of D's KV its running requests and pins hold (0-1)
 
 
 def prefill_s(p: CostParams, new: int, context: int) -> float:

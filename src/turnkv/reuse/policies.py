@@ -23,7 +23,9 @@ that carries a chunk is that much longer for every running stream) would exceed 
 stream runs there: the reason is then ``itl_budget``. TTFT is never bought with the ITL of others.
 A D run with ``--long-prefill-token-threshold`` (``decode_chunk_tokens``) takes a turn's prefill a few
 tokens a step: each step then grows by little (within the tokens a step computes for free, it is only
-the chunk's attention), and the turn's first token comes a few steps later.
+the chunk's attention), and the turn's first token comes a few steps later. Where D's KV is crowded
+(``decode_cache_max_usage``), its prefix cache has likely evicted the conversation: decode-local is
+then costed as prefilling the whole prompt on D.
 """
 
 from __future__ import annotations
@@ -100,6 +102,12 @@ class AdaptiveParams(_Params):
         None, gt=0, description="longest ITL D's running streams may see in a step that also prefills a decode-local "
         "turn (D's step now plus the turn's chunk); the TPOT SLO. Used when the turn's facts carry none; "
         "none: no ITL check")
+    decode_cache_max_usage: float | None = Field(
+        None, gt=0, le=1, description="D's KV usage above which its prefix cache is taken to have lost the "
+        "conversation (decode-local would prefill it all again); none: D's cache is taken to hold it")
+    decode_kv_tokens: int | None = Field(
+        None, gt=0, description="D's KV capacity in tokens, to estimate its usage (running streams times this "
+        "prompt's length) when the turn's facts carry none")
     decode_chunk_tokens: int | None = Field(
         None, ge=0, description="D's --long-prefill-token-threshold (the most tokens of one prefill per step); "
         "none: the cost model's (0: one chunk of what the token budget leaves)")
@@ -117,6 +125,10 @@ class AdaptivePolicy:
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
         if self.p.decode_chunk_tokens is not None:
             costs = replace(costs, decode_chunk_tokens=self.p.decode_chunk_tokens)
+        usage = self.kv_usage(facts)
+        if usage is not None and self.p.decode_cache_max_usage is not None and usage > self.p.decode_cache_max_usage:
+            # D's running streams crowd its KV: the conversation's cached blocks have likely been evicted
+            facts = replace(facts, decode_cached_tokens=0)
         new = facts.prompt_tokens - facts.decode_cached_tokens
         local_ok = (
             self.p.decode_local and facts.decode_local_possible
@@ -138,6 +150,15 @@ class AdaptivePolicy:
         if best is Action.DECODE_LOCAL:
             return Decision(best, Reason.DECODE_LOCAL, est)
         return Decision(best, None, est)
+
+    def kv_usage(self, facts: TurnFacts) -> float | None:
+        """D's KV usage: as measured, else estimated from its running streams (each about this long)."""
+        if facts.decode_kv_usage is not None:
+            return facts.decode_kv_usage
+        if self.p.decode_kv_tokens is None:
+            return None
+        running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
+        return running * facts.prompt_tokens / self.p.decode_kv_tokens
 
     def within_itl_budget(self, facts: TurnFacts, costs: CostParams) -> bool:
         """Whether D's running streams stay within the ITL budget while D prefills this turn: D's step

@@ -56,6 +56,7 @@ KV_BLOCKS = 18000
 # that a step stays within the tokens it computes for free. It changes nothing for plain P/D and the
 # multi-turn proxy (D prefills one token of their turns); adaptive-no-itl runs D as before issue 11.
 D_CHUNK_TOKENS = 64
+DECODE_CACHE_MAX_USAGE = 0.75
 WORKLOAD = WorkloadSpec(conversations=8, turns=5, system_tokens=8000, user_tokens=200, answer_tokens=128,
                         think_time_s=1.0, rate=1.0, concurrency=100_000, request_timeout_s=120.0, duration_s=300.0)
 DESCRIPTIONS = {
@@ -106,6 +107,15 @@ def _engine(opts: SweepOptions) -> tuple[str, ...]:
             "--time-scale", f"{opts.time_scale:g}")
 
 
+def adaptive_params(slo: Slo) -> dict[str, float | int]:
+    """What ``adaptive`` is told on this branch through its parameters, the gateway unchanged: the ITL
+    budget (the TPOT SLO), D's chunk size, and D's KV size, from which with D's streams (the gateway's
+    count) it estimates D's KV usage; above ``DECODE_CACHE_MAX_USAGE`` D's cache is taken to have lost
+    the conversation. A planner that passes D's measured step time and KV usage needs only the first."""
+    return {"itl_budget_ms": slo.tpot_ms, "decode_chunk_tokens": D_CHUNK_TOKENS,
+            "decode_cache_max_usage": DECODE_CACHE_MAX_USAGE, "decode_kv_tokens": KV_BLOCKS * 16}
+
+
 def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
     p, d = TOPOLOGIES[topology]
     engine = _engine(opts)
@@ -124,8 +134,7 @@ def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
         if p > 1 or d > 1:
             env.append(("TURNKV_ROUTING", "round-robin"))  # the upstream proxy round-robins P and D
     elif config == "adaptive":
-        env.append(("TURNKV_POLICY__PARAMS", json.dumps({"itl_budget_ms": opts.slo.tpot_ms,
-                                                         "decode_chunk_tokens": D_CHUNK_TOKENS})))
+        env.append(("TURNKV_POLICY__PARAMS", json.dumps(adaptive_params(opts.slo))))
     elif config == "adaptive-pull":
         env.append(("TURNKV_POLICY__PARAMS", json.dumps({"decode_local": False})))
     return Deployment("pd", engine_flags=engine, decode_flags=decode, prefills=p, decodes=d,
