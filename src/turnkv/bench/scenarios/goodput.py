@@ -56,7 +56,7 @@ KV_BLOCKS = 18000
 # that a step stays within the tokens it computes for free. It changes nothing for plain P/D and the
 # multi-turn proxy (D prefills one token of their turns); adaptive-no-itl runs D as before issue 11.
 D_CHUNK_TOKENS = 64
-DECODE_CACHE_MAX_USAGE = 0.75
+DECODE_CACHE_MAX_USAGE = 0.6
 WORKLOAD = WorkloadSpec(conversations=8, turns=5, system_tokens=8000, user_tokens=200, answer_tokens=128,
                         think_time_s=1.0, rate=1.0, concurrency=100_000, request_timeout_s=120.0, duration_s=300.0)
 DESCRIPTIONS = {
