@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -202,3 +203,18 @@ def test_the_targets_are_judged_per_rate_and_at_plain_pds_peak() -> None:
     text, groups = suite.analyze(configs)
     assert "| goodput >= 1.5x plain P/D where plain P/D peaks | 1p1d r1 | 1.67x | >= 1.50x | met |" in text
     assert set(groups) == {"1p1d r1", "1p1d r2"}
+
+
+def test_the_summary_is_plain_json_without_the_records(tmp_path: Path) -> None:
+    from turnkv.bench.records import RunResult
+
+    run = RunResult(suite="goodput", command="turnkv bench scenarios --suite goodput")
+    run.configs = [result("1p1d", "plain", 1.0, _point(3, 20.0)), result("1p1d", "adaptive", 1.0, [])]
+    suite.write_summary(run, tmp_path / "summary.json")
+    def no_constants(c: str) -> None:
+        raise AssertionError(f"{c} in JSON")
+
+    doc = json.loads((tmp_path / "summary.json").read_text(), parse_constant=no_constants)
+    assert doc["points"]["1p1d"]["1"]["plain"]["goodput"] == pytest.approx(3.0)
+    assert doc["points"]["1p1d"]["1"]["adaptive"]["itl_p99"] is None
+    assert {t["verdict"] for t in doc["targets"]} <= {"met", "MISSED", "-"}

@@ -37,9 +37,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from turnkv.bench.goodput import PointStats, Slo, collapsed, next_rate, point_stats
-from turnkv.bench.records import ConfigResult
+from turnkv.bench.records import ConfigResult, RunResult
 from turnkv.bench.report import md_table
 from turnkv.bench.scenarios.base import Bench, ConfigPlan, Deployment
 from turnkv.bench.stats import fmt_ms, fmt_ratio
@@ -313,6 +314,29 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
                        [[c.target, c.where, fmt_ratio(c.measured), f"{'>=' if c.at_least else '<='} {c.limit:.2f}x",
                          c.verdict] for c in cs]), ""]
     return "\n".join(parts), groups
+
+
+def write_summary(run: RunResult, path: Path) -> None:
+    """Every point's statistics and the targets, without the per-request records (small enough to keep)."""
+    g, slo = grid(run.configs)
+    doc = {"suite": run.suite, "command": run.command, "created": run.created, "machine": run.machine,
+           "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+           "points": {topo: {f"{rate:g}": {c: st.to_dict() for c, st in cfg.items()} for rate, cfg in rates.items()}
+                      for topo, rates in g.items()},
+           "targets": [{"target": c.target, "where": c.where, "measured": c.measured, "limit": c.limit,
+                        "verdict": c.verdict} for c in checks(g)]}
+    path.write_text(json.dumps(_no_nan(doc), indent=1))
+
+
+def _no_nan(x: Any) -> Any:
+    """JSON has no NaN: nothing measured is written as null."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_no_nan(v) for v in x]
+    return x
 
 
 def plot(configs: Sequence[ConfigResult], path: Path) -> None:

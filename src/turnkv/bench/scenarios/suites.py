@@ -50,6 +50,7 @@ def write(run: RunResult, out: Path) -> None:
         overhead.plot(run.configs, out / "ttft_by_load.png")
     if run.suite == "goodput":
         goodput.plot(run.configs, out / "goodput_vs_rate.png")
+        goodput.write_summary(run, out / "summary.json")
     if run.suite == "fifth-turn":
         from turnkv.bench.report import plot_ttft_by_turn
 
