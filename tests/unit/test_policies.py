@@ -304,3 +304,17 @@ def test_a_crowded_d_is_taken_to_have_lost_the_conversation(params: dict[str, ob
     assert (d.action is Action.DECODE_LOCAL) is local
     if not local:
         assert d.reason is Reason.CHEAPER_TO_RECOMPUTE  # the whole prompt on D loses to P
+
+
+def test_ps_queue_counts_against_the_paths_through_p() -> None:
+    # D is idle and the turn thin-chunked: at an idle P, recomputing there is estimated faster...
+    f = turn(10, busy=10)
+    thin = {"itl_budget_ms": 30, "decode_chunk_tokens": 64}
+    assert build_policy("adaptive", thin).decide(f, NVLINK).action is not Action.DECODE_LOCAL
+    # ...but P's first turns keep it busy: with 100 ms of queue there, D's own steps are faster
+    queued = replace(f, prefill_queue_ms=100.0)
+    assert build_policy("adaptive", thin).decide(queued, NVLINK).action is Action.DECODE_LOCAL
+    assert build_policy("adaptive", {**thin, "prefill_queue_ms": 100}).decide(f, NVLINK).action is Action.DECODE_LOCAL
+    est, est_q = estimate(NVLINK, f), estimate(NVLINK, queued)
+    assert est_q[Action.RECOMPUTE] == pytest.approx(est[Action.RECOMPUTE] + 0.1)
+    assert est_q[Action.PULL] == pytest.approx(est[Action.PULL] + 0.1)

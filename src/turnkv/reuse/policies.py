@@ -108,6 +108,9 @@ class AdaptiveParams(_Params):
     decode_kv_tokens: int | None = Field(
         None, gt=0, description="D's KV capacity in tokens, to estimate its usage (running streams times this "
         "prompt's length) when the turn's facts carry none")
+    prefill_queue_ms: float | None = Field(
+        None, ge=0, description="how long a turn waits at P before its prefill, when the turn's facts do not "
+        "say (P is shared: its first turns queue the others); none: 0, an idle P")
     decode_chunk_tokens: int | None = Field(
         None, ge=0, description="D's --long-prefill-token-threshold (the most tokens of one prefill per step); "
         "none: the cost model's (0: one chunk of what the token budget leaves)")
@@ -125,6 +128,8 @@ class AdaptivePolicy:
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
         if self.p.decode_chunk_tokens is not None:
             costs = replace(costs, decode_chunk_tokens=self.p.decode_chunk_tokens)
+        if facts.prefill_queue_ms is None and self.p.prefill_queue_ms is not None:
+            facts = replace(facts, prefill_queue_ms=self.p.prefill_queue_ms)
         usage = self.kv_usage(facts)
         if usage is not None and self.p.decode_cache_max_usage is not None and usage > self.p.decode_cache_max_usage:
             # D's running streams crowd its KV: the conversation's cached blocks have likely been evicted

@@ -58,6 +58,9 @@ KV_BLOCKS = 18000
 # multi-turn proxy (D prefills one token of their turns); adaptive-no-itl runs D as before issue 11.
 D_CHUNK_TOKENS = 64
 DECODE_CACHE_MAX_USAGE = 0.6
+# P's queue wait the policy assumes (the gateway does not pass P's load yet): first turns' 8k-token
+# prefills hold P for ~0.25 s each, and later turns sent to P wait behind them
+PREFILL_QUEUE_MS = 100.0
 WORKLOAD = WorkloadSpec(conversations=8, turns=5, system_tokens=8000, user_tokens=200, answer_tokens=128,
                         think_time_s=1.0, rate=1.0, concurrency=100_000, request_timeout_s=120.0, duration_s=300.0)
 DESCRIPTIONS = {
@@ -110,11 +113,13 @@ def _engine(opts: SweepOptions) -> tuple[str, ...]:
 
 def adaptive_params(slo: Slo) -> dict[str, float | int]:
     """What ``adaptive`` is told on this branch through its parameters, the gateway unchanged: the ITL
-    budget (the TPOT SLO), D's chunk size, and D's KV size, from which with D's streams (the gateway's
-    count) it estimates D's KV usage; above ``DECODE_CACHE_MAX_USAGE`` D's cache is taken to have lost
-    the conversation. A planner that passes D's measured step time and KV usage needs only the first."""
+    budget (the TPOT SLO), D's chunk size, D's KV size, from which with D's streams (the gateway's count)
+    it estimates D's KV usage (above ``DECODE_CACHE_MAX_USAGE`` D's cache is taken to have lost the
+    conversation), and a fixed P queue wait. A planner that passes D's measured step time and KV usage
+    and P's queue needs only the budget and the chunk size."""
     return {"itl_budget_ms": slo.tpot_ms, "decode_chunk_tokens": D_CHUNK_TOKENS,
-            "decode_cache_max_usage": DECODE_CACHE_MAX_USAGE, "decode_kv_tokens": KV_BLOCKS * 16}
+            "decode_cache_max_usage": DECODE_CACHE_MAX_USAGE, "decode_kv_tokens": KV_BLOCKS * 16,
+            "prefill_queue_ms": PREFILL_QUEUE_MS}
 
 
 def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
