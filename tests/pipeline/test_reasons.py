@@ -261,6 +261,17 @@ async def test_decode_local(direct: bool) -> None:
         assert "x-turnkv-prefill-ms" not in a.headers
 
 
+async def test_decode_local_that_would_slow_the_streams_on_d_past_the_itl_budget_goes_through_p() -> None:
+    # D runs streams; prefilling the turn there would stretch their steps past a 1 ms budget (issue 11)
+    async with gateway(policy={"name": "adaptive", "params": {"itl_budget_ms": 1.0}}) as gw:
+        chat = await conversation(gw)
+        gw.engine[D0].running = 8
+        await gw.wait_for("the fleet to see D's streams", lambda: view(gw, D0).busy >= 8)
+        a = await chat.say("go on")
+        gw.engine[D0].running = 0
+        assert a.action != "decode_local" and a.reason == "itl_budget"
+
+
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("load", [{"waiting": 2}, {"kv_usage": 0.95}], ids=["queue", "kv_full"])
 async def test_a_decode_engine_with_a_queue_or_short_of_kv_takes_no_decode_local_turn(

@@ -47,6 +47,12 @@ def test_defaults_are_vllm_defaults() -> None:
         (["--link-gbps", "2"], "engine.costs.link_bytes_per_s", 2e9),
         (["--link-latency-ms", "3"], "engine.costs.link_fixed_s", 0.003),
         (["--decode-itl-ms", "20"], "engine.costs.decode_base_s", 0.02),
+        (["--decode-per-seq-us", "70"], "engine.costs.decode_per_seq_s", 70e-6),
+        (["--decode-ctx-ns", "40"], "engine.costs.decode_per_ctx_token_s", 40e-9),
+        (["--prefill-us-per-token", "20"], "engine.costs.prefill_per_token_s", 20e-6),
+        (["--prefill-attn-ns", "2"], "engine.costs.prefill_attn_s", 2e-9),
+        (["--free-tokens", "256"], "engine.costs.free_tokens", 256),
+        (["--prefill-floor-ms", "10"], "engine.costs.prefill_floor_s", 0.01),
         (["--fail-next", "2"], "faults.fail_next", 2),
         (["--drop-next", "1", "--drop-after-chunks", "5"], "faults.drop_after_chunks", 5),
         (["--seed", "7"], "engine.seed", 7),
@@ -80,7 +86,8 @@ def test_transfer_time_is_a_fixed_cost_plus_bytes_over_bandwidth(link: str, gb_p
 def test_prefill_grows_with_new_tokens_and_context_and_time_scale_zero_is_free() -> None:
     m = CostModel()
     assert m.prefill_s(0, 100) == 0.0
-    assert m.prefill_s(1, 0) == m.prefill_floor_s
+    assert m.prefill_s(1, 0) == pytest.approx(m.decode_base_s)  # one token costs a step's fixed cost
+    assert CostModel(prefill_floor_s=0.01).prefill_s(1, 0) == 0.01
     assert m.prefill_s(4096, 0) < m.prefill_s(8192, 0)
     assert m.prefill_s(4096, 0) < m.prefill_s(4096, 8192)
     assert m.decode_s(1) < m.decode_s(64)

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from turnkv.config import ConfigError
 from turnkv.reuse.assess import Reason
-from turnkv.reuse.cost import Action, CostParams, TurnFacts, estimate, pulled_tokens, transfer_s
-from turnkv.reuse.policies import POLICY_NAMES, build_policy
+from turnkv.reuse.cost import (
+    Action,
+    CostParams,
+    TurnFacts,
+    decode_step_s,
+    estimate,
+    pulled_tokens,
+    step_added_s,
+    transfer_s,
+)
+from turnkv.reuse.policies import POLICY_NAMES, build_policy, itl_with_turn_ms
 
 HOST = CostParams()  # 0.43 GB/s, the project's H200 host as measured
 RDMA = CostParams(link_fixed_s=0.005, link_bytes_per_s=45e9)
@@ -107,14 +118,23 @@ def test_margin_makes_pull_prove_itself() -> None:
         ("decode-local", facts(16400, 16000, local=True), Action.DECODE_LOCAL),
         ("decode-local", facts(16400, 16000), Action.RECOMPUTE),
         ("always-reuse-unchecked", facts(16400, 16000), Action.PULL),
+        ("vllm-multiturn", facts(16400, 16000), Action.PULL),
+        ("vllm-multiturn", facts(16400, 16000, local=True, d_cached=16000), Action.PULL),  # never decode-local
+        ("vllm-multiturn", facts(16400, 0), Action.RECOMPUTE),
+        # P holds all but 48 tokens of what D has: below kv_recompute_threshold, P would not pull
+        ("vllm-multiturn", facts(16400, 16000, p_cached=15952), Action.RECOMPUTE),
     ],
 )
 def test_fixed_policies(name: str, f: TurnFacts, action: Action) -> None:
     assert build_policy(name).decide(f, NVLINK).action is action
 
 
-def test_only_the_unchecked_baseline_skips_the_token_check() -> None:
-    assert [n for n in POLICY_NAMES if not build_policy(n).checks_tokens] == ["always-reuse-unchecked"]
+def test_only_the_unchecked_baselines_skip_the_token_check() -> None:
+    assert [n for n in POLICY_NAMES if not build_policy(n).checks_tokens] == [
+        "always-reuse-unchecked",
+        "vllm-multiturn",
+    ]
+    assert not build_policy("vllm-multiturn").may_decode_local
 
 
 @pytest.mark.parametrize(
@@ -137,6 +157,7 @@ def test_bad_policy_config_fails_at_start(name: str, params: dict[str, object]) 
         ("adaptive", {}, RDMA, facts(16_000, 15_800, local=True, d_cached=15_792), False),
         ("always-pull", {}, HOST, facts(16_000, 15_800), True),
         ("always-reuse-unchecked", {}, HOST, facts(16_000, 15_800), True),
+        ("vllm-multiturn", {}, HOST, facts(16_000, 15_800), True),
         ("never-pull", {}, NVLINK, facts(16_000, 15_800), False),
         ("decode-local", {}, NVLINK, facts(16_000, 15_800, local=True), False),
     ],
@@ -145,3 +166,182 @@ def test_a_handle_is_kept_pinned_only_where_a_pull_would_use_it(
     name: str, params: dict[str, object], costs: CostParams, f: TurnFacts, keeps: bool
 ) -> None:
     assert build_policy(name, params).keeps_pin(f, costs) is keeps
+
+
+# -- the ITL budget: decode-local only while D's running streams stay within it -------------------------
+
+EIGHT_K = 8400  # an 8k history with a few turns: the workload of the goodput suite
+
+
+def turn(
+    running: int | None = None,
+    *,
+    busy: int = 0,
+    budget: float | None = None,
+    step_ms: float | None = None,
+    context: int | None = None,
+    new: int = 328,
+) -> TurnFacts:
+    """A later turn on the D that holds the conversation: ``new`` tokens over an 8.4k-token history."""
+    return TurnFacts(
+        EIGHT_K + new,
+        EIGHT_K,
+        0,
+        EIGHT_K,
+        True,
+        busy,
+        decode_running=running,
+        decode_context_tokens=context,
+        decode_step_ms=step_ms,
+        itl_budget_ms=budget,
+    )
+
+
+@pytest.mark.parametrize(
+    ("running", "new", "steps"),
+    [
+        (0, 328, 1),
+        (30, 8162, 1),  # the budget less the streams' tokens holds it
+        (30, 20_000, 3),  # 8162 + 8162 + 3676
+        (8192, 100, 100),  # a full batch: one token a step
+    ],
+)
+def test_a_decode_local_prefill_is_chunked_over_steps(running: int, new: int, steps: int) -> None:
+    assert step_added_s(HOST, running, new, 8000)[1] == steps
+
+
+def test_what_a_chunk_adds_to_a_step() -> None:
+    # 30 streams: 328 new tokens over 8.4k: compute past the free tokens and the chunk's attention
+    added, _ = step_added_s(HOST, 30, 328, EIGHT_K)
+    want = HOST.prefill_per_token_s * (30 + 328 - HOST.step_free_tokens) + HOST.prefill_attn_s * 328 * (EIGHT_K + 164)
+    assert added == pytest.approx(want)
+    assert step_added_s(HOST, 30, 0, EIGHT_K) == (0.0, 0)
+    # the longest step of a chunked prefill is the one with the most context before it
+    assert step_added_s(HOST, 30, 20_000, 0)[0] > step_added_s(HOST, 30, 8162, 0)[0]
+    assert decode_step_s(HOST, 0, 0) == 0.0
+    assert decode_step_s(HOST, 40, 40 * 8192) > decode_step_s(HOST, 10, 10 * 8192) > HOST.step_base_s
+
+
+@pytest.mark.parametrize(
+    ("params", "f", "action", "reason"),
+    [
+        # no budget anywhere: today's behaviour, whatever D runs
+        ({}, turn(60, busy=60), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
+        # a budget, but nothing runs on D: nobody waits
+        ({"itl_budget_ms": 30}, turn(0), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
+        # 10 streams: a ~12 ms step plus ~8 ms of chunk stays within 30 ms
+        ({"itl_budget_ms": 30}, turn(10, busy=10), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
+        # 40 streams over 8k each: a ~26 ms step plus the chunk goes past 30 ms
+        ({"itl_budget_ms": 30}, turn(40, busy=40), Action.RECOMPUTE, Reason.ITL_BUDGET),
+        # without decode_running, the streams the gateway counts on D stand for the batch
+        ({"itl_budget_ms": 30}, turn(busy=40), Action.RECOMPUTE, Reason.ITL_BUDGET),
+        # the turn's own budget wins over the parameter
+        ({"itl_budget_ms": 30}, turn(40, busy=40, budget=60), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
+        ({}, turn(40, busy=40, budget=30), Action.RECOMPUTE, Reason.ITL_BUDGET),
+        # D's measured step time stands over the estimate: a slow D refuses at 10 streams, a fast one
+        # takes the turn at 40
+        ({"itl_budget_ms": 30}, turn(10, busy=10, step_ms=25.0), Action.RECOMPUTE, Reason.ITL_BUDGET),
+        ({"itl_budget_ms": 30}, turn(40, busy=40, step_ms=12.0), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
+        # the streams' context as measured: 40 short streams read little KV
+        ({"itl_budget_ms": 30}, turn(40, busy=40, context=40 * 500), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
+        # a long user turn (4k tokens) adds ~0.1 s to one step: refused even beside one stream
+        ({"itl_budget_ms": 30}, turn(1, busy=1, new=4000), Action.RECOMPUTE, Reason.ITL_BUDGET),
+    ],
+)
+def test_adaptive_keeps_decode_local_within_the_itl_budget(
+    params: dict[str, object], f: TurnFacts, action: Action, reason: Reason
+) -> None:
+    d = build_policy("adaptive", params).decide(f, HOST)
+    assert (d.action, d.reason) == (action, reason)
+
+
+def test_the_itl_budget_reason_only_when_decode_local_would_have_won() -> None:
+    # D's cache lost the conversation while P's holds it: P is faster anyway, the budget decided nothing
+    f = TurnFacts(EIGHT_K + 328, EIGHT_K, EIGHT_K, 0, True, 40, decode_running=40, itl_budget_ms=30)
+    params = {"decode_local_max_new_tokens": 100_000, "decode_local_max_stall_ms": 10_000}
+    d = build_policy("adaptive", params).decide(f, NVLINK)
+    assert (d.action, d.reason) == (Action.RECOMPUTE, Reason.CHEAPER_TO_RECOMPUTE)
+
+
+def test_the_itl_estimate_is_the_step_now_plus_the_chunk() -> None:
+    f = turn(30, context=30 * 8192)
+    want = (decode_step_s(HOST, 30, 30 * 8192) + step_added_s(HOST, 30, 328, EIGHT_K)[0]) * 1e3
+    assert itl_with_turn_ms(f, HOST) == pytest.approx(want)
+    assert itl_with_turn_ms(turn(30, step_ms=20.0), HOST) == pytest.approx(
+        20.0 + step_added_s(HOST, 30, 328, EIGHT_K)[0] * 1e3
+    )
+
+
+def test_new_turn_facts_default_to_todays_behaviour() -> None:
+    f = facts(16400, 16000, local=True, d_cached=16000, busy=60)
+    assert (f.decode_running, f.decode_context_tokens, f.decode_step_ms, f.itl_budget_ms) == (None, None, None, None)
+    assert build_policy("adaptive").decide(f, HOST).action is Action.DECODE_LOCAL
+    assert build_policy("adaptive", {"itl_budget_ms": 30}).decide(f, HOST).reason is Reason.ITL_BUDGET
+
+
+THIN = CostParams(decode_chunk_tokens=64)  # D runs with --long-prefill-token-threshold 64
+
+
+def test_thin_chunks_spread_a_turn_over_steps_that_grow_by_little() -> None:
+    added, steps = step_added_s(THIN, 40, 328, EIGHT_K)
+    assert steps == 6  # 64 x 5 + 8
+    # 40 streams and 64 tokens stay within the tokens a step computes for free: only the chunk's attention
+    assert added == pytest.approx(THIN.prefill_attn_s * 64 * (EIGHT_K + 4 * 64 + 32))
+    assert added < step_added_s(HOST, 40, 328, EIGHT_K)[0] / 5
+
+
+def test_with_thin_chunks_decode_local_stays_within_the_budget_and_waits_a_few_steps() -> None:
+    f = turn(40, busy=40)
+    assert build_policy("adaptive", {"itl_budget_ms": 30}).decide(f, HOST).reason is Reason.ITL_BUDGET
+    d = build_policy("adaptive", {"itl_budget_ms": 30, "decode_chunk_tokens": 64}).decide(f, HOST)
+    assert (d.action, d.reason) == (Action.DECODE_LOCAL, Reason.DECODE_LOCAL)
+    # its first token after 6 steps of D's batch: 5 steps more than one chunk would take
+    step = decode_step_s(HOST, 40, 40 * (EIGHT_K + 328))
+    one = estimate(HOST, f)[Action.DECODE_LOCAL]
+    assert estimate(THIN, f)[Action.DECODE_LOCAL] == pytest.approx(one + 5 * step)
+    assert d.estimates[Action.DECODE_LOCAL] == pytest.approx(one + 5 * step)
+
+
+def test_thin_chunks_change_nothing_without_the_setting() -> None:
+    f = turn(40, busy=40)
+    assert estimate(CostParams(), f) == estimate(HOST, f)
+    assert build_policy("adaptive", {"decode_chunk_tokens": 0}).decide(f, HOST) == build_policy("adaptive").decide(
+        f, HOST
+    )
+
+
+@pytest.mark.parametrize(
+    ("params", "f", "local"),
+    [
+        # no usage known, or no limit: D's cache is taken to hold the conversation (today's behaviour)
+        ({}, turn(30, busy=30), True),
+        ({"decode_cache_max_usage": 0.75}, turn(30, busy=30), True),
+        # D's running streams and pins hold 90% of its KV: the conversation's blocks are likely gone
+        ({"decode_cache_max_usage": 0.75}, replace(turn(30, busy=30), decode_kv_usage=0.9), False),
+        ({"decode_cache_max_usage": 0.75}, replace(turn(30, busy=30), decode_kv_usage=0.5), True),
+        # estimated from the batch: 30 streams of ~8.7k tokens in 288k tokens of KV is 91%; 10 is 30%
+        ({"decode_cache_max_usage": 0.75, "decode_kv_tokens": 288_000}, turn(30, busy=30), False),
+        ({"decode_cache_max_usage": 0.75, "decode_kv_tokens": 288_000}, turn(10, busy=10), True),
+    ],
+)
+def test_a_crowded_d_is_taken_to_have_lost_the_conversation(
+    params: dict[str, object], f: TurnFacts, local: bool
+) -> None:
+    d = build_policy("adaptive", params).decide(f, HOST)
+    assert (d.action is Action.DECODE_LOCAL) is local
+    if not local:
+        assert d.reason is Reason.CHEAPER_TO_RECOMPUTE  # the whole prompt on D loses to P
+
+
+def test_ps_queue_counts_against_the_paths_through_p() -> None:
+    # D is idle and the turn thin-chunked: at an idle P, recomputing there is estimated faster...
+    f = turn(10, busy=10)
+    thin = {"itl_budget_ms": 30, "decode_chunk_tokens": 64}
+    assert build_policy("adaptive", thin).decide(f, NVLINK).action is not Action.DECODE_LOCAL
+    # ...but P's first turns keep it busy: with 100 ms of queue there, D's own steps are faster
+    queued = replace(f, prefill_queue_ms=100.0)
+    assert build_policy("adaptive", thin).decide(queued, NVLINK).action is Action.DECODE_LOCAL
+    assert build_policy("adaptive", {**thin, "prefill_queue_ms": 100}).decide(f, NVLINK).action is Action.DECODE_LOCAL
+    est, est_q = estimate(NVLINK, f), estimate(NVLINK, queued)
+    assert est_q[Action.RECOMPUTE] == pytest.approx(est[Action.RECOMPUTE] + 0.1)
+    assert est_q[Action.PULL] == pytest.approx(est[Action.PULL] + 0.1)

@@ -118,9 +118,42 @@ def write_outputs(
     plot_ttft_by_turn(run.configs, out / "ttft_by_turn.png", title=title, groups=groups)
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(sorted({float(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not rates or rates[0] <= 0:
+        raise argparse.ArgumentTypeError("rates must be positive")
+    return rates
+
+
+def _sweep_options(a: argparse.Namespace) -> Any:
+    from turnkv.bench.goodput import Slo
+    from turnkv.bench.scenarios.goodput import TOPOLOGIES, SweepOptions
+
+    return SweepOptions(
+        topologies=tuple(a.topology or TOPOLOGIES),
+        rates=a.rates,
+        slo=Slo(ttft_ms=a.slo_ttft_ms, tpot_ms=a.slo_tpot_ms),
+        window_s=a.window_s,
+        min_conversations=a.conversations or SweepOptions.min_conversations,
+        max_conversations=a.max_conversations,
+        past_collapse=a.past_collapse,
+        budget_s=a.max_minutes * 60,
+        time_scale=a.time_scale,
+        **({"configs": tuple(a.configs.split(","))} if a.configs else {}),
+    )
+
+
 def _scenarios(a: argparse.Namespace) -> int:
     from turnkv.bench.scenarios.suites import run_suite
 
+    try:
+        sweep = _sweep_options(a) if a.suite == "goodput" else None
+    except ValueError as exc:
+        print(f"turnkv bench scenarios: {exc}", file=sys.stderr)
+        return 2
     return run_suite(
         a.suite,
         _out_dir(a, a.suite),
@@ -130,6 +163,7 @@ def _scenarios(a: argparse.Namespace) -> int:
         conversations=a.conversations,
         resume=a.resume,
         gateway_workers=a.gateway_workers,
+        sweep=sweep,
     )
 
 
@@ -175,7 +209,7 @@ def add_bench_parser(sub: Any) -> None:
     r.set_defaults(func=_run)
 
     s = bsub.add_parser("scenarios", help="start simulated deployments and run a benchmark suite")
-    s.add_argument("--suite", required=True, choices=["fifth-turn", "overhead", "smoke", "decode-memory"])
+    s.add_argument("--suite", required=True, choices=["fifth-turn", "overhead", "smoke", "decode-memory", "goodput"])
     s.add_argument("--out", default=None, help="output directory (default bench-results/<suite>-<time>)")
     s.add_argument(
         "--only",
@@ -194,6 +228,36 @@ def add_bench_parser(sub: Any) -> None:
         help="run each gateway as N workers (turnkv serve --workers N, with Redis; pinned to CPUs 1..N)",
     )
     _bool_flag(s, "progress", True, "progress line on stderr")
+    g = s.add_argument_group("goodput sweep (--suite goodput; rates and times are simulated)")
+    g.add_argument(
+        "--topology",
+        action="append",
+        choices=["1p1d", "2p2d"],
+        default=None,
+        help="P/D topology to sweep (repeatable; default both)",
+    )
+    g.add_argument(
+        "--rates",
+        type=_rates,
+        default=None,
+        metavar="R1,R2,...",
+        help="conversations arriving per second on 1P1D (2P2D: twice these); default 0.5,1,1.5,2,2.5,3,4",
+    )
+    g.add_argument(
+        "--configs",
+        default=None,
+        metavar="C1,C2,...",
+        help="configurations to run (default: colocated,plain,vllm-multiturn,adaptive,adaptive-no-itl,adaptive-pull)",
+    )
+    g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    g.add_argument("--slo-tpot-ms", type=float, default=30.0)
+    g.add_argument("--window-s", type=float, default=16.0, help="seconds of arrivals per rate")
+    g.add_argument("--max-conversations", type=int, default=None, help="cap on conversations per rate")
+    g.add_argument(
+        "--past-collapse", type=int, default=2, help="rates to run after the first where colocated's ITL p99 collapsed"
+    )
+    g.add_argument("--max-minutes", type=float, default=15.0, help="per topology: no new rate starts after it")
+    g.add_argument("--time-scale", type=float, default=1.0, help="the simulated engines' --time-scale")
     s.set_defaults(func=_scenarios)
 
     pr = bsub.add_parser("profile", help="cProfile of the gateway under zero-cost engines")

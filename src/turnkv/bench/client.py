@@ -7,7 +7,9 @@ single call, after the stream ended, to rebuild the answer and read ``usage``.
 
 Two kinds of target: an OpenAI-compatible endpoint (turnkv, or an engine), or ``pd-direct``,
 where the client itself runs vLLM's P/D handshake (P with ``max_tokens: 1`` and
-``do_remote_decode``, then D with P's ``kv_transfer_params``), as a proxy-free baseline.
+``do_remote_decode``, then D with P's ``kv_transfer_params``), as a proxy-free baseline. An endpoint
+may have replicas (colocated engines side by side): each conversation then sticks to one, the
+conversations taking them in turn, as a session-affinity balancer in front of them would.
 """
 
 from __future__ import annotations
@@ -45,17 +47,32 @@ class Target:
     url: str | None = None
     prefill: str | None = None
     decode: str | None = None
+    replicas: tuple[str, ...] = ()  # more endpoints like ``url``; conversation i goes to the (i mod n)-th
 
     def __post_init__(self) -> None:
         if (self.url is None) == (self.prefill is None or self.decode is None):
             raise ValueError("a target is either a url, or a prefill and a decode url")
+        if self.replicas and self.url is None:
+            raise ValueError("replicas go with a url")
+
+    def url_for(self, conversation: int) -> str:
+        """The endpoint of ``conversation``: ``url`` itself, or the replica its index picks."""
+        assert self.url is not None
+        urls = (self.url, *self.replicas)
+        return urls[conversation % len(urls)]
 
     @property
     def kind(self) -> str:
         return "openai" if self.url else "pd-direct"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "url": self.url, "prefill": self.prefill, "decode": self.decode}
+        return {
+            "kind": self.kind,
+            "url": self.url,
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "replicas": list(self.replicas),
+        }
 
 
 @dataclass
@@ -92,14 +109,14 @@ class TurnClient:
         self.target = target
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def send(self, body: dict[str, Any], headers: dict[str, str]) -> TurnOutcome:
+    async def send(self, body: dict[str, Any], headers: dict[str, str], conversation: int = 0) -> TurnOutcome:
         out = TurnOutcome()
         hdrs = {"content-type": "application/json", **headers}
         try:
             if self.target.url is not None:
                 data = _dumps(body)
                 t0 = time.perf_counter()
-                await self._stream(chat_url(self.target.url), data, hdrs, t0, out)
+                await self._stream(chat_url(self.target.url_for(conversation)), data, hdrs, t0, out)
             else:
                 await self._pd_direct(body, hdrs, out)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:

@@ -93,7 +93,7 @@ async def _turns(
             return
         body = conv.next_request()
         sent = time.perf_counter()
-        out = await client.send(body, headers)
+        out = await client.send(body, headers, conv.index)
         rec = RequestRecord(
             conversation=conv.index,
             turn=conv.turn,

@@ -42,6 +42,7 @@ class Reason(enum.StrEnum):
     PROMPT_SHORTER = "prompt_shorter"
     CHEAPER_TO_RECOMPUTE = "cheaper_to_recompute"
     DECODE_LOCAL = "decode_local"
+    ITL_BUDGET = "itl_budget"  # decode-local would have been fastest, but would push D's ITL past the budget
     PULL_FAILED = "pull_failed"
     PIN_RELEASED = "pin_released"  # the stored handle was given back (budget, pressure, not worth its bytes)
     NO_HANDLE_IN_STREAM = "no_handle_in_stream"  # D's stream carried no handle (vLLM < 0.33 without the plugin)

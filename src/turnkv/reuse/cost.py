@@ -1,9 +1,17 @@
-"""Pure estimates of a turn's time to first token under each way of running it.
+"""Pure estimates of a turn's time to first token under each way of running it, and of what a
+decode-local turn costs the streams already on that D.
 
 Three ways: ``recompute`` (P computes what its prefix cache lacks), ``pull`` (P pulls D's blocks
 for the reusable part, then computes the rest) and ``decode_local`` (the decode engine that holds
 the conversation prefills the new tokens itself: no P hop, no transfers). The parameters are
 measurements (see ``reuse.estimator``), not constants; the defaults are the project's H200 host.
+
+A decode-local turn is not free for D's other streams: vLLM schedules its prefill into D's steps
+(chunked, beside every running stream's decode token, within ``max_num_batched_tokens``), and each
+step that carries a chunk lasts longer for every stream (``step_added_s``). The step model is the
+simulator's (``turnkv.sim.costs``): a fixed cost, per stream, per token of context read, compute past
+the tokens a step does for free, and the prefill's attention; the priors are the H200's until
+``gpu/step_time.py`` has measured them.
 """
 
 from __future__ import annotations
@@ -32,6 +40,17 @@ class CostParams:
     prefill_floor_s: float = 0.010
     hop_s: float = 0.003  # one HTTP request to an engine, end to end, without compute
     recompute_threshold: int = 64  # vLLM's kv_recompute_threshold: smaller pulls are not made
+    # D's step (see the module docstring): its fixed cost, per running stream, per token of context the
+    # streams read, the tokens a step computes within its fixed cost, and D's token budget per step
+    step_base_s: float = 0.008
+    step_per_seq_s: float = 0.00005
+    step_per_ctx_token_s: float = 50e-9
+    step_free_tokens: int = 128
+    max_num_batched_tokens: int = 8192
+    # D's --long-prefill-token-threshold: the most tokens of one prefill a step takes (0: all the budget
+    # leaves). Small chunks keep a decode-local turn's cost per step within the step's free tokens, at the
+    # price of more steps before its first token.
+    decode_chunk_tokens: int = 0
 
     def link(self, *, push: bool = False) -> tuple[float, float]:
         """(fixed seconds per transfer, bytes per second) of D -> P, or of P -> D with ``push``."""
@@ -51,6 +70,15 @@ class TurnFacts:
     decode_cached_tokens: int  # what D's own prefix cache likely has (for decode-local)
     decode_local_possible: bool
     decode_busy: int = 0  # streams running on that D
+    # What a decode-local turn would cost the streams already on that D. None keeps today's behaviour:
+    # the running batch is ``decode_busy``, the context they read is guessed from this prompt, the step
+    # time is estimated from the step model, and the budget is the policy's own (none: no ITL check).
+    decode_running: int | None = None  # streams in D's decode batch now (vllm:num_requests_running)
+    decode_context_tokens: int | None = None  # tokens of KV those streams read per step, all together
+    decode_step_ms: float | None = None  # D's step time now, as measured (its recent ITL)
+    itl_budget_ms: float | None = None  # longest ITL a stream on D may see in a step that prefills this turn
+    decode_kv_usage: float | None = None  # share of D's KV its running requests and pins hold (0-1)
+    prefill_queue_ms: float | None = None  # how long this turn would wait at P before its prefill starts
 
 
 def prefill_s(p: CostParams, new: int, context: int) -> float:
@@ -77,17 +105,62 @@ def pulled_tokens(p: CostParams, f: TurnFacts) -> int:
 
 
 def estimate(p: CostParams, f: TurnFacts, block_size: int = 16) -> dict[Action, float]:
-    """Estimated TTFT of each possible action, in seconds, at an idle engine."""
+    """Estimated TTFT of each possible action, in seconds: at idle engines, plus P's queue where the
+    facts say it."""
     L = f.prompt_tokens
+    queue = (f.prefill_queue_ms or 0.0) / 1e3
     hitp = min(f.prefill_cached_tokens, L - 1)
     hitd = min(f.decode_cached_tokens, L - 1)
     # after P, D pulls what its own prefix cache lacks and recomputes the last prompt token
     p_to_d = transfer_s(p, L - hitd, block_size, push=True) + p.hop_s + p.prefill_floor_s
-    out = {Action.RECOMPUTE: p.hop_s + prefill_s(p, L - hitp, hitp) + p_to_d}
+    out = {Action.RECOMPUTE: queue + p.hop_s + prefill_s(p, L - hitp, hitp) + p_to_d}
     if f.reusable_tokens > 0:
         pulled = pulled_tokens(p, f)
         have = hitp + pulled
-        out[Action.PULL] = p.hop_s + transfer_s(p, pulled, block_size) + prefill_s(p, L - have, have) + p_to_d
+        out[Action.PULL] = queue + p.hop_s + transfer_s(p, pulled, block_size) + prefill_s(p, L - have, have) + p_to_d
     if f.decode_local_possible:
         out[Action.DECODE_LOCAL] = p.hop_s + prefill_s(p, L - hitd, hitd)
+        if p.decode_chunk_tokens > 0:  # spread over steps, each as long as D's decode step at least
+            running = f.decode_running if f.decode_running is not None else f.decode_busy
+            _, steps = step_added_s(p, running, L - hitd, hitd)
+            ctx = f.decode_context_tokens if f.decode_context_tokens is not None else running * L
+            step = f.decode_step_ms / 1e3 if f.decode_step_ms is not None else decode_step_s(p, running, ctx)
+            out[Action.DECODE_LOCAL] += max(steps - 1, 0) * max(step, p.step_base_s)
     return out
+
+
+def decode_step_s(p: CostParams, running: int, context: int) -> float:
+    """D's step with ``running`` streams reading ``context`` tokens of KV in all, and no prefill."""
+    if running <= 0:
+        return 0.0
+    return (
+        p.step_base_s
+        + p.step_per_seq_s * running
+        + p.step_per_ctx_token_s * context
+        + p.prefill_per_token_s * max(0, running - p.step_free_tokens)
+    )
+
+
+def step_added_s(p: CostParams, running: int, new: int, context: int) -> tuple[float, int]:
+    """(seconds the longest step grows by, steps it spans) when D prefills ``new`` tokens over
+    ``context`` beside ``running`` decode streams: the prefill goes in chunks of what the token budget
+    leaves after the streams' tokens, each adding its compute past the free tokens and its attention."""
+    if new <= 0:
+        return 0.0, 0
+    chunk = max(1, p.max_num_batched_tokens - max(running, 0))
+    if p.decode_chunk_tokens > 0:
+        chunk = min(chunk, p.decode_chunk_tokens)
+    busy = max(0, running - p.step_free_tokens)
+
+    def extra(n: int, c: int) -> float:
+        return p.prefill_per_token_s * (max(0, running + n - p.step_free_tokens) - busy) + p.prefill_attn_s * n * (
+            c + n / 2
+        )
+
+    full, rest = divmod(new, chunk)
+    # a chunk costs more the more context precedes it: the worst is the last full one or the remainder
+    worst = max(
+        extra(chunk, context + (full - 1) * chunk) if full else 0.0,
+        extra(rest, context + full * chunk) if rest else 0.0,
+    )
+    return worst, full + (1 if rest else 0)

@@ -4,28 +4,50 @@ Each policy is a small class with a pure ``decide``; they are registered by name
 parameters as a pydantic model, validated at start. ``adaptive`` (the default) picks the action
 with the lowest estimated time to first token; the fixed ones are the benchmark baselines.
 ``always-reuse-unchecked`` skips the token check, as vLLM's example proxy does: it exists to show
-in tests and benchmarks what that costs, and must not serve users.
+in tests and benchmarks what that costs, and must not serve users. ``vllm-multiturn`` is vLLM's
+multi-turn proxy (``disagg_proxy_multiturn.py``) as a policy: it hands P the conversation's previous
+handle on every turn, unchecked, and P pulls it unless the pull is below ``kv_recompute_threshold``;
+like ``always-reuse-unchecked`` it is wrong on templates that strip reasoning or rewrite history
+(positions shift and the answer is silently wrong), and is a benchmark baseline only.
 
     policy:
       name: adaptive
-      params: {decode_local: true, decode_local_max_stall_ms: 150, margin: 0.0}
+      params: {decode_local: true, decode_local_max_stall_ms: 150, itl_budget_ms: 30, margin: 0.0}
 
 Decode-local is bounded by what it costs the streams already running on that D: while D prefills
-the turn, their next tokens wait. The estimated prefill time is that stall; above
-``decode_local_max_stall_ms`` (or above ``decode_local_max_busy`` streams) the turn goes through P.
+the turn, their next tokens wait. Above ``decode_local_max_stall_ms`` of estimated prefill (or above
+``decode_local_max_busy`` streams) the turn goes through P. With an ITL budget (the turn's
+``itl_budget_ms`` fact, else the ``itl_budget_ms`` parameter; set it to the TPOT SLO), decode-local is
+also refused when D's step time now plus what the turn's prefill adds to a step (chunked: each step
+that carries a chunk is that much longer for every running stream) would exceed the budget while any
+stream runs there: the reason is then ``itl_budget``. TTFT is never bought with the ITL of others.
+A D run with ``--long-prefill-token-threshold`` (``decode_chunk_tokens``) takes a turn's prefill a few
+tokens a step: each step then grows by little (within the tokens a step computes for free, it is only
+the chunk's attention), and the turn's first token comes a few steps later. Where D's KV is crowded
+(``decode_cache_max_usage``), its prefix cache has likely evicted the conversation: decode-local is
+then costed as prefilling the whole prompt on D.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from turnkv.config import ConfigError
 from turnkv.reuse.assess import Reason
-from turnkv.reuse.cost import Action, CostParams, TurnFacts, estimate, prefill_s
+from turnkv.reuse.cost import (
+    Action,
+    CostParams,
+    TurnFacts,
+    decode_step_s,
+    estimate,
+    prefill_s,
+    pulled_tokens,
+    step_added_s,
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +55,19 @@ class Decision:
     action: Action
     reason: Reason | None = None  # set when the policy declines usable KV
     estimates: Mapping[Action, float] = field(default_factory=dict)
+
+
+def itl_with_turn_ms(facts: TurnFacts, costs: CostParams) -> float:
+    """The ITL D's running streams would see in the longest step that also prefills this turn (ms): D's
+    step time now (measured, else estimated from its batch and their context, else this prompt's length
+    per stream) plus what the turn's chunk adds to that step."""
+    running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
+    context = facts.decode_context_tokens if facts.decode_context_tokens is not None else running * facts.prompt_tokens
+    step_ms = facts.decode_step_ms if facts.decode_step_ms is not None else decode_step_s(costs, running, context) * 1e3
+    added, _ = step_added_s(
+        costs, running, facts.prompt_tokens - facts.decode_cached_tokens, facts.decode_cached_tokens
+    )
+    return step_ms + added * 1e3
 
 
 class ReusePolicy(Protocol):
@@ -63,6 +98,38 @@ class AdaptiveParams(_Params):
         150.0, ge=0, description="longest estimated prefill D may run for one turn (its streams wait that long)"
     )
     decode_local_max_busy: int = Field(64, ge=0, description="streams on D above which D is not asked to prefill")
+    itl_budget_ms: float | None = Field(
+        None,
+        gt=0,
+        description="longest ITL D's running streams may see in a step that also prefills a decode-local "
+        "turn (D's step now plus the turn's chunk); the TPOT SLO. Used when the turn's facts carry none; "
+        "none: no ITL check",
+    )
+    decode_cache_max_usage: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="D's KV usage above which its prefix cache is taken to have lost the "
+        "conversation (decode-local would prefill it all again); none: D's cache is taken to hold it",
+    )
+    decode_kv_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="D's KV capacity in tokens, to estimate its usage (running streams times this "
+        "prompt's length) when the turn's facts carry none",
+    )
+    prefill_queue_ms: float | None = Field(
+        None,
+        ge=0,
+        description="how long a turn waits at P before its prefill, when the turn's facts do not "
+        "say (P is shared: its first turns queue the others); none: 0, an idle P",
+    )
+    decode_chunk_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="D's --long-prefill-token-threshold (the most tokens of one prefill per step); "
+        "none: the cost model's (0: one chunk of what the token budget leaves)",
+    )
     margin: float = Field(0.0, ge=0, description="pull only when it beats recompute by this fraction")
 
 
@@ -75,6 +142,14 @@ class AdaptivePolicy:
         self.may_decode_local = params.decode_local
 
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
+        if self.p.decode_chunk_tokens is not None:
+            costs = replace(costs, decode_chunk_tokens=self.p.decode_chunk_tokens)
+        if facts.prefill_queue_ms is None and self.p.prefill_queue_ms is not None:
+            facts = replace(facts, prefill_queue_ms=self.p.prefill_queue_ms)
+        usage = self.kv_usage(facts)
+        if usage is not None and self.p.decode_cache_max_usage is not None and usage > self.p.decode_cache_max_usage:
+            # D's running streams crowd its KV: the conversation's cached blocks have likely been evicted
+            facts = replace(facts, decode_cached_tokens=0)
         new = facts.prompt_tokens - facts.decode_cached_tokens
         local_ok = (
             self.p.decode_local
@@ -83,15 +158,38 @@ class AdaptivePolicy:
             and facts.decode_busy <= self.p.decode_local_max_busy
             and prefill_s(costs, new, facts.decode_cached_tokens) * 1e3 <= self.p.decode_local_max_stall_ms
         )
-        est = estimate(costs, TurnFacts(**{**facts.__dict__, "decode_local_possible": local_ok}))
+        itl_ok = not local_ok or self.within_itl_budget(facts, costs)
+        est = estimate(costs, TurnFacts(**{**facts.__dict__, "decode_local_possible": local_ok and itl_ok}))
         if Action.PULL in est:
             est[Action.PULL] *= 1.0 + self.p.margin
         best = min(est, key=lambda a: (est[a], a != Action.RECOMPUTE))
+        if not itl_ok:
+            local = estimate(costs, TurnFacts(**{**facts.__dict__, "decode_local_possible": True}))
+            if local[Action.DECODE_LOCAL] < est[best]:  # decode-local would have won: the budget said no
+                return Decision(best, Reason.ITL_BUDGET, est)
         if best is Action.RECOMPUTE and facts.reusable_tokens > 0:
             return Decision(best, Reason.CHEAPER_TO_RECOMPUTE, est)
         if best is Action.DECODE_LOCAL:
             return Decision(best, Reason.DECODE_LOCAL, est)
         return Decision(best, None, est)
+
+    def kv_usage(self, facts: TurnFacts) -> float | None:
+        """D's KV usage: as measured, else estimated from its running streams (each about this long)."""
+        if facts.decode_kv_usage is not None:
+            return facts.decode_kv_usage
+        if self.p.decode_kv_tokens is None:
+            return None
+        running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
+        return running * facts.prompt_tokens / self.p.decode_kv_tokens
+
+    def within_itl_budget(self, facts: TurnFacts, costs: CostParams) -> bool:
+        """Whether D's running streams stay within the ITL budget while D prefills this turn: D's step
+        time now plus the longest step the turn's chunks add to it (no budget, or no stream: yes)."""
+        budget = facts.itl_budget_ms if facts.itl_budget_ms is not None else self.p.itl_budget_ms
+        running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
+        if budget is None or running <= 0:
+            return True
+        return itl_with_turn_ms(facts, costs) <= budget
 
     def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
         # decode-local now: the next turn most likely too, from D's own prefix cache. Otherwise keep
@@ -170,12 +268,34 @@ class UncheckedPolicy:
         return True
 
 
+class VllmMultiturnPolicy:
+    """vLLM's multi-turn proxy (``disagg_proxy_multiturn.py``): every turn hands P the previous handle,
+    unchecked, and P pulls it unless that is below ``kv_recompute_threshold``; never decode-local.
+    Unsafe on templates that strip reasoning or rewrite history. A benchmark baseline."""
+
+    name = "vllm-multiturn"
+    checks_tokens = False
+    may_decode_local = False
+
+    def __init__(self, params: FixedParams) -> None:
+        pass
+
+    def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
+        if facts.reusable_tokens > 0 and pulled_tokens(costs, facts) > 0:
+            return Decision(Action.PULL)
+        return Decision(Action.RECOMPUTE)
+
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
+        return True  # the proxy keeps every handle until the next turn takes it (or its TTL)
+
+
 _REGISTRY: dict[str, tuple[type[_Params], Callable[[Any], ReusePolicy]]] = {
     "adaptive": (AdaptiveParams, AdaptivePolicy),
     "always-pull": (FixedParams, AlwaysPullPolicy),
     "never-pull": (FixedParams, NeverPullPolicy),
     "decode-local": (FixedParams, DecodeLocalPolicy),
     "always-reuse-unchecked": (FixedParams, UncheckedPolicy),
+    "vllm-multiturn": (FixedParams, VllmMultiturnPolicy),
 }
 
 POLICY_NAMES = tuple(_REGISTRY)

@@ -1,17 +1,36 @@
-"""How long simulated work takes: prefill, decode steps, KV transfers and the API hop.
+"""How long simulated work takes: engine steps (decode and prefill together), KV transfers, the API hop.
 
-Defaults describe the Qwen3-8B shape on one H200, recalibrated on 2026-11-29 from our own run of
-vLLM 0.26 + NIXL there (BENCHMARKS.md, "Real vLLM on one H200"): a cold prefill through P took
-113-121 ms for 4.2k tokens and 547-603 ms for 16.4k (25 us/token plus 1.2 ns per token per token
-of context fits both), NIXL moved KV at 0.36-0.50 GB/s over TCP with about 2 ms fixed cost per
-transfer; with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` the same host moved P->D at 172-352 GB/s and
-D->P at 5-21 GB/s (preset ``h200-ipc``, the slower direction). The decode ITL (~8 ms plus a
-per-sequence increment) and the 10 ms floor are from ../shared/reference/performance-anchors.md.
-Every duration is multiplied by ``time_scale``; 0 makes the engine free, for gateway-overhead runs.
+One engine step is one forward pass over every token scheduled into it, as in vLLM's continuous
+batching with chunked prefill: the running streams' decode tokens and the prefill chunks that fit
+in what is left of ``max_num_batched_tokens``. Its duration (``CostModel.step_s``) is
+
+    step = STEP_BASE_S                                       one pass over the weights (memory bound)
+         + DECODE_PER_SEQ_S x decode batch                    per running stream (sampling, bookkeeping)
+         + DECODE_PER_CTX_TOKEN_S x context the batch reads   attention over the streams' KV
+         + PREFILL_PER_TOKEN_S x max(0, tokens - FREE_TOKENS) compute, once the step is compute bound
+         + PREFILL_ATTN_S x sum of new x (context + new/2)    the prefill chunks' attention
+
+where ``tokens`` is decode tokens plus prefill tokens in the step. So a running stream's inter-token
+latency is the step time, and a prefill scheduled beside it (a decode-local turn, a colocated
+engine's new prompt) lengthens that step for every stream; a prefill longer than the token budget is
+split over several steps, each longer. A lone prefill of N tokens is the same formula with no decode
+batch. The constants are priors for the Qwen3-8B shape on one H200 (vLLM 0.26): the prefill terms
+from our own run there (a cold prefill through P took 113-121 ms for 4.2k tokens and 547-603 ms for
+16.4k: 8 ms + 23.5 us/token past the first 128 + 1.2 ns per token per token of context fits both),
+the decode terms from ../shared/reference/performance-anchors.md (~8 ms ITL at a small batch) and the
+KV read rate (144 KiB per token of context at ~3 TB/s effective). ``gpu/step_time.py`` measures
+decode step time against prefill tokens in the batch and batch size on real vLLM, and
+``gpu/fit_step_time.py`` fits these constants from it; until that has run, they are these priors.
+
+Links: NIXL moved KV at 0.36-0.50 GB/s over TCP with about 2 ms fixed cost per transfer on our H200
+host; with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` the same host moved P->D at 172-352 GB/s and D->P at
+5-21 GB/s (preset ``h200-ipc``, the slower direction). Every duration is multiplied by
+``time_scale``; 0 makes the engine free, for gateway-overhead runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
@@ -54,15 +73,30 @@ def kv_bytes_per_token(shape: str) -> int:
     return 2 * layers * kv_heads * head_dim * 2
 
 
+# The step model's priors (see the module docstring); ``CostModel`` takes each as a field.
+STEP_BASE_S = 0.008
+DECODE_PER_SEQ_S = 0.00005
+DECODE_PER_CTX_TOKEN_S = 50e-9
+PREFILL_PER_TOKEN_S = 23.5e-6
+FREE_TOKENS = 128
+PREFILL_ATTN_S = 1.2e-9
+
+
 class CostModel(BaseModel):
     """Engine timing parameters. Times in seconds before ``time_scale`` is applied."""
 
     time_scale: float = Field(1.0, ge=0)
-    prefill_floor_s: float = Field(0.010, ge=0, description="minimum duration of a step that prefills")
-    prefill_per_token_s: float = Field(25e-6, ge=0)
-    prefill_attn_s: float = Field(1.2e-9, ge=0, description="per new token per token of context")
-    decode_base_s: float = Field(0.008, ge=0, description="ITL of a decode step with one sequence")
-    decode_per_seq_s: float = Field(0.00005, ge=0)
+    decode_base_s: float = Field(STEP_BASE_S, ge=0, description="a step's fixed cost: the ITL of one stream alone")
+    decode_per_seq_s: float = Field(DECODE_PER_SEQ_S, ge=0, description="per stream in the decode batch")
+    decode_per_ctx_token_s: float = Field(
+        DECODE_PER_CTX_TOKEN_S, ge=0, description="per token of context the decode batch attends to"
+    )
+    prefill_per_token_s: float = Field(
+        PREFILL_PER_TOKEN_S, ge=0, description="per token in the step beyond free_tokens (compute bound)"
+    )
+    free_tokens: int = Field(FREE_TOKENS, ge=0, description="tokens a step computes within its fixed cost")
+    prefill_attn_s: float = Field(PREFILL_ATTN_S, ge=0, description="per new token per token of context")
+    prefill_floor_s: float = Field(0.0, ge=0, description="minimum duration of a step that prefills (0: none)")
     api_overhead_s: float = Field(0.003, ge=0, description="HTTP, templating and scheduling per request")
     link: str = "host"
     link_fixed_s: float | None = None
@@ -72,14 +106,28 @@ class CostModel(BaseModel):
     def scaled(self, seconds: float) -> float:
         return seconds * self.time_scale
 
-    def prefill_s(self, new: int, context: int) -> float:
-        if new <= 0:
+    def step_s(self, decode_batch: int, decode_context: int, chunks: Sequence[tuple[int, int]] = ()) -> float:
+        """One engine step: ``decode_batch`` streams reading ``decode_context`` tokens of KV in all, and
+        prefill ``chunks`` of (new tokens, tokens before them). 0 for an empty step."""
+        new = sum(n for n, _ in chunks if n > 0)
+        if decode_batch <= 0 and new <= 0:
             return 0.0
-        t = self.prefill_per_token_s * new + self.prefill_attn_s * new * (context + new / 2)
-        return max(self.prefill_floor_s, t)
+        t = (
+            self.decode_base_s
+            + self.decode_per_seq_s * max(decode_batch, 0)
+            + self.decode_per_ctx_token_s * max(decode_context, 0)
+            + self.prefill_per_token_s * max(0, max(decode_batch, 0) + new - self.free_tokens)
+            + self.prefill_attn_s * sum(n * (c + n / 2) for n, c in chunks if n > 0)
+        )
+        return max(t, self.prefill_floor_s) if new > 0 else t
 
-    def decode_s(self, batch: int) -> float:
-        return 0.0 if batch <= 0 else self.decode_base_s + self.decode_per_seq_s * batch
+    def prefill_s(self, new: int, context: int) -> float:
+        """A prefill of ``new`` tokens over ``context`` on an engine running nothing else (one step)."""
+        return self.step_s(0, 0, ((new, context),))
+
+    def decode_s(self, batch: int, context: int = 0) -> float:
+        """A decode-only step of ``batch`` streams reading ``context`` tokens of KV in all."""
+        return self.step_s(batch, context)
 
     def transfer_link(self) -> Link:
         base = LINKS[self.link]

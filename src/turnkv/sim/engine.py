@@ -2,11 +2,15 @@
 
 Decides what vLLM's scheduler would: the local prefix-cache hit (full blocks, capped below the
 prompt length so one token is computed), when a request is admitted (a prompt that does not fit
-in the free blocks waits for blocks to be freed, as in vLLM's waiting queue; when a running request
-cannot get a block for its next token, the newest running request is preempted: its blocks are
-freed and it is computed again later, so its stream pauses but its answer stays the same), how prefill chunks
-and decode steps share a step (a running prefill stalls decode on the same engine), how long a
-step takes (``costs``), and which KV values each step writes (``oracle``). What a request pulls
+in the free blocks waits for blocks to be freed, as in vLLM's waiting queue; when a running stream
+needs a block for its next token and none is free, the newest running request is preempted as vLLM
+does: its blocks are freed and, once blocks are free again and before any new request, its KV is
+recomputed (from what its prefix cache kept) and it decodes on with the same answer), how prefill chunks
+and decode steps share a step (``schedule_chunks``: the running streams' decode tokens first out of
+``max_num_batched_tokens``, then prefill chunks in arrival order, a long prompt split over steps),
+how long a step takes (``costs.step_s`` of the decode batch, the context it reads and the prefill
+chunks in it: a prefill lengthens the step every running stream waits for), and which KV values
+each step writes (``oracle``). What a request pulls
 from another engine and what it pins when it finishes is the ``connector``'s decision.
 """
 
@@ -40,6 +44,26 @@ log = logging.getLogger("turnkv.sim")
 STALL_WAIT_S = 0.05
 
 
+def schedule_chunks(
+    max_num_batched_tokens: int, decode_batch: int, remaining: Sequence[int], long_prefill_token_threshold: int = 0
+) -> list[int]:
+    """The prefill chunk each waiting request gets in one step, in order, as vLLM's scheduler with chunked
+    prefill gives them: every running stream's decode token comes first out of ``max_num_batched_tokens``,
+    then each waiting request takes what is left, up to its remaining prompt and, when
+    ``long_prefill_token_threshold`` is set, up to that many tokens a step; what does not fit goes on in
+    the next steps. The list stops at the first request that gets nothing."""
+    budget = max_num_batched_tokens - decode_batch
+    cap = long_prefill_token_threshold if long_prefill_token_threshold > 0 else budget
+    out: list[int] = []
+    for left in remaining:
+        if budget <= 0:
+            break
+        n = min(budget, left, cap)
+        out.append(n)
+        budget -= n
+    return out
+
+
 class EngineConfig(BaseModel):
     role: Literal["prefill", "decode", "colocated"] = "colocated"
     compat: Literal["0.26", "0.33"] = "0.26"
@@ -52,6 +76,12 @@ class EngineConfig(BaseModel):
     kv_lease_duration: float = Field(30.0, gt=0)
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
     max_num_batched_tokens: int = Field(8192, ge=16)
+    long_prefill_token_threshold: int = Field(
+        0,
+        ge=0,
+        description="most prefill tokens of one request a step "
+        "(vLLM's --long-prefill-token-threshold); 0: the budget's rest",
+    )
     max_model_len: int = Field(40960, ge=16)
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = Field(0, ge=0, le=65535)
@@ -76,7 +106,8 @@ class Engine:
         self.connector = Connector(self)
         self._waiting: deque[Seq] = deque()
         self._running: list[Seq] = []
-        self._preempted: deque[Seq] = deque()  # waiting for blocks to be computed again
+        self._preempted: deque[Seq] = deque()  # to be recomputed before any new request is admitted
+        self.preemptions = 0
         self._wake = asyncio.Event()
         self._freed = asyncio.Event()
         self.blocked = 0  # requests waiting for free blocks
@@ -106,7 +137,9 @@ class Engine:
     def report_load(self) -> None:
         """Running and waiting requests and KV usage, as vLLM's gauges say them now."""
         self.metrics.running.set(len(self._running))
-        self.metrics.waiting.set(len(self._waiting) + self.blocked + len(self._preempted))
+        self.metrics.waiting.set(
+            len(self._waiting) + self.blocked + len(self._preempted) + sum(s.stalled for s in self._running)
+        )
         self.metrics.kv_usage.set(self.pool.usage())
 
     def pinned_tokens(self) -> int:
@@ -187,7 +220,7 @@ class Engine:
         while True:
             freed = self._freed
             try:
-                if self._preempted:  # vLLM's waiting queue is first come first served: they go first
+                if self._preempted:  # requests preempted for blocks are recomputed first
                     raise OutOfBlocks("preempted requests wait")
                 self._admit(seq)
                 return
@@ -205,14 +238,13 @@ class Engine:
 
     def _admit(self, seq: Seq) -> None:
         bs = self.cfg.block_size
-        tokens = seq.prefill_tokens
-        n = len(tokens)
-        seq.hashes = block_hashes(tokens, bs, seq.cache_root)
+        n = len(seq.prompt)
+        seq.hashes = block_hashes(seq.prompt, bs, seq.cache_root)
         hit = self.pool.lookup(seq.hashes[: (n - 1) // bs])
         self.pool.acquire(hit)
         local = len(hit) * bs
         try:
-            external, seq.load = (0, False) if seq.preempted else self.connector.external_tokens(seq, local)
+            external, seq.load = self.connector.external_tokens(seq, local)
             seq.block_ids = hit + self.pool.allocate(-(-n // bs) - len(hit))
         except (EngineError, OutOfBlocks):
             self.pool.release(hit)
@@ -238,20 +270,18 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
             self.report_load()
-            decoding = list(self._running)
-            budget = self.cfg.max_num_batched_tokens - len(decoding)
-            chunks: list[tuple[Seq, int]] = []
-            for seq in self._waiting:
-                if budget <= 0:
-                    break
-                n = min(budget, len(seq.prefill_tokens) - seq.num_computed)
-                chunks.append((seq, n))
-                budget -= n
-            costs = self.cfg.costs
-            duration = costs.decode_s(len(decoding))
-            if chunks:
-                prefill = sum(costs.prefill_s(n, s.num_computed) for s, n in chunks)
-                duration += max(costs.prefill_floor_s, prefill)
+            self._resume_preempted()
+            decoding = self._make_room()
+            sizes = schedule_chunks(
+                self.cfg.max_num_batched_tokens,
+                len(decoding),
+                [self._target(s) - s.num_computed for s in self._waiting],
+                self.cfg.long_prefill_token_threshold,
+            )
+            chunks = list(zip(self._waiting, sizes, strict=False))
+            duration = self.cfg.costs.step_s(
+                len(decoding), sum(s.num_computed for s in decoding), [(n, s.num_computed) for s, n in chunks]
+            )
             freed = self._freed
             await self.sleep(duration)
             for seq in decoding:
@@ -260,15 +290,67 @@ class Engine:
             for seq, n in chunks:
                 if not seq.done:
                     self._prefill_chunk(seq, n)
-            if any(s.stalled for s in decoding) and self._running:
-                # as vLLM's scheduler: a request it cannot extend takes the blocks of the newest running one
-                self._preempt(max(self._running, key=lambda s: s.arrival))
-            self._readmit()
-            if self._preempted and not self._waiting and not self._running:
-                # nothing runs and the preempted cannot be admitted: wait for blocks (a release, an expiry)
+            if not chunks and (all(s.stalled for s in decoding) if decoding else self._preempted):
+                # nothing could move: wait for blocks to be freed (a release, an expiry), bounded so
+                # that every wait is looked at again
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(freed.wait(), STALL_WAIT_S)
             self.metrics.kv_usage.set(self.pool.usage())
+
+    @staticmethod
+    def _target(seq: Seq) -> int:
+        """The positions a waiting request computes before it decodes: its prompt, or, after a
+        preemption, all it had computed."""
+        return len(seq.prompt) if seq.resume is None else len(seq.resume)
+
+    def _make_room(self) -> list[Seq]:
+        """The decode batch of this step: every running stream gets a block for its next token; where
+        none is free, the newest running requests are preempted for it (vLLM's scheduler). The newest
+        stream itself is not preempted for nobody's sake: it waits in place (``stalled``) for a block."""
+        bs = self.cfg.block_size
+        for seq in list(self._running):
+            if seq not in self._running:
+                continue  # preempted for an older stream
+            while not seq.done and seq.num_computed // bs >= len(seq.block_ids):
+                try:
+                    seq.block_ids += self.pool.allocate(1)
+                except OutOfBlocks:
+                    victim = self._running[-1]
+                    if victim is seq:
+                        break
+                    self._preempt(victim)
+        return list(self._running)
+
+    def _preempt(self, seq: Seq) -> None:
+        """Free a running request's blocks; its KV is kept aside, to be written again (at the cost of
+        recomputing it) when it is resumed."""
+        seq.resume = [self._prev_kv(seq, i + 1) for i in range(seq.num_computed)]
+        self._running.remove(seq)
+        self.release_blocks(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+        self._preempted.appendleft(seq)
+        self.preemptions += 1
+        self.metrics.preemptions.inc()
+
+    def _resume_preempted(self) -> None:
+        """Readmit preempted requests, first preempted last, while their blocks fit: each is prefilled
+        again (its prefix-cache hits aside) before any waiting prompt."""
+        bs = self.cfg.block_size
+        while self._preempted:
+            seq = self._preempted[0]
+            assert seq.resume is not None
+            n = len(seq.resume)
+            hit = self.pool.lookup(seq.hashes[: (n - 1) // bs])
+            self.pool.acquire(hit)
+            try:
+                seq.block_ids = hit + self.pool.allocate(-(-n // bs) - len(hit))
+            except OutOfBlocks:
+                self.pool.release(hit)
+                return
+            seq.num_computed = len(hit) * bs
+            self._preempted.popleft()
+            self._waiting.appendleft(seq)
 
     def _prev_kv(self, seq: Seq, position: int) -> int:
         return ROOT_KV if position == 0 else self.pool.value_at(seq.block_ids, position - 1)
@@ -285,45 +367,23 @@ class Engine:
             pos += take
             i += take
 
-    def _preempt(self, seq: Seq) -> None:
-        """Take a running request's blocks back; it is computed again (prompt and output so far) once
-        blocks are free, and then decodes on: its answer is the same, only later."""
-        self._running.remove(seq)
-        self.release_blocks(seq.block_ids)
-        seq.block_ids, seq.hashes, seq.load_blocks = [], [], []
-        seq.num_computed = seq.num_cached = seq.external = 0
-        seq.stalled, seq.preempted = False, True
-        self._preempted.append(seq)
-        self.metrics.preemptions.inc()
-
-    def _readmit(self) -> None:
-        """Admit preempted requests again, oldest first, once the running ones can still grow: running
-        requests are served first, as vLLM schedules them before its waiting queue."""
-        while self._preempted:
-            seq = self._preempted[0]
-            need = -(-len(seq.prefill_tokens) // self.cfg.block_size)
-            if self.pool.num_free < need + len(self._running):
-                return
-            try:
-                self._admit(seq)
-            except OutOfBlocks:
-                return
-            self._preempted.popleft()
-            self._waiting.append(seq)
-
     def _prefill_chunk(self, seq: Seq, n: int) -> None:
         start = seq.num_computed
-        values = kv_extend(self._prev_kv(seq, start), seq.prefill_tokens[start : start + n], start)
+        if seq.resume is not None:  # a preempted request: its KV again, then it decodes on
+            self._write(seq, start, seq.resume[start : start + n])
+            seq.num_computed += n
+            if seq.num_computed >= len(seq.resume):
+                self._waiting.remove(seq)
+                seq.resume = None
+                self._running.append(seq)
+            return
+        values = kv_extend(self._prev_kv(seq, start), seq.prompt[start : start + n], start)
         self._write(seq, start, values)
         seq.num_computed += n
         self.metrics.prompt_tokens.inc(n)
-        if seq.num_computed < len(seq.prefill_tokens):
+        if seq.num_computed < len(seq.prompt):
             return
         self._waiting.remove(seq)
-        if seq.preempted:  # computed again after a preemption: it goes on decoding where it was
-            seq.preempted = False
-            self._running.append(seq)
-            return
         computed = len(seq.prompt) - seq.num_cached
         self.metrics.tokens_local_compute.inc(max(computed, 0))
         self.metrics.tokens_local_cache_hit.inc(seq.num_cached - seq.external)

@@ -42,12 +42,6 @@ class Seq:
     output: list[int] = field(default_factory=list)
     queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)
     done: bool = False
-    stalled: bool = False  # no free block for its next token this step
-    preempted: bool = False  # its blocks were taken back: it is computed again from its tokens so far
+    stalled: bool = False  # no free block for its next token (none can be made: it waits in place)
+    resume: list[int] | None = None  # after a preemption: the KV of every position it had computed
     first_token_at: float | None = None
-
-    @property
-    def prefill_tokens(self) -> list[int]:
-        """What a prefill must compute before the request decodes: its prompt, and after a preemption
-        also what it generated but the last token (whose KV the next decode step writes)."""
-        return self.prompt + self.output[:-1] if self.output else self.prompt

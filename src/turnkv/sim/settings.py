@@ -53,6 +53,12 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks", type=int, default=20000)
     p.add_argument("--max-model-len", type=int, default=40960)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="most prefill tokens of one request per step (0: what the token budget leaves)",
+    )
     p.add_argument("--side-channel-host", default="127.0.0.1")
     p.add_argument("--side-channel-port", type=int, default=0, help="NIXL side channel port (0: any free port)")
     p.add_argument("--clock-skew", type=float, default=0.0, help="seconds added to this engine's perf_counter")
@@ -69,9 +75,18 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--link-latency-ms", type=float, default=None, help="fixed cost per KV transfer")
     g.add_argument("--link-gbps", type=float, default=None, help="KV transfer bandwidth in GB/s")
     g.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-8b")
-    g.add_argument("--prefill-us-per-token", type=float, default=None)
-    g.add_argument("--prefill-floor-ms", type=float, default=None)
-    g.add_argument("--decode-itl-ms", type=float, default=None)
+    g.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=None,
+        help="per token in a step beyond --free-tokens (compute bound)",
+    )
+    g.add_argument("--prefill-attn-ns", type=float, default=None, help="per new token per token of context")
+    g.add_argument("--free-tokens", type=int, default=None, help="tokens a step computes within its fixed cost")
+    g.add_argument("--prefill-floor-ms", type=float, default=None, help="minimum duration of a step that prefills")
+    g.add_argument("--decode-itl-ms", type=float, default=None, help="a step's fixed cost (one stream's ITL alone)")
+    g.add_argument("--decode-per-seq-us", type=float, default=None, help="per stream in the decode batch")
+    g.add_argument("--decode-ctx-ns", type=float, default=None, help="per token of context the decode batch attends to")
     g.add_argument("--api-overhead-ms", type=float, default=None)
     f = p.add_argument_group("faults (also settable at run time: POST /_sim/faults)")
     f.add_argument("--fail-next", type=int, default=0, help="answer the next N generation requests with 500")
@@ -93,6 +108,10 @@ def settings_from_args(a: argparse.Namespace) -> SimSettings:
             "prefill_per_token_s": None if a.prefill_us_per_token is None else a.prefill_us_per_token / 1e6,
             "prefill_floor_s": None if a.prefill_floor_ms is None else a.prefill_floor_ms / 1e3,
             "decode_base_s": None if a.decode_itl_ms is None else a.decode_itl_ms / 1e3,
+            "decode_per_seq_s": None if a.decode_per_seq_us is None else a.decode_per_seq_us / 1e6,
+            "decode_per_ctx_token_s": None if a.decode_ctx_ns is None else a.decode_ctx_ns / 1e9,
+            "prefill_attn_s": None if a.prefill_attn_ns is None else a.prefill_attn_ns / 1e9,
+            "free_tokens": a.free_tokens,
             "api_overhead_s": None if a.api_overhead_ms is None else a.api_overhead_ms / 1e3,
         }.items()
         if v is not None
@@ -118,6 +137,7 @@ def settings_from_args(a: argparse.Namespace) -> SimSettings:
         kv_load_failure_policy=a.kv_load_failure_policy,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len,
+        long_prefill_token_threshold=a.long_prefill_token_threshold,
         side_channel_host=a.side_channel_host,
         side_channel_port=a.side_channel_port,
         clock_skew_s=a.clock_skew,

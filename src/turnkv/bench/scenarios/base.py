@@ -1,8 +1,9 @@
 """Configurations and how one is run: start its processes, send the load, measure, stop.
 
-A deployment is ``colocated`` (one engine, the load sent to it), ``pd`` (P and D engines behind a
-turnkv gateway, optionally with a redis-server of its own) or ``pd-direct`` (P and D engines, the
-client runs the P/D handshake itself: no proxy). Around the load the runner reads the gateway's
+A deployment is ``colocated`` (one engine, or several side by side with each conversation sticking
+to one, the load sent to them), ``pd`` (P and D engines, any number of each, behind a turnkv gateway,
+optionally with a redis-server of its own) or ``pd-direct`` (one P and one D engine, the client runs
+the P/D handshake itself: no proxy). Around the load the runner reads the gateway's
 CPU time from /proc, Redis command counts, and the gateway's /metrics.
 """
 
@@ -14,6 +15,7 @@ import os
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from turnkv.bench.records import ConfigResult
 from turnkv.bench.runner import run_load
 from turnkv.bench.workload import WorkloadSpec
 
-ENGINE_METRICS = ("vllm:prompt_tokens_by_source", "vllm:prefix_cache", "vllm:nixl_", "sim:")
+ENGINE_METRICS = ("vllm:prompt_tokens_by_source", "vllm:prefix_cache", "vllm:nixl_")
 GATEWAY_METRICS = (
     "turnkv_reuse_decisions",
     "turnkv_link_",
@@ -36,9 +38,11 @@ GATEWAY_METRICS = (
     "turnkv_upstream_errors",
     "turnkv_render_mismatch",
     "turnkv_tokens",
-    "turnkv_handle_releases",
-    "turnkv_first_token_deadline",
 )
+
+
+def _times(n: int) -> str:
+    return f" (x{n})" if n > 1 else ""
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,15 @@ class Deployment:
     count_redis_round_trips: bool = False  # route Redis through the counting relay
     pin: bool = False  # gateway on CPU 1 (1..N with N workers); engines, redis and the load generator on CPU 0
     gateway_workers: int = 1  # turnkv serve --workers N (needs Redis)
+    prefills: int = 1  # engines of each role (pd); colocated: engines side by side
+    decodes: int = 1
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.prefills, self.decodes, self.replicas) < 1:
+            raise ValueError("a deployment has at least one engine of each kind it uses")
+        if self.kind == "pd-direct" and (self.prefills, self.decodes) != (1, 1):
+            raise ValueError("pd-direct drives one P and one D")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -65,25 +78,30 @@ class Deployment:
             "redis": self.redis,
             "pinned": self.pin,
             "gateway_workers": self.gateway_workers,
+            "prefills": self.prefills,
+            "decodes": self.decodes,
+            "replicas": self.replicas,
         }
 
     def commands(self) -> list[str]:
         """The equivalent shell commands (ports are picked at start: shown as placeholders)."""
         e = " ".join(self.engine_flags)
         if self.kind == "colocated":
-            return [f"turnkv sim --role colocated {e}".strip()]
+            return [f"turnkv sim --role colocated {e}".strip() + _times(self.replicas)]
         if self.kind == "relay":
             return [f"turnkv sim --role colocated {e}".strip(), "python -m turnkv.bench.baseline_relay --upstream $E"]
         out = [
-            f"turnkv sim --role prefill {e} {' '.join(self.prefill_flags)}".strip(),
-            f"turnkv sim --role decode {e} {' '.join(self.decode_flags)}".strip(),
+            f"turnkv sim --role prefill {e} {' '.join(self.prefill_flags)}".strip() + _times(self.prefills),
+            f"turnkv sim --role decode {e} {' '.join(self.decode_flags)}".strip() + _times(self.decodes),
         ]
         if self.kind == "pd":
             redis = " --redis-url redis://127.0.0.1:$REDIS_PORT/0" if self.redis else ""
             env = "".join(f"{k}={v} " for k, v in self.gateway_env)
             workers = f" --workers {self.gateway_workers}" if self.gateway_workers > 1 else ""
+            ps = " ".join(f"$P{i}" for i in range(self.prefills)) if self.prefills > 1 else "$P"
+            ds = " ".join(f"$D{i}" for i in range(self.decodes)) if self.decodes > 1 else "$D"
             out.append(
-                f"{env}turnkv serve --prefill $P --decode $D {' '.join(self.gateway_flags)}{redis}{workers}".strip()
+                f"{env}turnkv serve --prefill {ps} --decode {ds} {' '.join(self.gateway_flags)}{redis}{workers}".strip()
             )
         return out
 
@@ -125,6 +143,30 @@ class Deployed:
     relay: procs.RoundTripRelay | None
 
 
+def _start_engines(
+    specs: Sequence[tuple[str, str, tuple[str, ...]]], log_dir: Path, started: list[launch.Running]
+) -> list[launch.Running]:
+    """Start engines ``(name, role, flags)`` at once; every one that started is in ``started`` (to be
+    stopped) even when another failed, whose error is raised."""
+    with ThreadPoolExecutor(max(1, len(specs))) as pool:
+        futures = [pool.submit(launch.sim, name, role, *flags, log_dir=log_dir) for name, role, flags in specs]
+        out: list[launch.Running] = []
+        errors: list[BaseException] = []
+        for f in futures:
+            try:
+                out.append(f.result())
+            except Exception as exc:  # raised below, once the others are recorded
+                errors.append(exc)
+    started += out
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _names(role: str, n: int) -> list[str]:
+    return [role] if n == 1 else [f"{role}{i}" for i in range(n)]
+
+
 @contextlib.contextmanager
 def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
     started: list[launch.Running] = []
@@ -132,9 +174,10 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
     relay: procs.RoundTripRelay | None = None
     try:
         if d.kind == "colocated":
-            eng = launch.sim("colocated", "colocated", *d.engine_flags, log_dir=log_dir)
-            started.append(eng)
-            target = Target(url=eng.url)
+            engs = _start_engines(
+                [(n, "colocated", d.engine_flags) for n in _names("colocated", d.replicas)], log_dir, started
+            )
+            target = Target(url=engs[0].url, replicas=tuple(e.url for e in engs[1:]))
             gateway = None
         elif d.kind == "relay":
             eng = launch.sim("colocated", "colocated", *d.engine_flags, log_dir=log_dir)
@@ -145,13 +188,13 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
             started.append(gateway)
             target = Target(url=gateway.url)
         else:
-            p = launch.sim("prefill", "prefill", *d.engine_flags, *d.prefill_flags, log_dir=log_dir)
-            started.append(p)
-            dd = launch.sim("decode", "decode", *d.engine_flags, *d.decode_flags, log_dir=log_dir)
-            started.append(dd)
+            specs = [(n, "prefill", (*d.engine_flags, *d.prefill_flags)) for n in _names("prefill", d.prefills)]
+            specs += [(n, "decode", (*d.engine_flags, *d.decode_flags)) for n in _names("decode", d.decodes)]
+            engs = _start_engines(specs, log_dir, started)
+            ps, ds = engs[: d.prefills], engs[d.prefills :]
             gateway = None
             if d.kind == "pd-direct":
-                target = Target(prefill=p.url, decode=dd.url)
+                target = Target(prefill=ps[0].url, decode=ds[0].url)
             else:
                 extra = list(d.gateway_flags)
                 if d.gateway_workers > 1:
@@ -164,13 +207,9 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
                         relay.start()
                         url = relay.url
                     extra += ["--redis-url", url]
+                env = {"TURNKV_DECISION_HEADERS": "full", **dict(d.gateway_env)}
                 gateway = launch.gateway(
-                    "gateway",
-                    [p.url],
-                    [dd.url],
-                    *extra,
-                    log_dir=log_dir,
-                    env={"TURNKV_DECISION_HEADERS": "full", **dict(d.gateway_env)},
+                    "gateway", [p.url for p in ps], [x.url for x in ds], *extra, log_dir=log_dir, env=env
                 )
                 started.append(gateway)
                 target = Target(url=gateway.url)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from turnkv.bench.records import ConfigResult, RunResult
-from turnkv.bench.scenarios import decode_memory, fifth_turn, overhead, smoke
+from turnkv.bench.scenarios import decode_memory, fifth_turn, goodput, overhead, smoke
 from turnkv.bench.scenarios.base import Bench, run_bench, with_gateway_workers
 
 Analyzer = Callable[[Sequence[ConfigResult]], tuple[str, dict[str, list[str]]]]
@@ -22,12 +22,14 @@ SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
     "overhead": (overhead.benches, overhead.analyze),
     "smoke": (smoke.benches, smoke.analyze),
     "decode-memory": (decode_memory.benches, decode_memory.analyze),
+    "goodput": (goodput.benches, goodput.analyze),
 }
 TITLES = {
     "fifth-turn": "turnkv bench: fifth-turn TTFT on the simulator",
     "overhead": "turnkv bench: gateway overhead with zero-cost engines",
     "smoke": "turnkv bench: smoke",
     "decode-memory": "turnkv bench: decode memory under load",
+    "goodput": "turnkv bench: goodput under SLOs, load sweeps on the simulator",
 }
 
 
@@ -49,6 +51,9 @@ def write(run: RunResult, out: Path) -> None:
     write_outputs(run, out, title=TITLES.get(run.suite, run.suite), extra_markdown=text, groups=groups)
     if run.suite == "overhead":
         overhead.plot(run.configs, out / "ttft_by_load.png")
+    if run.suite == "goodput":
+        goodput.plot(run.configs, out / "goodput_vs_rate.png")
+        goodput.write_summary(run, out / "summary.json")
     if run.suite == "fifth-turn":
         from turnkv.bench.report import plot_ttft_by_turn
 
@@ -77,26 +82,34 @@ def run_suite(
     conversations: int | None = None,
     resume: bool = False,
     gateway_workers: int = 1,
+    sweep: goodput.SweepOptions | None = None,
 ) -> int:
     """Runs the suite's benches; with ``resume``, keeps the configurations already in ``out/results.json``
     and runs only the benches that have none there (a stopped run goes on where it stopped). With
-    ``gateway_workers`` above 1 every gateway runs that many workers, with a Redis store."""
+    ``gateway_workers`` above 1 every gateway runs that many workers, with a Redis store. The goodput
+    suite is a sweep (``sweep``): its benches come rate by rate, until it stops."""
     make, _ = SUITES[name]
-    benches = [
-        with_gateway_workers(b, gateway_workers) for b in (_only(b, only) for b in make(conversations)) if b.plans
-    ]
     run = RunResult(suite=name, command=command)
     run.extra["failures"] = []
     if resume and (out / "results.json").exists():
         run = RunResult.read(out / "results.json")
         run.command += " ; " + command
         run.extra["failures"] = []
-        done = {c.name for c in run.configs}
-        benches = [b for b in benches if not any(p.name in done for p in b.plans)]
+    done = {c.name for c in run.configs}
+    source: Iterator[Bench] = (
+        goodput.sweep(sweep or goodput.SweepOptions(), run.configs) if name == "goodput" else iter(make(conversations))
+    )
+    total = "" if name == "goodput" else f"/{len(make(conversations))}"
     logs = out / "logs"
-    for i, bench in enumerate(benches, 1):
+    for i, bench in enumerate(source, 1):
+        bench = _only(bench, only)
+        if not bench.plans:
+            continue
+        if any(p.name in done for p in bench.plans):
+            continue
+        bench = with_gateway_workers(bench, gateway_workers)
         names = ", ".join(p.name for p in bench.plans)
-        print(f"[{i}/{len(benches)}] {names}", file=sys.stderr, flush=True)
+        print(f"[{i}{total}] {names}", file=sys.stderr, flush=True)
         try:
             run.configs += run_bench(bench, logs, show_progress=show_progress)
         except Exception as exc:  # a bench that cannot start must not lose the others' results

@@ -66,6 +66,9 @@ def facts(
         decode_cached_tokens=decode_cached(rec, matched, block_size) if decode_holds else 0,
         decode_local_possible=decode_holds,
         decode_busy=decode.busy if decode is not None else 0,
+        # for the ITL budget: D's decode batch and how full its KV is, as its metrics last said
+        decode_running=decode.busy if decode is not None else None,
+        decode_kv_usage=decode.kv_usage if decode is not None and decode.kv_usage > 0 else None,
     )
 
 
