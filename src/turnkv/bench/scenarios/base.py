@@ -80,7 +80,7 @@ class Deployment:
             "gateway_workers": self.gateway_workers,
             "prefills": self.prefills,
             "decodes": self.decodes,
-            "replicas": self.replicas,
+            "replica_engines": self.replicas,
         }
 
     def commands(self) -> list[str]:
