@@ -61,7 +61,8 @@ def test_each_configuration_is_what_it_stands_for(sweep_out: Path) -> None:
     configs = {c.meta["tags"]["config"]: c for c in RunResult.read(sweep_out / "results.json").configs}
     later = {k: [r for r in c.requests if r.turn > 1] for k, c in configs.items()}
     assert all(not r.decision for r in configs["colocated"].requests)
-    assert len(configs["colocated"].target["replicas"]) == 1  # two colocated engines for 1P1D's two GPUs
+    # two colocated engines for 1P1D's two GPUs
+    assert configs["colocated"].meta["commands"][0].endswith("(x2)")
     assert {r.decision["outcome"] for r in later["plain"]} == {"stateless"}
     assert {r.decision["action"] for r in later["vllm-multiturn"]} == {"pull"}
     assert {r.decision["action"] for r in later["adaptive-pull"]} <= {"pull", "recompute"}
