@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from turnkv.bench.records import ConfigResult, RunResult
-from turnkv.bench.scenarios import decode_memory, fifth_turn, overhead, smoke
-from turnkv.bench.scenarios.base import Bench, run_bench, with_gateway_workers
+from turnkv.bench.scenarios import decode_memory, fifth_turn, overhead, reliability, smoke
+from turnkv.bench.scenarios.base import Bench, run_bench, with_duration, with_gateway_workers
 
 Analyzer = Callable[[Sequence[ConfigResult]], tuple[str, dict[str, list[str]]]]
 SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
@@ -21,12 +21,14 @@ SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
     "overhead": (overhead.benches, overhead.analyze),
     "smoke": (smoke.benches, smoke.analyze),
     "decode-memory": (decode_memory.benches, decode_memory.analyze),
+    "reliability": (reliability.benches, reliability.analyze),
 }
 TITLES = {
     "fifth-turn": "turnkv bench: fifth-turn TTFT on the simulator",
     "overhead": "turnkv bench: gateway overhead with zero-cost engines",
     "smoke": "turnkv bench: smoke",
     "decode-memory": "turnkv bench: decode memory under load",
+    "reliability": "turnkv bench: reliability, many concurrent streams for minutes",
 }
 
 
@@ -46,6 +48,8 @@ def write(run: RunResult, out: Path) -> None:
 
     text, groups = analyze(run)
     write_outputs(run, out, title=TITLES.get(run.suite, run.suite), extra_markdown=text, groups=groups)
+    if run.suite == "reliability":
+        reliability.plot(run.configs, out / "resources.png")
     if run.suite == "overhead":
         overhead.plot(run.configs, out / "ttft_by_load.png")
     if run.suite == "fifth-turn":
@@ -69,13 +73,15 @@ def run_suite(
     conversations: int | None = None,
     resume: bool = False,
     gateway_workers: int = 1,
+    duration_s: float | None = None,
 ) -> int:
     """Runs the suite's benches; with ``resume``, keeps the configurations already in ``out/results.json``
-    and runs only the benches that have none there (a stopped run goes on where it stopped). With
-    ``gateway_workers`` above 1 every gateway runs that many workers, with a Redis store."""
+        and runs only the benches that have none there (a stopped run goes on where it stopped). With
+        ``gateway_workers`` above 1 every gateway runs that many workers, with a Redis store; ``duration_s``
+    replaces every load's duration."""
     make, _ = SUITES[name]
     benches = [
-        with_gateway_workers(b, gateway_workers)
+        with_duration(with_gateway_workers(b, gateway_workers), duration_s)
         for b in make(conversations)
         if not only or any(s in p.name for s in only for p in b.plans)
     ]
