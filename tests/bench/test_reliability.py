@@ -1,4 +1,4 @@
-"""The reliability suite end to end, smoke-sized: 20 conversations at once for seconds, through a real
+"""The reliability suite end to end, smoke-sized: 20 conversations at once for 16 s, through a real
 gateway, Redis and simulated engines, then the report and the resource plot.
 
 Checks structure and the invariants the suite exists for (no failed turn, no turn that lost its state to
@@ -28,7 +28,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("reliability")
     cmd = [sys.executable, "-m", "turnkv", "bench", "scenarios", "--suite", "reliability", "--out", str(out)]
     proc = subprocess.run(
-        [*cmd, "--conversations", str(STREAMS), "--duration", "10", "--no-progress"],
+        [*cmd, "--conversations", str(STREAMS), "--duration", "16", "--no-progress"],
         capture_output=True,
         text=True,
         timeout=180,
