@@ -103,6 +103,10 @@ def test_flat_samples_are_not_flagged_and_growth_is() -> None:
     leak = reliability.growth("gw", _series([100.0 + i for i in range(n)], [500 + 2 * i for i in range(n)]), 0, 120)
     assert leak.rss_flag and leak.fd_flag
     assert leak.after_warm_up == (135.0, 570.0) and leak.end_of_load == (215.0, 730.0)
+    # the wind-down after the last new request (fewer streams open) does not hide growth before it
+    rising_then_idle = [100.0 + i if i <= 100 else 60.0 for i in range(n)]
+    assert reliability.growth("gw", _series(rising_then_idle, [500] * n), 0, 120, steady_end=100).rss_flag
+    assert not reliability.growth("gw", _series(rising_then_idle, [500] * n), 0, 120).rss_flag
     # a warm-up that grows and then holds is not a leak
     warm = [100.0 + min(i, 30) * 3 for i in range(n)]
     assert not reliability.growth("gw", _series(warm, [500] * n), 0, 120).rss_flag

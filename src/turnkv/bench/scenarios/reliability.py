@@ -12,8 +12,9 @@ short warm-up load runs first, so the state sampled before the load is that of a
 What it decides is what the report flags: requests and errors by kind, turns that ran without state
 because of the store (reason ``store_unavailable`` or ``store_busy``: should be none), reuse outcomes,
 TTFT and ITL, and per process group RSS and open fds over time: their range during the load, what was
-left once idle, and growth, the median of the load's last ``WINDOW_S`` seconds against the median of
-the first ``WINDOW_S`` seconds after warm-up (``warm_up_s``), flagged past ``RSS_GROWTH`` and ``FD_GROWTH``.
+left once idle, and growth: the median of the last ``WINDOW_S`` seconds before the load stopped sending
+new requests against the median of the first ``WINDOW_S`` seconds after warm-up (``warm_up_s``), flagged
+past ``RSS_GROWTH`` and ``FD_GROWTH``.
 """
 
 from __future__ import annotations
@@ -152,25 +153,29 @@ def _median_in(s: Series, lo: float, hi: float) -> tuple[float, float]:
     return statistics.median(s.rss_mib[i] for i in idx), statistics.median(s.fds[i] for i in idx)
 
 
-def growth(name: str, s: Series, load_start: float, load_end: float) -> Growth:
-    """What the samples of one group say about growth (see the module docstring)."""
+def growth(name: str, s: Series, load_start: float, load_end: float, steady_end: float | None = None) -> Growth:
+    """What the samples of one group say about growth (see the module docstring). ``steady_end``: when
+    the load stopped sending new requests (its last window is measured before the wind-down)."""
     during = [i for i, t in enumerate(s.t) if load_start <= t <= load_end] or list(range(len(s.t)))
-    warm = load_start + warm_up_s(load_end - load_start)
+    end = load_end if steady_end is None else min(load_end, steady_end)
+    warm = load_start + warm_up_s(end - load_start)
     return Growth(
         name=name,
         idle_before=(s.rss_mib[0], s.fds[0]),
         rss_range=(min(s.rss_mib[i] for i in during), max(s.rss_mib[i] for i in during)),
         fd_range=(min(s.fds[i] for i in during), max(s.fds[i] for i in during)),
         after_warm_up=_median_in(s, warm, warm + WINDOW_S),
-        end_of_load=_median_in(s, load_end - WINDOW_S, load_end),
+        end_of_load=_median_in(s, end - WINDOW_S, end),
         idle_after=(s.rss_mib[-1], s.fds[-1]),
     )
 
 
-def resources(c: ConfigResult) -> tuple[dict[str, Series], float, float]:
+def resources(c: ConfigResult) -> tuple[dict[str, Series], float, float, float]:
+    """The samples by group, when the load started and ended, and when it stopped sending new requests."""
     res: dict[str, Any] = c.meta.get("resources") or {}
     series = {k: Series.from_dict(v) for k, v in res.get("series", {}).items() if v["t"]}
-    return series, float(res.get("load_start_s", 0.0)), float(res.get("load_end_s", 0.0))
+    t0, t1 = float(res.get("load_start_s", 0.0)), float(res.get("load_end_s", 0.0))
+    return series, t0, t1, min(t1, t0 + float(c.workload.get("duration_s", t1 - t0)))
 
 
 def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]:
@@ -199,6 +204,7 @@ def _analyze_one(c: ConfigResult) -> list[str]:
         f"- turns without state because of the store ({' / '.join(STORE_REASONS)}): **{by_store}**",
         "- reuse outcomes: " + ", ".join(f"{k} {v}" for k, v in outcomes.most_common()),
         "- reasons: " + ", ".join(f"{k} {v}" for k, v in reasons.most_common()),
+        _cpu_line(c),
         "",
         md_table(
             ["turns", "n", "failed", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"],
@@ -209,14 +215,14 @@ def _analyze_one(c: ConfigResult) -> list[str]:
         ),
         "",
     ]
-    series, t0, t1 = resources(c)
+    series, t0, t1, steady = resources(c)
     if not series:
         return [*out, "No resource samples were recorded.", ""]
-    warm = warm_up_s(t1 - t0)
+    warm = warm_up_s(steady - t0)
     rows = []
     flagged = []
     for name, s in series.items():
-        g = growth(name, s, t0, t1)
+        g = growth(name, s, t0, t1, steady)
         if g.rss_flag:
             flagged.append(f"{name} RSS {g.after_warm_up[0]:.0f} -> {g.end_of_load[0]:.0f} MiB")
         if g.fd_flag:
@@ -233,8 +239,9 @@ def _analyze_one(c: ConfigResult) -> list[str]:
             ]
         )
     out += [
-        f"Resources, sampled every second (load from {t0:.0f} s to {t1:.0f} s; warm-up: its first {warm:.0f} s; "
-        f"growth: median of the last {WINDOW_S:.0f} s of the load against the {WINDOW_S:.0f} s after warm-up, "
+        f"Resources, sampled every second (load from {t0:.0f} s to {t1:.0f} s, new requests until {steady:.0f} s; "
+        f"warm-up: its first {warm:.0f} s; growth: median of the last {WINDOW_S:.0f} s before {steady:.0f} s "
+        f"against the {WINDOW_S:.0f} s after warm-up, "
         f"flagged past {RSS_GROWTH[0]:.0%} and {RSS_GROWTH[1]:.0f} MiB, or {FD_GROWTH[0]:.0%} and "
         f"{FD_GROWTH[1]} fds). The gateway row counts its workers.",
         "",
@@ -257,6 +264,17 @@ def _analyze_one(c: ConfigResult) -> list[str]:
     return out
 
 
+def _cpu_line(c: ConfigResult) -> str:
+    wall = max(c.wall_s, 1e-9)
+    gw, eng = c.meta.get("gateway_cpu_s"), c.meta.get("engine_cpu_s")
+    if gw is None or eng is None:
+        return "- CPU: not measured"
+    return (
+        f"- CPU over the load: gateway {gw:.0f} s ({gw / wall:.0%} of one core), simulated engines {eng:.0f} s "
+        f"({eng / wall:.0%})"
+    )
+
+
 def plot(configs: Sequence[ConfigResult], path: Path) -> None:
     """RSS, open fds and the client's open streams over time, one column per configuration."""
     import matplotlib
@@ -269,7 +287,7 @@ def plot(configs: Sequence[ConfigResult], path: Path) -> None:
     if not withdata:
         return
     fig, axes = plt.subplots(3, len(withdata), figsize=(7.5 * len(withdata), 8.5), squeeze=False, sharex="col")
-    for col, (c, series, t0, t1) in enumerate(withdata):
+    for col, (c, series, t0, t1, steady) in enumerate(withdata):
         rss_ax, fd_ax, st_ax = axes[0][col], axes[1][col], axes[2][col]
         for i, (name, s) in enumerate(series.items()):
             lw = 1.8 if name == "gateway" else 0.9
@@ -278,13 +296,14 @@ def plot(configs: Sequence[ConfigResult], path: Path) -> None:
         at = sorted({t for s in series.values() for t in s.t})
         st_ax.plot(at, open_streams(c.requests, [t - t0 for t in at]), color="k", lw=1.0)
         for ax in (rss_ax, fd_ax, st_ax):
-            ax.axvspan(t0, t0 + warm_up_s(t1 - t0), color="0.9", lw=0)
+            ax.axvspan(t0, t0 + warm_up_s(steady - t0), color="0.9", lw=0)
+            ax.axvline(steady, color="0.5", ls=":", lw=0.8)
             ax.axvline(t1, color="0.5", ls="--", lw=0.8)
             ax.grid(True, alpha=0.3)
         rss_ax.set_ylabel("RSS MiB")
         fd_ax.set_ylabel("open fds")
         st_ax.set_ylabel("streams open (client)")
-        st_ax.set_xlabel("s (grey: warm-up; dashed: load ends)")
+        st_ax.set_xlabel("s (grey: warm-up; dotted: no new requests; dashed: load ends)")
         rss_ax.set_title(c.name, fontsize=9)
         rss_ax.legend(fontsize=7)
     fig.tight_layout()
