@@ -270,7 +270,7 @@ def _cpu_line(c: ConfigResult) -> str:
     if gw is None or eng is None:
         return "- CPU: not measured"
     return (
-        f"- CPU over the load: gateway {gw:.0f} s ({gw / wall:.0%} of one core), simulated engines {eng:.0f} s "
+        f"- CPU over the load: gateway {gw:.1f} s ({gw / wall:.0%} of one core), simulated engines {eng:.1f} s "
         f"({eng / wall:.0%})"
     )
 
