@@ -164,6 +164,7 @@ def _scenarios(a: argparse.Namespace) -> int:
         resume=a.resume,
         gateway_workers=a.gateway_workers,
         sweep=sweep,
+        duration_s=a.duration,
     )
 
 
@@ -209,7 +210,11 @@ def add_bench_parser(sub: Any) -> None:
     r.set_defaults(func=_run)
 
     s = bsub.add_parser("scenarios", help="start simulated deployments and run a benchmark suite")
-    s.add_argument("--suite", required=True, choices=["fifth-turn", "overhead", "smoke", "decode-memory", "goodput"])
+    s.add_argument(
+        "--suite",
+        required=True,
+        choices=["fifth-turn", "overhead", "smoke", "decode-memory", "goodput", "reliability"],
+    )
     s.add_argument("--out", default=None, help="output directory (default bench-results/<suite>-<time>)")
     s.add_argument(
         "--only",
@@ -218,7 +223,15 @@ def add_bench_parser(sub: Any) -> None:
         metavar="SUBSTRING",
         help="run only configurations whose name contains this (repeatable)",
     )
-    s.add_argument("--conversations", type=int, default=None, help="override the suite's conversations per config")
+    s.add_argument(
+        "--conversations",
+        type=int,
+        default=None,
+        help="override the suite's conversations per config (reliability: conversations active at once)",
+    )
+    s.add_argument(
+        "--duration", type=float, default=None, help="override every load's duration (s): no request starts after it"
+    )
     s.add_argument("--resume", action="store_true", help="keep the configurations already in OUT/results.json")
     s.add_argument(
         "--gateway-workers",

@@ -5,12 +5,15 @@ for a slot (its wait is not part of any TTFT). A conversation stops at its last 
 failed turn (its history would no longer be what the server saw), when the run's request budget
 is spent, or at the deadline: no request starts after ``duration_s``, and each one is cut after
 ``request_timeout_s``, so a run always ends. A caller that must stop sooner cancels the run; the
-records it passed in (``records``) keep every request that had finished.
+records it passed in (``records``) keep every request that had finished. Each active conversation
+holds a connection (two for pd-direct): the open-file soft limit is raised to fit them, or the run
+refuses to start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 import time
 from collections.abc import Callable
 
@@ -20,6 +23,23 @@ from turnkv.bench.client import Target, TurnClient
 from turnkv.bench.progress import Progress
 from turnkv.bench.records import RequestRecord
 from turnkv.bench.workload import Conversation, WorkloadSpec, arrival_offsets
+
+FD_RESERVE = 256  # descriptors besides the load's connections: the event loop, logs, imports
+
+
+def ensure_fd_room(connections: int) -> int:
+    """Raises this process's open-file soft limit, up to the hard limit, so that ``connections`` sockets
+    fit next to ``FD_RESERVE``; the soft limit in force. ValueError when the hard limit is too low."""
+    need = connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return need if soft == resource.RLIM_INFINITY else soft
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ValueError(
+            f"{connections} concurrent connections need {need} open files; the hard limit is {hard} (ulimit -Hn)"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return need
 
 
 class _Budget:
@@ -45,6 +65,7 @@ async def run_load(
     """Runs the workload against ``target`` and returns one record per request sent (appended to
     ``records`` as each finishes, where given). ``conversation`` makes each conversation."""
     records = [] if records is None else records
+    ensure_fd_room(spec.concurrency * (2 if target.kind == "pd-direct" else 1))
     total = min(spec.conversations * spec.turns, spec.max_requests)
     progress = Progress(label, total)
     budget = _Budget(spec.max_requests)
@@ -57,8 +78,8 @@ async def run_load(
 
         async def one(index: int, arrives: float) -> None:
             await asyncio.sleep(max(0.0, min(start + arrives, deadline) - time.perf_counter()))
-            conv = conversation(index, spec)
             async with slots:
+                conv = conversation(index, spec)  # made once it runs: a long queue holds no texts
                 progress.active += 1
                 try:
                     await _turns(conv, client, spec, start, deadline, budget, records, progress)

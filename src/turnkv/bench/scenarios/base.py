@@ -27,6 +27,7 @@ from turnkv.bench import procs
 from turnkv.bench.client import Target
 from turnkv.bench.records import ConfigResult
 from turnkv.bench.runner import run_load
+from turnkv.bench.sampler import ResourceSampler
 from turnkv.bench.workload import WorkloadSpec
 
 ENGINE_METRICS = ("vllm:prompt_tokens_by_source", "vllm:prefix_cache", "vllm:nixl_")
@@ -118,12 +119,30 @@ class ConfigPlan:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """How the processes' RSS and open fds are sampled around a load: every ``interval_s`` from just
+    before it until ``settle_s`` after it ended (the idle state it leaves behind)."""
+
+    interval_s: float = 1.0
+    settle_s: float = 5.0
+
+
+@dataclass(frozen=True)
 class Bench:
     """A deployment and the loads run on it, one after the other (each with its own seed)."""
 
     deployment: Deployment
     plans: tuple[ConfigPlan, ...]
     warmup: WorkloadSpec | None = None
+    sample: Sampling | None = None  # RSS and open fds of the processes over each load
+
+
+def with_duration(bench: Bench, duration_s: float | None) -> Bench:
+    """The bench with every load's duration (no request starts after it) set to ``duration_s``."""
+    if duration_s is None:
+        return bench
+    plans = tuple(replace(p, workload=replace(p.workload, duration_s=duration_s)) for p in bench.plans)
+    return replace(bench, plans=plans)
 
 
 def with_gateway_workers(bench: Bench, n: int) -> Bench:
@@ -259,15 +278,31 @@ def run_bench(bench: Bench, log_root: Path, *, show_progress: bool = True) -> li
             if bench.warmup is not None:
                 asyncio.run(run_load(bench.warmup, dep.target, label="warm-up", show_progress=False))
             for plan in bench.plans:
-                results.append(_measure(plan, d, dep, show_progress))
+                results.append(_measure(plan, d, dep, show_progress, bench.sample))
         finally:
             if d.pin:
                 os.sched_setaffinity(0, own_affinity)
     return results
 
 
-def _measure(plan: ConfigPlan, d: Deployment, dep: Deployed, show_progress: bool) -> ConfigResult:
+def _sampler(dep: Deployed, sampling: Sampling) -> ResourceSampler:
+    groups = {e.name: (e.proc.pid, False) for e in dep.engines}
+    if dep.gateway is not None:
+        groups["gateway"] = (dep.gateway.proc.pid, True)  # with its workers
+    if dep.redis is not None:
+        groups["redis"] = (dep.redis.proc.pid, False)
+    groups["client"] = (os.getpid(), False)
+    return ResourceSampler(groups, interval_s=sampling.interval_s)
+
+
+def _measure(
+    plan: ConfigPlan, d: Deployment, dep: Deployed, show_progress: bool, sampling: Sampling | None = None
+) -> ConfigResult:
     meta: dict[str, Any] = {"commands": d.commands(), "tags": plan.tags}
+    sampler = _sampler(dep, sampling) if sampling is not None else None
+    if sampler is not None:
+        sampler.sample()  # the idle state before the load
+        sampler.start()
     gw_pid = dep.gateway.proc.pid if dep.gateway else None
     cpu0 = procs.tree_cpu_seconds(gw_pid) if gw_pid else 0.0
     eng0 = sum(procs.cpu_seconds(e.proc.pid) for e in dep.engines)
@@ -275,8 +310,19 @@ def _measure(plan: ConfigPlan, d: Deployment, dep: Deployed, show_progress: bool
     rt0 = dep.relay.round_trips if dep.relay else 0
     cmd0 = dict(dep.relay.by_command) if dep.relay else {}
     t0 = time.perf_counter()
-    records = asyncio.run(run_load(plan.workload, dep.target, label=plan.name, show_progress=show_progress))
+    try:
+        records = asyncio.run(run_load(plan.workload, dep.target, label=plan.name, show_progress=show_progress))
+    except BaseException:
+        if sampler is not None:
+            sampler.stop()
+        raise
     wall = time.perf_counter() - t0
+    if sampler is not None and sampling is not None:
+        time.sleep(sampling.settle_s)  # a measurement window: what the load left behind once idle
+        sampler.stop()
+        meta["resources"] = sampler.to_dict(
+            load_start_s=round(t0 - sampler.t0, 3), load_end_s=round(t0 + wall - sampler.t0, 3)
+        )
     if gw_pid:
         meta["gateway_cpu_s"] = procs.tree_cpu_seconds(gw_pid) - cpu0
     meta["engine_cpu_s"] = sum(procs.cpu_seconds(e.proc.pid) for e in dep.engines) - eng0

@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from turnkv.bench.records import ConfigResult, RunResult
-from turnkv.bench.scenarios import decode_memory, fifth_turn, goodput, overhead, smoke
-from turnkv.bench.scenarios.base import Bench, run_bench, with_gateway_workers
+from turnkv.bench.scenarios import decode_memory, fifth_turn, goodput, overhead, reliability, smoke
+from turnkv.bench.scenarios.base import Bench, run_bench, with_duration, with_gateway_workers
 
 Analyzer = Callable[[Sequence[ConfigResult]], tuple[str, dict[str, list[str]]]]
 SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
@@ -23,6 +23,7 @@ SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
     "smoke": (smoke.benches, smoke.analyze),
     "decode-memory": (decode_memory.benches, decode_memory.analyze),
     "goodput": (goodput.benches, goodput.analyze),
+    "reliability": (reliability.benches, reliability.analyze),
 }
 TITLES = {
     "fifth-turn": "turnkv bench: fifth-turn TTFT on the simulator",
@@ -30,6 +31,7 @@ TITLES = {
     "smoke": "turnkv bench: smoke",
     "decode-memory": "turnkv bench: decode memory under load",
     "goodput": "turnkv bench: goodput under SLOs, load sweeps on the simulator",
+    "reliability": "turnkv bench: reliability, many concurrent streams for minutes",
 }
 
 
@@ -49,6 +51,8 @@ def write(run: RunResult, out: Path) -> None:
 
     text, groups = analyze(run)
     write_outputs(run, out, title=TITLES.get(run.suite, run.suite), extra_markdown=text, groups=groups)
+    if run.suite == "reliability":
+        reliability.plot(run.configs, out / "resources.png")
     if run.suite == "overhead":
         overhead.plot(run.configs, out / "ttft_by_load.png")
     if run.suite == "goodput":
@@ -83,11 +87,13 @@ def run_suite(
     resume: bool = False,
     gateway_workers: int = 1,
     sweep: goodput.SweepOptions | None = None,
+    duration_s: float | None = None,
 ) -> int:
     """Runs the suite's benches; with ``resume``, keeps the configurations already in ``out/results.json``
     and runs only the benches that have none there (a stopped run goes on where it stopped). With
-    ``gateway_workers`` above 1 every gateway runs that many workers, with a Redis store. The goodput
-    suite is a sweep (``sweep``): its benches come rate by rate, until it stops."""
+    ``gateway_workers`` above 1 every gateway runs that many workers, with a Redis store; ``duration_s``
+    replaces every load's duration. The goodput suite is a sweep (``sweep``): its benches come rate by
+    rate, until it stops."""
     make, _ = SUITES[name]
     run = RunResult(suite=name, command=command)
     run.extra["failures"] = []
@@ -107,7 +113,7 @@ def run_suite(
             continue
         if any(p.name in done for p in bench.plans):
             continue
-        bench = with_gateway_workers(bench, gateway_workers)
+        bench = with_duration(with_gateway_workers(bench, gateway_workers), duration_s)
         names = ", ".join(p.name for p in bench.plans)
         print(f"[{i}{total}] {names}", file=sys.stderr, flush=True)
         try:
