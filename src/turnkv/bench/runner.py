@@ -65,7 +65,8 @@ async def run_load(
     """Runs the workload against ``target`` and returns one record per request sent (appended to
     ``records`` as each finishes, where given). ``conversation`` makes each conversation."""
     records = [] if records is None else records
-    ensure_fd_room(spec.concurrency * (2 if target.kind == "pd-direct" else 1))
+    # at most as many conversations run at once as there are (an open-loop sweep sets no real cap)
+    ensure_fd_room(min(spec.concurrency, spec.conversations) * (2 if target.kind == "pd-direct" else 1))
     total = min(spec.conversations * spec.turns, spec.max_requests)
     progress = Progress(label, total)
     budget = _Budget(spec.max_requests)
