@@ -214,7 +214,7 @@ def redis_sentinel(workdir: Path) -> Iterator[SentinelSetup]:
         wait_until(lambda: rc.info("replication").get("master_link_status") == "up", "replica in sync")
         rc.close()
         sc = sentinel.client()
-        wait_until(lambda: setup.master_port() == mp, "Sentinel knows the master")
+        wait_until(lambda: setup.master_port() == mp, "Sentinel knows the master", timeout_s=2 * READY_TIMEOUT_S)
         wait_until(lambda: len(sc.sentinel_slaves("turnkv-test")) == 1, "Sentinel knows the replica")
         sc.close()
         yield setup
