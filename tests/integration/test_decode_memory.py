@@ -91,8 +91,75 @@ def test_many_conversations_on_a_decode_engine_too_small_to_pin_them_all(
     assert max(pins.samples) <= budget + 16 * 25 * BLOCK
     assert sim_state(c.decode[0].url)["untracked_pins"] == 0
     assert metric(c.gateway.url, "turnkv_pinned_kv_budget_bytes") > 0
-    # D cannot hold every turn at once beside the pins: some waited in the gateway instead of on D
-    assert metric(c.gateway.url, "turnkv_decode_admission_waits_total") > 0
+
+
+ADMIT_BLOCKS = 160  # 2,560 tokens of KV; turns may reserve 0.9 of it: 2,304
+
+
+def _admission_cluster(procs: list[launch.Running], tmp_path: Path, wait_s: float) -> Cluster:
+    # D decodes in real time (8 ms a token), so a long answer holds its reservation for seconds
+    return start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",
+        decode_flags=("--time-scale", "1", "--num-gpu-blocks", str(ADMIT_BLOCKS)),
+        gateway_env={"TURNKV_DECODE_MEMORY__ADMISSION_WAIT_S": str(wait_s)},
+    )
+
+
+def _holder(c: Cluster) -> tuple[httpx.Client, Any, Any]:
+    """A turn in flight on D that reserves prompt + 2,000 answer tokens: what is left cannot hold another
+    turn asking for 400."""
+    messages = [{"role": "user", "content": "Write a long story."}]
+    body = {"model": "sim-model", "messages": messages, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    http = httpx.Client(timeout=60)
+    req = http.build_request(
+        "POST", c.gateway.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer key-a"}
+    )
+    resp = http.send(req, stream=True)
+    lines = resp.iter_lines()  # kept: a dropped line iterator closes the response
+    assert next(lines).startswith("data: ")  # admitted and running on D
+    return http, resp, lines
+
+
+def test_a_turn_that_does_not_fit_waits_for_room_on_the_decode_engine(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    c = _admission_cluster(procs, tmp_path, wait_s=60)
+    http, resp, _lines = _holder(c)
+    with ThreadPoolExecutor(1) as pool, Dialogue(c, session="b", stream=True, max_tokens=400) as d:
+        waiting = pool.submit(d.step)
+        wait_for(
+            lambda: metric(c.gateway.url, "turnkv_decode_admission_waits_total") == 1,
+            what="the second turn waiting in the gateway",
+            state=lambda: (
+                waiting.done() and waiting.result().headers,
+                metric(c.gateway.url, "turnkv_pinned_kv_capacity_bytes"),
+                sim_state(c.decode[0].url),
+            ),
+        )
+        assert not waiting.done()
+        resp.close()  # the first turn ends (its client left): its room is given back
+        http.close()
+        turn = waiting.result(timeout=60)
+    assert turn.correct
+    assert metric(c.gateway.url, "turnkv_decode_admission_waits_total") == 1
+
+
+def test_a_turn_that_waits_past_the_admission_deadline_gets_a_503(procs: list[launch.Running], tmp_path: Path) -> None:
+    c = _admission_cluster(procs, tmp_path, wait_s=0.5)
+    http, resp, _lines = _holder(c)
+    with c.client() as client, pytest.raises(openai.APIStatusError) as err:
+        client.with_options(max_retries=0).chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=400
+        )
+    resp.close()
+    http.close()
+    assert err.value.status_code == 503 and int(err.value.response.headers["retry-after"]) >= 1
+    assert "decode engines are full" in err.value.message
+    # the holder's room came back: the next turn runs at once
+    with Dialogue(c, session="c", max_tokens=400) as d:
+        assert d.step().correct
 
 
 def test_decode_local_turns_leave_nothing_pinned(procs: list[launch.Running], tmp_path: Path) -> None:
