@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.util
 import json
 import random
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +35,7 @@ from typing import Any
 import redis
 
 from turnkv.bench.procs import RoundTripRelay
+from turnkv.bench.redis_server import RedisServer
 from turnkv.errors import StoreBusy, StoreError
 from turnkv.reuse.chain import chain_of
 from turnkv.state.base import ClaimStatus
@@ -162,58 +160,7 @@ async def conversation(i: int, guard: StoreGuard, args: argparse.Namespace, tall
             tally.after_outage_stateless += stateless
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        exe = shutil.which("redis-server")
-        assert exe, "redis-server is needed"
-        self.proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with contextlib.suppress(redis.RedisError, OSError):
-                if redis.Redis(port=self.port, socket_timeout=1).ping():
-                    return
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
-
-    def cpu_s(self) -> float:
-        info = redis.Redis(port=self.port).info("cpu")
-        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-
-
-async def run(kind: str, server: Server, args: argparse.Namespace) -> dict[str, Any]:
+async def run(kind: str, server: RedisServer, args: argparse.Namespace) -> dict[str, Any]:
     redis.Redis(port=server.port).flushall()
     relay = RoundTripRelay(server.port)
     if args.count_round_trips:  # a relay thread in this process: it slows the client, so only on request
@@ -280,7 +227,7 @@ async def run(kind: str, server: Server, args: argparse.Namespace) -> dict[str, 
     return out
 
 
-async def restart_probe(kind: str, server: Server, args: argparse.Namespace) -> dict[str, Any]:
+async def restart_probe(kind: str, server: RedisServer, args: argparse.Namespace) -> dict[str, Any]:
     """``n`` pooled connections, Redis restarted, then ``n`` calls at once: how many fail."""
     n = args.restart_probe
     url = f"redis://127.0.0.1:{server.port}/0"
@@ -314,8 +261,7 @@ def main() -> None:
     p.add_argument("--pool-timeout-s", type=float, default=0.5, help="the new store's redis_pool_timeout_s")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        server = Server(Path(d))
-        server.start()
+        server = RedisServer(Path(d)).start()
         try:
             for kind in args.stores.split(","):
                 probe = restart_probe if args.restart_probe else run

@@ -12,13 +12,13 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 
-from tests.conftest import free_port
+from turnkv.bench.redis_server import RedisNotInstalled, RedisServer, free_port, plain_args
 
 READY_TIMEOUT_S = 30.0
 POLL_S = 0.05  # between two looks at a server's state while waiting for it (bounded by the timeouts)
@@ -41,60 +41,16 @@ def wait_until(check: Callable[[], bool], what: str, timeout_s: float = READY_TI
     raise TimeoutError(f"not within {timeout_s} s: {what}")
 
 
-@dataclass
-class Server:
-    """One redis-server (or Sentinel) process, started with ``args``, stopped at the end."""
-
-    args: list[str]
-    workdir: Path
-    port: int
-    proc: subprocess.Popen[bytes] | None = None
-    log: Path = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.log = self.workdir / f"redis-{self.port}.log"
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [_binary("redis-server"), *self.args], stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir
-            )
-        wait_until(lambda: self._died() or self._answers(), f"redis-server on port {self.port} ready")
-
-    def _answers(self) -> bool:
-        if "--tls-port" in self.args:  # a plain client cannot talk to it; the log says when it listens
-            return "Ready to accept connections" in self.log.read_text(errors="replace")
-        c = self.client()
-        try:
-            return bool(c.ping())
-        finally:
-            c.close()
-
-    def _died(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server on port {self.port} exited: {self.log.read_text()[-2000:]}")
-        return False
-
-    def client(self, **kwargs: object) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **kwargs)  # type: ignore[arg-type]
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
-
-
-def _base_args(port: int, workdir: Path) -> list[str]:
-    return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)]
+def _server(args: list[str], workdir: Path, port: int) -> RedisServer:
+    """One redis-server (or Sentinel) process, started with ``args`` (skipped where none is installed)."""
+    try:
+        return RedisServer(workdir, port=port, args=args, ready_timeout_s=READY_TIMEOUT_S)
+    except RedisNotInstalled:
+        pytest.skip("redis-server is not installed")
 
 
 @contextlib.contextmanager
-def running(servers: list[Server]) -> Iterator[list[Server]]:
+def running(servers: list[RedisServer]) -> Iterator[list[RedisServer]]:
     try:
         for s in servers:
             s.start()
@@ -111,9 +67,9 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
     ports = [free_port() for _ in range(masters)]
     # the bus port is named: the default (port + 10000) may be taken or past 65535
     servers = [
-        Server(
+        _server(
             [
-                *_base_args(p, workdir),
+                *plain_args(p, workdir),
                 "--cluster-enabled",
                 "yes",
                 "--cluster-config-file",
@@ -155,9 +111,9 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
 
 @dataclass
 class SentinelSetup:
-    master: Server
-    replica: Server
-    sentinel: Server
+    master: RedisServer
+    replica: RedisServer
+    sentinel: RedisServer
     service: str = "turnkv-test"
 
     @property
@@ -186,7 +142,7 @@ class SentinelSetup:
         self.master, self.replica = new, old
 
 
-def _role(server: Server) -> str:
+def _role(server: RedisServer) -> str:
     c = server.client()
     try:
         return str(c.role()[0].decode())
@@ -198,8 +154,8 @@ def _role(server: Server) -> str:
 def redis_sentinel(workdir: Path) -> Iterator[SentinelSetup]:
     """A master, a replica and one Sentinel (quorum 1) watching them."""
     mp, rp, sp = free_port(), free_port(), free_port()
-    master = Server(_base_args(mp, workdir), workdir, mp)
-    replica = Server([*_base_args(rp, workdir), "--replicaof", "127.0.0.1", str(mp)], workdir, rp)
+    master = _server(plain_args(mp, workdir), workdir, mp)
+    replica = _server([*plain_args(rp, workdir), "--replicaof", "127.0.0.1", str(mp)], workdir, rp)
     conf = workdir / f"sentinel-{sp}.conf"  # Sentinel rewrites its own file
     conf.write_text(
         f"port {sp}\nbind 127.0.0.1\ndir {workdir}\n"
@@ -207,7 +163,7 @@ def redis_sentinel(workdir: Path) -> Iterator[SentinelSetup]:
         "sentinel down-after-milliseconds turnkv-test 5000\n"
         "sentinel failover-timeout turnkv-test 10000\n"
     )
-    sentinel = Server([str(conf), "--sentinel"], workdir, sp)
+    sentinel = _server([str(conf), "--sentinel"], workdir, sp)
     setup = SentinelSetup(master, replica, sentinel)
     with running([master, replica, sentinel]):
         rc = replica.client()
@@ -286,7 +242,7 @@ def redis_tls(workdir: Path) -> Iterator[tuple[int, Certificates]]:
     """A redis-server that speaks TLS only and wants a client certificate signed by the test CA."""
     certs = make_certificates(workdir)
     port = free_port()
-    server = Server(
+    server = _server(
         [
             "--port",
             "0",

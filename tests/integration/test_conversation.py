@@ -7,10 +7,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import RedisServer
 from tests.integration.cluster import Dialogue, converse, metric, start_cluster
 from tests.integration.latency import LatencyProxy
 from turnkv import launch
+from turnkv.bench.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 

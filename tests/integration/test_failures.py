@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import RedisServer
 from tests.integration.cluster import Dialogue, metric, sim_control, start_cluster
 from turnkv import launch
+from turnkv.bench.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 ABORT_WAIT_S = 10.0

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RedisServer
 from tests.integration.cluster import Dialogue, metric, sim_state, start_cluster, wait_for
 from turnkv import launch
+from turnkv.bench.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 LONG_SYSTEM = "You are a careful agent. Follow the house rules about travel, budgets and safety. " * 60

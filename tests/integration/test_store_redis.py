@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from redis.asyncio import RedisCluster
 
-from tests.conftest import RedisServer
 from tests.integration.redis_topologies import (
     POLL_S,
     READY_TIMEOUT_S,
@@ -33,6 +32,7 @@ from tests.store_contract import (
     StoreContract,
     rec,
 )
+from turnkv.bench.redis_server import RedisServer
 from turnkv.errors import StoreBusy, StoreError
 from turnkv.state.base import ClaimStatus, Pinned
 from turnkv.state.guard import StoreGuard

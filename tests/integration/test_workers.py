@@ -13,10 +13,10 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-from tests.conftest import free_port
 from tests.integration.cluster import Cluster, Dialogue, Turn, metric, start_cluster, wait_for
 from turnkv import launch
 from turnkv.bench.procs import descendants
+from turnkv.bench.redis_server import free_port
 from turnkv.gateway import workers
 
 pytestmark = pytest.mark.integration

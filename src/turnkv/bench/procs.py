@@ -1,5 +1,5 @@
-"""Process-level measurements and helpers: CPU time from /proc, CPU pinning, a private redis-server,
-and a relay that counts Redis round trips without MONITOR.
+"""Process-level measurements and helpers: CPU time from /proc, CPU pinning, and a relay that counts
+Redis round trips without MONITOR (the redis-server itself: ``bench.redis_server``).
 
 The relay sits between the gateway and Redis and counts request bursts per connection: client
 bytes that arrive while no reply is pending start a new round trip (a MULTI/EXEC pipeline written
@@ -12,10 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -72,69 +68,6 @@ def pin(pid: int, cpus: set[int]) -> bool:
     except OSError:
         return False
     return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    """A redis-server child on a free loopback port, without persistence, in a temporary directory."""
-
-    def __init__(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed")
-        self.port = free_port()
-        self._dir = tempfile.TemporaryDirectory(prefix="turnkv-bench-redis-")
-        self.proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self._dir.name,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if "Ready to accept connections" in line:
-                break
-        else:
-            raise RuntimeError("redis-server did not start")
-        self.proc.stdout.close()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def commandstats(self) -> dict[str, int]:
-        """Calls per command, from ``INFO commandstats``."""
-        import redis
-
-        client = redis.Redis(port=self.port)
-        try:
-            info = client.info("commandstats")
-        finally:
-            client.close()
-        return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        self._dir.cleanup()
 
 
 def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

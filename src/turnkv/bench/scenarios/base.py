@@ -26,6 +26,7 @@ from turnkv import launch
 from turnkv.bench import procs
 from turnkv.bench.client import Target
 from turnkv.bench.records import ConfigResult
+from turnkv.bench.redis_server import RedisServer
 from turnkv.bench.runner import run_load
 from turnkv.bench.sampler import ResourceSampler
 from turnkv.bench.workload import WorkloadSpec
@@ -158,7 +159,7 @@ class Deployed:
     target: Target
     gateway: launch.Running | None
     engines: list[launch.Running]
-    redis: procs.RedisServer | None
+    redis: RedisServer | None
     relay: procs.RoundTripRelay | None
 
 
@@ -189,7 +190,7 @@ def _names(role: str, n: int) -> list[str]:
 @contextlib.contextmanager
 def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
     started: list[launch.Running] = []
-    redis: procs.RedisServer | None = None
+    redis: RedisServer | None = None
     relay: procs.RoundTripRelay | None = None
     try:
         if d.kind == "colocated":
@@ -219,7 +220,7 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
                 if d.gateway_workers > 1:
                     extra += ["--workers", str(d.gateway_workers)]
                 if d.redis:
-                    redis = procs.RedisServer()
+                    redis = RedisServer().start()
                     url = redis.url
                     if d.count_redis_round_trips:
                         relay = procs.RoundTripRelay(redis.port)
@@ -239,7 +240,7 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
             if gateway is not None:
                 for pid in procs.descendants(gateway.proc.pid):  # workers; a restarted one inherits
                     procs.pin(pid, gateway_cpus)
-            if redis is not None:
+            if redis is not None and redis.proc is not None:
                 procs.pin(redis.proc.pid, {0})
         yield Deployed(target, gateway, [r for r in started if r is not gateway], redis, relay)
     finally:
@@ -248,7 +249,7 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
         if relay is not None:
             relay.stop()
         if redis is not None:
-            redis.stop()
+            redis.close()
 
 
 def scrape(url: str, prefixes: Sequence[str]) -> dict[str, float]:
@@ -289,7 +290,7 @@ def _sampler(dep: Deployed, sampling: Sampling) -> ResourceSampler:
     groups = {e.name: (e.proc.pid, False) for e in dep.engines}
     if dep.gateway is not None:
         groups["gateway"] = (dep.gateway.proc.pid, True)  # with its workers
-    if dep.redis is not None:
+    if dep.redis is not None and dep.redis.proc is not None:
         groups["redis"] = (dep.redis.proc.pid, False)
     groups["client"] = (os.getpid(), False)
     return ResourceSampler(groups, interval_s=sampling.interval_s)
