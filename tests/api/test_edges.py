@@ -18,6 +18,7 @@ import anyio
 import pytest
 from starlette.testclient import TestClient
 
+from tests.asgi import chat_scope
 from turnkv.config import Settings
 from turnkv.gateway.app import create_app
 
@@ -116,24 +117,7 @@ class Held:
 
     def __init__(self, app: Any, state: dict[str, Any], body: bytes, headers: dict[str, str]) -> None:
         self.app, self.body = app, body
-        self.scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions",
-            "query_string": b"",
-            "root_path": "",
-            "client": ("127.0.0.1", 1234),
-            "server": ("testserver", 80),
-            "headers": [
-                (b"content-type", b"application/json"),
-                *((k.encode(), v.encode()) for k, v in headers.items()),
-            ],
-            "state": state.copy(),
-        }
+        self.scope = chat_scope(headers, state=state)
         self.reading = anyio.Event()  # the app asked for the body: it is past the front door
         self.release = anyio.Event()
         self.disconnect = False  # on release, the client is gone instead

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.asgi import chat_scope
 from tests.pipeline.harness import D0, P0, Answer, Chat, Gateway, gateway
 from turnkv.engine.fake import MODEL
 
@@ -103,20 +104,7 @@ async def leave_once_headers_are_sent(gw: Gateway, messages: list[dict[str, Any]
         if message["type"] == "http.response.start":
             started.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "client": ("127.0.0.1", 1),
-        "server": ("gateway", 80),
-        "headers": [(b"content-type", b"application/json"), (b"x-session-id", b"c1")],
-    }
+    scope = chat_scope({"x-session-id": "c1"})
     await asyncio.wait_for(gw.app(scope, receive, send), 10)  # type: ignore[arg-type]
     return sent
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.asgi import chat_scope
 from tests.pipeline.harness import D0, D1, P0, P1, Chat, Gateway, gateway
 from turnkv.engine.fake import MODEL, FakeEngine
 
@@ -136,20 +137,7 @@ async def test_a_client_that_leaves_mid_stream_aborts_d_and_frees_its_handle() -
                 left.set()  # the client stops reading after its first chunk, and goes away
                 await asyncio.Event().wait()
 
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions",
-            "query_string": b"",
-            "root_path": "",
-            "client": ("127.0.0.1", 1),
-            "server": ("gateway", 80),
-            "headers": [(b"content-type", b"application/json"), (b"x-session-id", b"c1")],
-        }
+        scope = chat_scope({"x-session-id": "c1"})
         await asyncio.wait_for(gw.app(scope, receive, send), 10)  # type: ignore[arg-type]
         await gw.wait_for("the turn's log", lambda: len(gw.turns) == 2)
         assert gw.turns[-1]["capture"] == "failed"
