@@ -11,9 +11,9 @@ fits in one step (``B + P <= max_num_batched_tokens``) with the longest token ga
 (median over the streams). ``ctx`` is the streams' context when the sample was taken (their prompt
 plus what they had generated). ``free`` is chosen on a grid, the rest by least squares.
 
-    python3 gpu/fit_step_time.py OUT/step_time.json [--json fit.json]
+    .venv/bin/python gpu/fit_step_time.py OUT/step_time.json [--json fit.json]
 
-Prints the constants, the ``turnkv sim`` flags that set them, and each sample's residual.
+Runs here with turnkv installed (its least squares: ``turnkv.reuse.lstsq``). Prints the constants, the ``turnkv sim`` flags that set them, and each sample's residual.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from turnkv.reuse.lstsq import lstsq
 
 FREE_GRID = (0, 16, 32, 64, 96, 128, 192, 256, 384, 512)
 
@@ -77,37 +79,6 @@ def features(s: Sample, free: int) -> list[float]:
     ]
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[piv][c]) < 1e-30:
-            return None
-        m[c], m[piv] = m[piv], m[c]
-        for r in range(n):
-            if r != c:
-                f = m[r][c] / m[c][c]
-                for k in range(c, n + 1):
-                    m[r][k] -= f * m[c][k]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
-def _lstsq(xs: list[list[float]], ys: list[float]) -> list[float] | None:
-    """Least squares with each column scaled to unit size first (the features span 1 to 1e8)."""
-    k = len(xs[0])
-    scale = [max(abs(x[j]) for x in xs) or 1.0 for j in range(k)]
-    z = [[x[j] / scale[j] for j in range(k)] for x in xs]
-    ata = [[sum(r[i] * r[j] for r in z) for j in range(k)] for i in range(k)]
-    atb = [sum(r[i] * y for r, y in zip(z, ys, strict=True)) for i in range(k)]
-    # columns that never vary (no sample with a prefill, one batch size) are left at zero
-    for i in range(k):
-        if ata[i][i] == 0.0:
-            ata[i][i] = 1.0
-    sol = _solve(ata, atb)
-    return None if sol is None else [c / s for c, s in zip(sol, scale, strict=True)]
-
-
 def fit(samples: list[Sample]) -> Fit:
     """The constants that minimise the squared error over ``samples``, ``free`` from ``FREE_GRID``."""
     if len(samples) < 5:
@@ -116,7 +87,7 @@ def fit(samples: list[Sample]) -> Fit:
     ys = [s.step_ms / 1e3 for s in samples]
     for free in FREE_GRID:
         xs = [features(s, free) for s in samples]
-        c = _lstsq(xs, ys)
+        c = lstsq([(x, y, 1.0) for x, y in zip(xs, ys, strict=True)], scale_columns=True)
         if c is None:
             continue
         sse = sum((sum(a * b for a, b in zip(x, c, strict=True)) - y) ** 2 for x, y in zip(xs, ys, strict=True))

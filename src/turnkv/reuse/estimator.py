@@ -17,36 +17,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from turnkv.reuse.cost import CostParams, transfer_s
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination for a small dense system; None when it is singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[piv][c]) < 1e-18:
-            return None
-        m[c], m[piv] = m[piv], m[c]
-        for r in range(n):
-            if r != c:
-                f = m[r][c] / m[c][c]
-                for k in range(c, n + 1):
-                    m[r][k] -= f * m[c][k]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
-def _lstsq(rows: list[tuple[list[float], float, float]]) -> list[float] | None:
-    """Weighted least squares: rows of (features, target, weight)."""
-    k = len(rows[0][0])
-    ata = [[0.0] * k for _ in range(k)]
-    atb = [0.0] * k
-    for x, y, w in rows:
-        for i in range(k):
-            atb[i] += w * x[i] * y
-            for j in range(k):
-                ata[i][j] += w * x[i] * x[j]
-    return _solve(ata, atb)
+from turnkv.reuse.lstsq import lstsq
 
 
 class LinkEstimator:
@@ -69,7 +40,7 @@ class LinkEstimator:
             return self.prior
         sizes = [p[0] for p in pts]
         if len(pts) >= 3 and max(sizes) > 2 * min(sizes):
-            fit = _lstsq([([1.0, b / 1e9], s, c) for b, s, c in pts])
+            fit = lstsq([([1.0, b / 1e9], s, c) for b, s, c in pts])
             if fit is not None and fit[1] > 0:
                 return max(fit[0], 0.0), 1e9 / fit[1]
         fixed = self.prior[0]
@@ -100,7 +71,7 @@ class PrefillEstimator:
         if len(pts) < self._min or max(news) < 2 * min(news):
             return p.hop_s, p.prefill_per_token_s, p.prefill_attn_s
         rows = [([1.0, n / 1e3, n * (c + n / 2) / 1e9], s, 1.0) for n, c, s in pts]
-        fit = _lstsq(rows)
+        fit = lstsq(rows)
         if fit is None or fit[1] <= 0:
             return p.hop_s, p.prefill_per_token_s, p.prefill_attn_s
         return max(fit[0], 0.0), fit[1] / 1e3, max(fit[2], 0.0) / 1e9
