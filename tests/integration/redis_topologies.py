@@ -9,16 +9,17 @@ import asyncio
 import contextlib
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from turnkv.bench.redis_server import RedisNotInstalled, RedisServer, free_port, plain_args
+from turnkv.bench.relay import LoopbackRelay
 
 READY_TIMEOUT_S = 30.0
 POLL_S = 0.05  # between two looks at a server's state while waiting for it (bounded by the timeouts)
@@ -272,72 +273,29 @@ def redis_tls(workdir: Path) -> Iterator[tuple[int, Certificates]]:
         yield port, certs
 
 
-class GatedRelay:
+class GatedRelay(LoopbackRelay):
     """A TCP relay to a Redis port that holds what clients send until ``open()``: commands in flight
     for as long as a test wants, without a clock. ``senders`` counts connections that sent something
     (each a store operation holding its connection)."""
 
     def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.port = 0
+        super().__init__(upstream_port)
         self.senders = 0
-        self._loop = asyncio.new_event_loop()
-        self._gate = asyncio.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._server: asyncio.Server | None = None
+        self._gate: asyncio.Event | None = None
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._start())
-        self._ready.set()
-        self._loop.run_forever()
-
-    async def _start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        await asyncio.gather(
-            self._pump(reader, up_writer, gated=True),
-            self._pump(up_reader, writer, gated=False),
-            return_exceptions=True,
-        )
-
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, gated: bool) -> None:
-        counted = False
-        try:
-            while data := await src.read(65536):
-                if gated and not self._gate.is_set():
-                    if not counted:
-                        counted = True
-                        self.senders += 1
-                    await self._gate.wait()
-                dst.write(data)
-                await dst.drain()
-        finally:
-            dst.close()
+    async def to_server(self, data: bytes, conn: dict[str, Any]) -> None:
+        if self._gate is None:
+            self._gate = asyncio.Event()  # made on the relay's loop
+        if not self._gate.is_set():
+            if not conn.get("counted"):
+                conn["counted"] = True
+                self.senders += 1
+            await self._gate.wait()
 
     def open(self) -> None:
-        self._loop.call_soon_threadsafe(self._gate.set)
+        def release() -> None:
+            if self._gate is None:
+                self._gate = asyncio.Event()
+            self._gate.set()
 
-    def __enter__(self) -> GatedRelay:
-        self._thread.start()
-        if not self._ready.wait(READY_TIMEOUT_S):
-            raise RuntimeError("relay did not start")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        async def stop() -> None:
-            if self._server is not None:
-                self._server.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(READY_TIMEOUT_S)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(READY_TIMEOUT_S)
-        self._loop.close()
+        self.call_soon(release)

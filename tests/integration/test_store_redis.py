@@ -41,11 +41,11 @@ from turnkv.state.redis import RedisStore, TLSOptions
 pytestmark = pytest.mark.integration
 
 
-async def _backend(url: str, tls: TLSOptions | None = None) -> AsyncIterator[Backend]:
+async def _backend(url: str, tls: TLSOptions | None = None, timeout_s: float = 5.0) -> AsyncIterator[Backend]:
     """Three stores on ``url`` under a namespace of the test's own (shared servers need no flush)."""
     ns = f"t{uuid.uuid4().hex[:8]}"
     stores = [
-        RedisStore.from_url(url, namespace=ns, in_flight_ttl_s=ttl, command_timeout_s=5.0, tls=tls)
+        RedisStore.from_url(url, namespace=ns, in_flight_ttl_s=ttl, command_timeout_s=timeout_s, tls=tls)
         for ttl in (60.0, 60.0, SHORT_MARKER_TTL_S)
     ]
     yield Backend(stores[0], stores[1], asyncio.sleep, stores[2], SHORT_MARKER_TTL_S)
@@ -124,12 +124,17 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, 
         yield server
 
 
+TLS_CONNECT_S = 60.0
+
+
 class TestTLS(StoreContract):
     @pytest.fixture
     async def backend(self, tls_server: tuple[int, Certificates]) -> AsyncIterator[Backend]:
         port, certs = tls_server
         tls = TLSOptions(ca_certs=str(certs.ca), certfile=str(certs.client_cert), keyfile=str(certs.client_key))
-        async for b in _backend(f"rediss://127.0.0.1:{port}/0", tls=tls):
+        # the contract opens 200 connections at once: TLS handshakes on a loaded 2-core machine took more
+        # than 5 s together (a deadline, not what these tests are about)
+        async for b in _backend(f"rediss://127.0.0.1:{port}/0", tls=tls, timeout_s=TLS_CONNECT_S):
             yield b
 
 

@@ -9,14 +9,14 @@ event loop in a thread, so it is used only in the counting pass, never where lat
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from typing import Any
+
+from turnkv.bench.relay import LoopbackRelay
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -86,67 +86,26 @@ def _first_command(data: bytes) -> str:
     return name
 
 
-@dataclass
-class RoundTripRelay:
+class RoundTripRelay(LoopbackRelay):
     """Forwards a loopback port to Redis and counts round trips (see the module docstring)."""
 
-    redis_port: int
-    round_trips: int = 0
-    by_command: Counter[str] = field(default_factory=Counter)
-    port: int = 0
-    _loop: asyncio.AbstractEventLoop | None = None
-    _thread: threading.Thread | None = None
+    def __init__(self, redis_port: int) -> None:
+        super().__init__(redis_port)
+        self.round_trips = 0
+        self.by_command: Counter[str] = Counter()
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
-        ready = threading.Event()
+    async def to_server(self, data: bytes, conn: dict[str, Any]) -> None:
+        if not conn.get("pending"):
+            conn["pending"] = True
+            self.round_trips += 1
+            self.by_command[_first_command(data)] += 1
 
-        def main() -> None:
-            loop = self._loop = asyncio.new_event_loop()
-            server = loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
-            self.port = server.sockets[0].getsockname()[1]
-            ready.set()
-            loop.run_forever()
-            server.close()
-            loop.run_until_complete(server.wait_closed())
-            loop.close()
-
-        self._thread = threading.Thread(target=main, name="redis-relay", daemon=True)
-        self._thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("relay did not start")
-
-    def stop(self) -> None:
-        if self._loop is not None and self._thread is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-
-    async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
-        sr, sw = await asyncio.open_connection("127.0.0.1", self.redis_port)
-        pending = [False]
-
-        async def upstream() -> None:
-            while data := await cr.read(65536):
-                if not pending[0]:
-                    pending[0] = True
-                    self.round_trips += 1
-                    self.by_command[_first_command(data)] += 1
-                sw.write(data)
-                await sw.drain()
-            sw.close()
-
-        async def downstream() -> None:
-            while data := await sr.read(65536):
-                pending[0] = False
-                cw.write(data)
-                await cw.drain()
-            cw.close()
-
-        with contextlib.suppress(OSError, ConnectionError):
-            await asyncio.gather(upstream(), downstream())
+    async def to_client(self, data: bytes, conn: dict[str, Any]) -> None:
+        conn["pending"] = False
 
 
 @contextlib.contextmanager
