@@ -86,14 +86,15 @@ class LoopbackRelay:
         conn: dict[str, Any] = {}
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
+            await asyncio.gather(
+                self._pump(reader, up_writer, self.to_server, conn),
+                self._pump(up_reader, writer, self.to_client, conn),
+                return_exceptions=True,
+            )
+        except (OSError, asyncio.CancelledError):
+            # cancelled by ``stop``: ending quietly (asyncio's stream server would log a cancelled
+            # handler's exception as unhandled)
             writer.close()
-            return
-        await asyncio.gather(
-            self._pump(reader, up_writer, self.to_server, conn),
-            self._pump(up_reader, writer, self.to_client, conn),
-            return_exceptions=True,
-        )
 
     @staticmethod
     async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, hook: Any, conn: dict[str, Any]) -> None:
