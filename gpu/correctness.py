@@ -45,14 +45,7 @@ import devlib
 import engines
 
 M = devlib.MODEL_NAME
-P_ONLY = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+P_ONLY = devlib.P_ONLY
 LOGPROB_TOL = 0.1  # nats, for the first token's logprob (bf16 KV from decode vs recompute)
 GATEWAY_PORT = 8900
 

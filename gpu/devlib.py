@@ -40,6 +40,15 @@ PLUGIN_SITE = os.environ.get("TURNKV_PLUGIN_SITE", "/root/plugin-site")
 GATEWAY_SITE = os.environ.get("TURNKV_GATEWAY_SITE", "/root/turnkv-site")
 KIT = Path(os.environ.get("TURNKV_KIT", "/root/kit"))
 MODEL_NAME = "model"  # --served-model-name, as pd_up.sh
+# a prefill for remote decode with nothing to pull (turnkv.engine.vllm.handles.P_ONLY; no turnkv import here)
+P_ONLY = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 HEALTH_TIMEOUT_S = 240.0  # the kit's pd_up.sh waits 300 s; these engines are smaller or alone
 HTTP_TIMEOUT_S = 180.0
 

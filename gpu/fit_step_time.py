@@ -13,7 +13,8 @@ plus what they had generated). ``free`` is chosen on a grid, the rest by least s
 
     .venv/bin/python gpu/fit_step_time.py OUT/step_time.json [--json fit.json]
 
-Runs here with turnkv installed (its least squares: ``turnkv.reuse.lstsq``). Prints the constants, the ``turnkv sim`` flags that set them, and each sample's residual.
+Runs here with turnkv installed (its least squares: ``turnkv.reuse.lstsq``). Prints the constants, the
+``turnkv sim`` flags that set them, and each sample's residual.
 """
 
 from __future__ import annotations

@@ -44,14 +44,7 @@ import devlib
 import engines
 
 M = devlib.MODEL_NAME
-P_ONLY = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+P_ONLY = devlib.P_ONLY
 GET_ZCOPY = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 VARIANTS: dict[str, dict[str, Any]] = {
     "baseline": {},

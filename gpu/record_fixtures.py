@@ -34,14 +34,7 @@ import engines
 from tests.compat import protocol
 
 M = devlib.MODEL_NAME
-P_ONLY = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+P_ONLY = devlib.P_ONLY
 FAKE_ENGINE_ID = "00000000-0000-4000-8000-000000000000"
 SYSTEM = "You answer questions about the files of a small project."
 USER = "Which function opens the configuration file and what does it return"

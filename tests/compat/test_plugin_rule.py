@@ -19,16 +19,9 @@ import pytest
 
 from tests.compat import protocol
 from turnkv import launch
+from turnkv.engine.vllm.handles import P_ONLY
 
 PLUGIN_SRC = Path(__file__).resolve().parents[2] / "plugins" / "vllm-turnkv" / "src"
-P_ONLY = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 MESSAGES = [{"role": "user", "content": "Tell me about the files of this project"}]
 
 

@@ -23,16 +23,9 @@ from typing import Any
 import aiohttp
 
 from turnkv.bench.records import DECISION_HEADERS
+from turnkv.engine.vllm.handles import P_ONLY as _P_ONLY
 
 _VISIBLE = re.compile(rb'"(?:content|reasoning|reasoning_content)":"(?!")|"tool_calls":\[')
-_P_ONLY = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def chat_url(base: str) -> str:
