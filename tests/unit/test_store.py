@@ -18,6 +18,7 @@ from tests.store_contract import SHORT_MARKER_TTL_S, Backend, RedisContract, Sto
 from turnkv.config import ConfigError, load_settings
 from turnkv.errors import StoreBusy, StoreError
 from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus
+from turnkv.state.breaker import BreakerPolicy
 from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
 from turnkv.state.record import FORMAT_VERSION, ConversationRecord
@@ -77,33 +78,55 @@ class _Failing:
         return Claim(ClaimStatus.MISSING)
 
 
-async def test_guard_skips_a_failing_store_until_retry() -> None:
+POLICY = BreakerPolicy(open_s=5.0)
+
+
+async def test_guard_skips_a_store_that_is_not_there_until_a_probe_finds_it_back() -> None:
     now = [0.0]
-    store = _Failing(StoreError("down"))
+    store = _Failing(StoreError("refused", kind="unreachable"))
     states: list[bool] = []
-    errors: list[str] = []
+    errors: list[tuple[str, str]] = []
+    skipped: list[str] = []
     g = StoreGuard(
         store,  # type: ignore[arg-type]
-        retry_s=5,
+        policy=POLICY,
         clock=lambda: now[0],
         on_state=states.append,
-        on_error=errors.append,
+        on_error=lambda op, kind: errors.append((op, kind)),
+        on_skip=skipped.append,
     )
     for _ in range(3):
         with pytest.raises(StoreError):
             await g.claim("k", owner="o")
-    assert store.calls == 1 and states == [False] and not g.up and errors == ["claim"]
+    assert store.calls == 1 and states == [False] and not g.up
+    assert errors == [("claim", "unreachable")] and skipped == ["claim", "claim"]
     now[0] = 6.0
     store.error = None
     assert (await g.claim("k", owner="o")).status is ClaimStatus.MISSING
     assert store.calls == 2 and states == [False, True] and g.up
 
 
+async def test_one_timeout_fails_that_call_only() -> None:
+    store = _Failing(StoreError("timed out", kind="timeout"))
+    errors: list[tuple[str, str]] = []
+    g = StoreGuard(store, policy=POLICY, on_error=lambda op, kind: errors.append((op, kind)))  # type: ignore[arg-type]
+    with pytest.raises(StoreError):
+        await g.claim("k", owner="o")
+    store.error = None
+    assert (await g.claim("k", owner="o")).status is ClaimStatus.MISSING
+    assert store.calls == 2 and g.up and errors == [("claim", "timeout")]
+
+
 async def test_a_busy_pool_fails_the_call_but_does_not_open_the_guard() -> None:
     store = _Failing(StoreBusy("no connection free"))
     busy: list[str] = []
-    errors: list[str] = []
-    g = StoreGuard(store, retry_s=5, on_busy=busy.append, on_error=errors.append)  # type: ignore[arg-type]
+    errors: list[tuple[str, str]] = []
+    g = StoreGuard(
+        store,  # type: ignore[arg-type]
+        policy=BreakerPolicy(failures=1, span_s=0),
+        on_busy=busy.append,
+        on_error=lambda op, kind: errors.append((op, kind)),
+    )
     for _ in range(3):
         with pytest.raises(StoreBusy):
             await g.claim("k", owner="o")

@@ -42,7 +42,18 @@ class GatewayMetrics:
         )
         self.upstream_errors = Counter("turnkv_upstream_errors", "Engine call failures", ["leg", "kind"], registry=r)
         self.retries = Counter("turnkv_retries", "Retried engine calls", ["leg", "reason"], registry=r)
-        self.redis_errors = Counter("turnkv_redis_errors", "Conversation store failures", ["op"], registry=r)
+        self.redis_errors = Counter(
+            "turnkv_redis_errors",
+            "Conversation store failures by kind: timeout, connect_timeout, unreachable, error",
+            ["op", "kind"],
+            registry=r,
+        )
+        self.store_skipped = Counter(
+            "turnkv_store_skipped",
+            "Store calls not made because the store counts as down (the breaker is open)",
+            ["op"],
+            registry=r,
+        )
         self.store_busy = Counter(
             "turnkv_store_busy",
             "Store calls that found every connection busy (load, not an outage; the turn ran without its record)",
