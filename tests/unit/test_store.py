@@ -209,14 +209,15 @@ async def test_each_scheme_builds_its_client_with_the_pool_timeouts_and_tls() ->
     assert isinstance(single._redis, Redis)
     pool = single._redis.connection_pool
     kw = pool.connection_kwargs
-    assert pool.connection_class is SSLConnection and pool.max_connections == 7
+    assert issubclass(pool.connection_class, SSLConnection) and pool.max_connections == 7
     assert {k: kw[k] for k in TLS_KWARGS} == TLS_KWARGS and (kw["socket_timeout"], kw["db"]) == (0.3, 2)
     conn = pool.make_connection()  # type: ignore[no-untyped-call]  # the retry the pool's connections get (a client's own is ignored)
     assert conn.retry.get_retries() == 1
     await single.close()
 
+    assert conn._connect_gate is not None  # new connections open a few at a time
     plain = RedisStore.from_url("redis://h:1/0", tls=TLS)
-    assert plain._redis.connection_pool.connection_class is not SSLConnection  # type: ignore[union-attr]
+    assert not issubclass(plain._redis.connection_pool.connection_class, SSLConnection)  # type: ignore[union-attr]
     await plain.close()
 
     cluster = RedisStore.from_url("rediss+cluster://h:7000,g:7001", command_timeout_s=0.3, max_connections=9, tls=TLS)

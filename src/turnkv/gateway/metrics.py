@@ -38,7 +38,11 @@ class GatewayMetrics:
             "turnkv_reuse_decisions", "Reuse decisions", ["outcome", "action", "reason"], registry=r
         )
         self.tokens = Counter(
-            "turnkv_tokens", "Prompt tokens by how they were obtained, and generated tokens", ["kind"], registry=r
+            "turnkv_tokens",
+            "Prompt tokens by how they were obtained (planned_pull: as planned; vLLM does not count pulls "
+            "per request), and generated tokens",
+            ["kind"],
+            registry=r,
         )
         self.upstream_errors = Counter("turnkv_upstream_errors", "Engine call failures", ["leg", "kind"], registry=r)
         self.retries = Counter("turnkv_retries", "Retried engine calls", ["leg", "reason"], registry=r)
