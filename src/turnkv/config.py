@@ -258,8 +258,8 @@ class Settings(BaseSettings):
     redis_connect_concurrency: int = Field(
         16,
         ge=1,
-        description="new Redis connections being opened at once per process; a call that cannot start "
-        "opening one within timeouts.redis_connect_s runs without state (busy, not down)",
+        description="new Redis connections being opened at once per process; a call waits its turn (at most "
+        "one timeouts.redis_connect_s per round of openings ahead of it, then it runs without state: busy)",
     )
     redis_in_flight_ttl_s: float = Field(
         60.0,

@@ -54,8 +54,9 @@ outage, which the guard does not count as Redis being down. ``warm`` opens the p
 before traffic comes (a burst of first turns then opens none), and at most ``connect_concurrency``
 connections are being opened at once (one server and Sentinel): after Redis restarts, a burst of
 calls each reconnecting would otherwise all wait on each other's handshakes; a call that cannot
-start opening one within the connect timeout is ``StoreBusy`` too. Opening a connection has its own
-deadline (``connect_timeout_s``), not the command's.
+start opening one in time (as many rounds of the connect timeout as there are rounds of openings ahead
+of it: bounded, and only reached when connections fail to open) is ``StoreBusy`` too. Opening a
+connection has its own deadline (``connect_timeout_s``), not the command's.
 
 Retries: a command is retried once, at once, on a connection error (a pooled connection Redis
 dropped while it was away). A timeout is retried once only where running the operation twice is
@@ -341,7 +342,8 @@ class RedisStore:
             target,
             command_timeout_s=command_timeout_s,
             connect_timeout_s=connect_s,
-            gate=_ConnectGate(connect_concurrency, connect_s),
+            # a wait for a turn is bounded by the rounds of openings ahead of it, each within connect_s
+            gate=_ConnectGate(connect_concurrency, connect_s * -(-max_connections // connect_concurrency)),
             max_connections=max_connections,
             tls=tls or TLSOptions(),
         )
