@@ -59,7 +59,8 @@ of it: bounded, and only reached when connections fail to open) is ``StoreBusy``
 connection has its own deadline (``connect_timeout_s``), not the command's.
 
 Retries: a command is retried once, at once, on a connection error (a pooled connection Redis
-dropped while it was away). A timeout is retried once only where running the operation twice is
+dropped while it was away); a claim, read or release whose new connection did not open in time
+(nothing was sent) once more. A timeout is retried once only where running the operation twice is
 harmless (``pinned``, ``release``, ``get_doc``, ``put_doc``, ``ping``); never ``claim`` (a second
 try would find the first one's marker) nor ``put`` (a second write could land after another turn
 claimed the first, storing a handle that turn holds). A Cluster client also retries a timeout
@@ -382,16 +383,19 @@ class RedisStore:
     # --- the contract ---
 
     async def claim(self, key: str, *, owner: str) -> Claim:
-        async with self._op("claim"):
-            claim = _claim_of(await self._eval(CLAIM, [self.conversation_key(key)], [owner, self._in_flight_ms]))
-            record = claim.record
-            if record is not None and record.handle is not None:
-                try:
+        async def run() -> Claim:
+            return _claim_of(await self._eval(CLAIM, [self.conversation_key(key)], [owner, self._in_flight_ms]))
+
+        claim = await self._twice_on_timeout("claim", run, idempotent=False)
+        record = claim.record
+        if record is not None and record.handle is not None:
+            try:
+                async with self._op("claim"):
                     await self._eval(UNPIN, self._index(record.decode_url).keys, [key, _pin_of(record.handle)])
-                except _REDIS_ERRORS as exc:
-                    # the claim stands (the turn owns the handle); the entry left behind is an
-                    # orphan that evict's CAS refuses and prune drops
-                    log.warning("store.claim_unindex_failed reason=orphan_entry error=%s: %s", type(exc).__name__, exc)
+            except StoreError as exc:
+                # the claim stands (the turn owns the handle); the entry left behind is an
+                # orphan that evict's CAS refuses and prune drops
+                log.warning("store.claim_unindex_failed reason=orphan_entry kind=%s error=%s", exc.kind, exc)
         return claim
 
     async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
@@ -569,16 +573,17 @@ class RedisStore:
         finally:
             self._slots.release()
 
-    async def _twice_on_timeout(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """An operation that is harmless to run twice: run again once if its answer timed out (on
-        another connection: redis-py drops one whose answer it gave up on)."""
+    async def _twice_on_timeout(self, op: str, fn: Callable[[], Awaitable[T]], *, idempotent: bool = True) -> T:
+        """``fn`` as one operation, run again once where that cannot do harm: when no connection could
+        be opened for it (``connect_timeout``: nothing was sent), and for an ``idempotent`` one when its
+        answer timed out (on another connection: redis-py drops one whose answer it gave up on)."""
         try:
             async with self._op(op):
                 return await fn()
         except StoreError as exc:
-            if exc.kind != "timeout":
+            if not (exc.kind == "connect_timeout" or (idempotent and exc.kind == "timeout")):
                 raise
-            log.info("store.retry op=%s reason=timeout", op)
+            log.info("store.retry op=%s reason=%s", op, exc.kind)
         async with self._op(op):
             return await fn()
 
