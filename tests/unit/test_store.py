@@ -235,3 +235,34 @@ async def test_each_scheme_builds_its_client_with_the_pool_timeouts_and_tls() ->
     sentinel_node = sentinel._closers[0].sentinels[0].connection_pool
     assert sentinel_node.connection_class is SSLConnection
     await sentinel.close()
+
+
+@pytest.mark.parametrize(
+    ("message", "idempotent", "tries"),
+    [
+        ("Timeout connecting to server", False, 2),  # nothing was sent: any operation may go again
+        ("Timeout reading from 127.0.0.1:6379", True, 2),  # a read: harmless twice
+        ("Timeout reading from 127.0.0.1:6379", False, 1),  # a claim or a put: it may have run
+    ],
+)
+async def test_what_a_timeout_retries(message: str, idempotent: bool, tries: int) -> None:
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    s = RedisStore(fakeredis.aioredis.FakeRedis(decode_responses=True))
+    calls = 0
+
+    async def once() -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RedisTimeoutError(message)
+        return "ok"
+
+    if tries == 2:
+        assert await s._twice_on_timeout("op", once, idempotent=idempotent) == "ok"
+    else:
+        with pytest.raises(StoreError) as failed:
+            await s._twice_on_timeout("op", once, idempotent=idempotent)
+        assert failed.value.kind == "timeout"
+    assert calls == tries
+    await s.close()
