@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, e in enumerate(events, 1):
             print(f"{i:>3} {str(e.get('conversation_source')):<17} {e['outcome']:<12} {e['action']:<12} "
                   f"{e['reason']:<20} {e.get('prompt_tokens', 0):>6} {e.get('matched_tokens', 0):>7} "
-                  f"{e.get('tokens_pulled', 0):>6}")
+                  f"{e.get('tokens_planned_pull', 0):>6}")
         if args.json:
             print(json.dumps({"example": args.example, "returncode": run.returncode, "calls": calls,
                               "turns": events}))

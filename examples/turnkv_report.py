@@ -40,7 +40,8 @@ class Decisions:
         self.calls += 1
         print(f"  [turnkv] call {self.calls:>2}: {h['x-turnkv-outcome']:<12} {h.get('x-turnkv-action', ''):<12} "
               f"{h.get('x-turnkv-reason', ''):<20} conversation={h.get('x-turnkv-conversation', '?'):<8} "
-              f"prompt={h.get('x-turnkv-prompt-tokens', '?')} pulled={h.get('x-turnkv-pulled-tokens', '?')}",
+              f"prompt={h.get('x-turnkv-prompt-tokens', '?')} "
+              f"planned_pull={h.get('x-turnkv-planned-pull-tokens', '?')}",
               flush=True)
 
     async def ashow(self, response: Any) -> None:

@@ -32,7 +32,10 @@ class Timeouts(BaseModel):
     prefill_s: float = Field(300.0, gt=0, description="whole prefill call, KV pull included")
     decode_read_s: float = Field(300.0, gt=0, description="longest silence between two decode chunks")
     health_s: float = Field(1.0, gt=0)
-    redis_s: float = Field(0.25, gt=0, description="one Redis command; past it the turn runs without state")
+    redis_s: float = Field(0.25, gt=0, description="one Redis command; past it that call runs without state")
+    redis_connect_s: float = Field(
+        1.0, gt=0, description="opening one Redis connection (TCP, and TLS); a new connection is not a slow command"
+    )
     # First-token deadlines: past them the turn is tried once more another way (another engine, or plain
     # P/D without a handle), then answered with an error; never minutes of silence. 30 s is ~8x the worst
     # TTFT p99 seen on the H200 at 32 concurrent conversations (plain P/D, 3.9 s).
@@ -192,6 +195,18 @@ class Limits(BaseModel):
     raise_fd_limit: bool = Field(True, description="raise the open-file soft limit to the hard limit at start")
 
 
+class StoreBreaker(BaseModel):
+    """When the conversation store counts as down (``state.breaker``): never on one slow command."""
+
+    model_config = ConfigDict(frozen=True)
+    failures: int = Field(3, ge=1, description="failures in a row (no success between) that open the breaker ...")
+    span_s: float = Field(0.5, ge=0, description="... when they spread over at least this long")
+    ratio: float = Field(0.5, gt=0, le=1, description="or this share of the calls in window_s failed ...")
+    window_s: float = Field(10.0, gt=0, description="... the window of that ratio")
+    min_calls: int = Field(20, ge=1, description="... over at least this many calls")
+    max_open_s: float = Field(8.0, gt=0, description="longest skip: each failed probe doubles store_retry_s up to it")
+
+
 class Cors(BaseModel):
     """Browser access (Starlette's CORSMiddleware); off while ``allow_origins`` is empty."""
 
@@ -233,6 +248,18 @@ class Settings(BaseSettings):
         gt=0,
         description="longest wait for a free connection; past it "
         "that call runs without state (Redis is not marked down)",
+    )
+    redis_warm_connections: int = Field(
+        256,
+        ge=0,
+        description="connections opened at start (at most redis_max_connections), so that a burst of "
+        "first turns does not open them all at once",
+    )
+    redis_connect_concurrency: int = Field(
+        16,
+        ge=1,
+        description="new Redis connections being opened at once per process; a call waits its turn (at most "
+        "one timeouts.redis_connect_s per round of openings ahead of it, then it runs without state: busy)",
     )
     redis_in_flight_ttl_s: float = Field(
         60.0,
@@ -348,7 +375,12 @@ class Settings(BaseSettings):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health_interval_s: float = Field(2.0, gt=0)
     scrape_interval_s: float = Field(5.0, gt=0, description="how often engine /metrics are read")
-    store_retry_s: float = Field(2.0, gt=0, description="after a Redis failure, skip Redis this long")
+    store_retry_s: float = Field(
+        1.0,
+        gt=0,
+        description="once Redis counts as down (store_breaker), skip it this long, then let one call probe it",
+    )
+    store_breaker: StoreBreaker = Field(default_factory=StoreBreaker)
     max_connections: int = Field(1024, ge=1)
     template_audit: bool = True
     log_level: str = "info"

@@ -186,8 +186,21 @@ def _message_of(body: Any) -> str | None:
 
 
 class StoreError(Exception):
-    """The conversation store failed or timed out."""
+    """The conversation store failed or timed out. ``kind`` says how, for the breaker (``state.breaker``),
+    metrics and logs: ``timeout`` (a command's answer did not come in time), ``connect_timeout`` (a new
+    connection did not open in time), ``unreachable`` (refused or reset: nothing answers), ``error`` (an
+    error answer, or one we cannot read), ``busy`` (StoreBusy), ``open`` (skipped: the store counts as
+    down)."""
+
+    kind: str = "error"
+
+    def __init__(self, message: str, *, kind: str | None = None) -> None:
+        super().__init__(message)
+        if kind is not None:
+            self.kind = kind
 
 
 class StoreBusy(StoreError):
     """Every connection to the store stayed busy past the pool wait: load, not an outage."""
+
+    kind = "busy"

@@ -27,7 +27,7 @@ def test_keep_template_reuses_every_later_turn(
     assert all(t.headers["x-turnkv-action"] == "pull" for t in turns[1:])
     events = c.turn_events(5)
     assert [e["capture"] for e in events] == ["stored"] * 5
-    assert sum(e["tokens_pulled"] for e in events) > 0
+    assert sum(e["tokens_planned_pull"] for e in events) > 0
     pulled = metric(c.prefill[0].url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     assert pulled > 0  # the prefill engine really loaded KV from the decode engine
 

@@ -215,3 +215,32 @@ def test_bad_input_is_refused_before_any_engine_work_and_keeps_the_record(
         after = d.step()
         assert after.correct and after.outcome == "full"  # the record survived every refused request
     no_tracebacks(c)
+
+
+def test_a_place_in_flight_is_free_once_the_client_has_its_last_byte(
+    procs: list[launch.Running], tmp_path: Path, redis_url: str
+) -> None:
+    # as many clients as places, each sending its next turn (or a new conversation's first) the moment the
+    # last one's stream ended: none is refused, so no turn's place outlives its stream's last byte (the
+    # turn's clean-up, Redis included, runs before that byte: the next turn must find its record)
+    clients = 4
+    c = start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",  # D's handle in the stream
+        redis_url=redis_url,
+        gateway_env={"TURNKV_LIMITS__MAX_INFLIGHT": str(clients)},
+    )
+
+    def run(i: int) -> list[str]:
+        outcomes = []
+        for k in range(3):
+            with Dialogue(c, session=f"c{i}-{k}", stream=True, max_tokens=8) as d:
+                outcomes += [d.step(truth=False).outcome for _ in range(3)]
+        return outcomes
+
+    with ThreadPoolExecutor(clients) as pool:
+        outcomes = [o for got in pool.map(run, range(clients)) for o in got]
+    assert len(outcomes) == clients * 9 and outcomes.count("full") == clients * 3 * 2
+    assert metric(c.gateway.url, "turnkv_rejected_requests_total", reason="server_overloaded") == 0
+    no_tracebacks(c)

@@ -4,12 +4,15 @@ what the store does when Redis is busy, gone, back, or failed over."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from redis.asyncio import RedisCluster
 
 from tests.integration.redis_topologies import (
@@ -35,6 +38,7 @@ from tests.store_contract import (
 from turnkv.bench.redis_server import RedisServer
 from turnkv.errors import StoreBusy, StoreError
 from turnkv.state.base import ClaimStatus, Pinned
+from turnkv.state.breaker import BreakerPolicy
 from turnkv.state.guard import StoreGuard
 from turnkv.state.redis import RedisStore, TLSOptions
 
@@ -176,7 +180,7 @@ async def test_a_full_pool_fails_the_call_only(redis_server: RedisServer, redis_
             command_timeout_s=READY_TIMEOUT_S,
         )
         busy: list[str] = []
-        guard = StoreGuard(store, retry_s=60, on_busy=busy.append)
+        guard = StoreGuard(store, policy=BreakerPolicy(open_s=60), on_busy=busy.append)
         held = [asyncio.create_task(guard.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S)) for i in range(2)]
         await _until(lambda: relay.senders == 2, "both connections busy")  # held at the relay
         with pytest.raises(StoreBusy):
@@ -191,12 +195,12 @@ async def test_a_full_pool_fails_the_call_only(redis_server: RedisServer, redis_
 async def test_the_first_call_after_redis_is_back_succeeds(own_redis: RedisServer) -> None:
     now = [0.0]
     store = RedisStore.from_url(own_redis.url, command_timeout_s=5.0)
-    guard = StoreGuard(store, retry_s=2.0, clock=lambda: now[0])
+    guard = StoreGuard(store, policy=BreakerPolicy(open_s=2.0), clock=lambda: now[0])
     await asyncio.gather(*(guard.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S) for i in range(16)))  # 16 pooled connections
     own_redis.stop()
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError) as refused:
         await guard.claim("k0", owner="t")
-    assert not guard.up
+    assert refused.value.kind == "unreachable" and not guard.up  # nothing listens: down at once
     own_redis.start()  # empty: nothing was saved
     now[0] += 3.0
     # every pooled connection is one Redis closed; each call reconnects on its one retry
@@ -205,4 +209,69 @@ async def test_the_first_call_after_redis_is_back_succeeds(own_redis: RedisServe
     assert {c.status for c in got} == {ClaimStatus.MISSING}
     await guard.put("k0", rec("p0"), LONG_TTL_S)
     assert await guard.pinned([D1]) == {D1: Pinned(1, 20)}
+    await store.close()
+
+
+@contextlib.contextmanager
+def paused(server: RedisServer) -> Iterator[None]:
+    """Redis stopped (SIGSTOP) but still listening: every command sent meanwhile waits, and times out."""
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+
+
+async def test_warm_opens_the_pool_before_traffic(own_redis: RedisServer) -> None:
+    store = RedisStore.from_url(own_redis.url, max_connections=24, connect_concurrency=4, command_timeout_s=5.0)
+    assert await store.warm(100, within_s=READY_TIMEOUT_S) == 24  # at most the pool's size
+    clients = redis.Redis.from_url(own_redis.url)
+    try:
+        assert clients.info("clients")["connected_clients"] >= 24 + 1  # the pool's and this one
+    finally:
+        clients.close()
+    await store.close()
+
+
+async def test_one_slow_command_fails_that_call_only(own_redis: RedisServer) -> None:
+    store = RedisStore.from_url(own_redis.url, command_timeout_s=0.2)
+    errors: list[tuple[str, str]] = []
+    guard = StoreGuard(store, policy=BreakerPolicy(), on_error=lambda op, kind: errors.append((op, kind)))
+    await store.warm(16, within_s=READY_TIMEOUT_S)
+    await asyncio.gather(*(guard.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S) for i in range(10)))
+    with paused(own_redis), pytest.raises(StoreError) as slow:
+        await guard.claim("k0", owner="t")
+    assert slow.value.kind == "timeout" and errors == [("claim", "timeout")]
+    # the turns that follow find their records: the store was slow once, not down
+    got = await asyncio.gather(*(guard.claim(f"k{i}", owner="t") for i in range(1, 10)))
+    assert [c.record for c in got] == [rec(f"p{i}") for i in range(1, 10)] and guard.up
+    await store.close()
+
+
+async def test_a_redis_that_stopped_answering_is_skipped_after_a_few_calls(own_redis: RedisServer) -> None:
+    now = [0.0]
+    store = RedisStore.from_url(own_redis.url, command_timeout_s=0.2)
+    skipped: list[str] = []
+    guard = StoreGuard(
+        store, policy=BreakerPolicy(failures=3, span_s=0.5, open_s=1.0), clock=lambda: now[0], on_skip=skipped.append
+    )
+    await guard.put("k0", rec("p0"), LONG_TTL_S)
+    kinds = []
+    with paused(own_redis):
+        for _ in range(3):  # one call every 0.3 s (of the guard's clock), each timing out
+            with pytest.raises(StoreError) as failed:
+                await guard.claim("k0", owner="t")
+            kinds.append(failed.value.kind)
+            now[0] += 0.3
+        assert kinds == ["timeout"] * 3 and not guard.up
+        for _ in range(5):  # skipped at once, Redis not asked
+            with pytest.raises(StoreError) as failed:
+                await guard.claim("k0", owner="t")
+            assert failed.value.kind == "open"
+        assert skipped == ["claim"] * 5
+    now[0] += 1.0
+    # the probe: Redis answers again (whether it ran a claim it was sent while stopped is its own affair)
+    assert (await guard.claim("k0", owner="t2")).status in (ClaimStatus.FOUND, ClaimStatus.IN_FLIGHT)
+    assert guard.up
     await store.close()

@@ -116,7 +116,7 @@ BASIC = {"x-request-id", "x-turnkv-outcome", "x-turnkv-action", "x-turnkv-reason
 FULL = BASIC | {
     "x-turnkv-matched-tokens",
     "x-turnkv-prompt-tokens",
-    "x-turnkv-pulled-tokens",
+    "x-turnkv-planned-pull-tokens",
     "x-turnkv-prefill-cached-tokens",
     "x-turnkv-prefill-ms",
 }
@@ -128,7 +128,7 @@ LOGGED = {
     "action",
     "reason",
     "matched_tokens",
-    "tokens_pulled",
+    "tokens_planned_pull",
     "tokens_cached",
     "tokens_computed",
     "prompt_tokens",

@@ -34,7 +34,7 @@ async def test_full_match_pulls_all_of_ds_kv() -> None:
         chat = await conversation(gw)
         a = await chat.say("and tomorrow?")
         assert (a.outcome, a.action, a.reason) == ("full", "pull", "full_match")
-        matched, pulled = int(a.headers["x-turnkv-matched-tokens"]), int(a.headers["x-turnkv-pulled-tokens"])
+        matched, pulled = int(a.headers["x-turnkv-matched-tokens"]), int(a.headers["x-turnkv-planned-pull-tokens"])
         assert 0 < pulled <= matched  # what P's own prefix cache lacks
 
 
@@ -83,7 +83,7 @@ async def test_a_store_that_fails_costs_the_turn_its_reuse_only(failing: str) ->
         store.failing.add(failing)
         a = await chat.say("still there?")
         assert (a.outcome, a.reason) == ("none", "store_unavailable")
-        assert gw.metric("turnkv_redis_errors_total", op="claim") == 1
+        assert gw.metric("turnkv_redis_errors_total", op="claim", kind="error") == 1
 
 
 @pytest.mark.parametrize("first", [True, False])
@@ -98,7 +98,8 @@ async def test_a_busy_store_costs_that_turn_its_reuse_and_is_not_taken_for_down(
         assert a.status == 200 and (a.outcome, a.action, a.reason) == ("none", "recompute", "store_busy")
         assert gw.turns[-1]["reason"] == "store_busy"
         assert gw.metric("turnkv_store_busy_total", op="claim") == 1
-        assert gw.metric("turnkv_redis_errors_total", op="claim") == 0 and gw.metric("turnkv_store_up") == 1
+        assert gw.metric("turnkv_redis_errors_total", op="claim", kind="error") == 0
+        assert gw.metric("turnkv_store_up") == 1
         store.busy.clear()
         a = await chat.say("and now?")
         assert (a.outcome, a.reason) == ("full", "full_match")
@@ -115,6 +116,17 @@ async def test_a_failed_render_runs_the_turn_as_plain_pd_and_releases_the_handle
         assert (a.outcome, a.action, a.reason) == ("none", "recompute", "render_failed")
         assert pin in engine[D0].released  # P freed it on the way
         assert gw.metric("turnkv_upstream_errors_total", leg="render", kind="status") == 1
+
+
+async def test_a_render_the_client_caused_to_fail_is_its_4xx_logged_as_request_rejected() -> None:
+    async with gateway() as gw:
+        chat = await conversation(gw)
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        bad = await gw.chat([*chat.messages, {"role": "user", "content": [image]}], session="c1")
+        assert bad.status == 400, bad.body
+        assert gw.turns[-1]["reason"] == "request_rejected"
+        a = await chat.say("go on")  # the record was put back
+        assert (a.outcome, a.reason) == ("full", "full_match")
 
 
 async def test_more_than_one_choice_is_not_tracked() -> None:

@@ -19,6 +19,7 @@ from turnkv.logging import make_logger
 from turnkv.reuse.chain import chain_of
 from turnkv.routing import Router, build_profile
 from turnkv.state.base import ClaimStatus
+from turnkv.state.breaker import BreakerPolicy
 from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
 from turnkv.state.record import ConversationRecord
@@ -65,7 +66,7 @@ def rig() -> Rig:
     fleet.apply_load(D, LoadSample(capacity_tokens=10_000))  # as cache_config_info says: a budget of 5,000
     metrics = GatewayMetrics()
     store = MemoryStore()
-    guard = StoreGuard(store, retry_s=1)
+    guard = StoreGuard(store, policy=BreakerPolicy(open_s=1))
     router = Router(build_profile("affinity"), fleet.views)
     # only submit() runs here (the releases are queued, and counted)
     releaser = Releaser(FakeEngine(settings.prefill, settings.decode), router, metrics, lambda: None)

@@ -18,6 +18,7 @@ from tests.store_contract import SHORT_MARKER_TTL_S, Backend, RedisContract, Sto
 from turnkv.config import ConfigError, load_settings
 from turnkv.errors import StoreBusy, StoreError
 from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus
+from turnkv.state.breaker import BreakerPolicy
 from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
 from turnkv.state.record import FORMAT_VERSION, ConversationRecord
@@ -77,33 +78,55 @@ class _Failing:
         return Claim(ClaimStatus.MISSING)
 
 
-async def test_guard_skips_a_failing_store_until_retry() -> None:
+POLICY = BreakerPolicy(open_s=5.0)
+
+
+async def test_guard_skips_a_store_that_is_not_there_until_a_probe_finds_it_back() -> None:
     now = [0.0]
-    store = _Failing(StoreError("down"))
+    store = _Failing(StoreError("refused", kind="unreachable"))
     states: list[bool] = []
-    errors: list[str] = []
+    errors: list[tuple[str, str]] = []
+    skipped: list[str] = []
     g = StoreGuard(
         store,  # type: ignore[arg-type]
-        retry_s=5,
+        policy=POLICY,
         clock=lambda: now[0],
         on_state=states.append,
-        on_error=errors.append,
+        on_error=lambda op, kind: errors.append((op, kind)),
+        on_skip=skipped.append,
     )
     for _ in range(3):
         with pytest.raises(StoreError):
             await g.claim("k", owner="o")
-    assert store.calls == 1 and states == [False] and not g.up and errors == ["claim"]
+    assert store.calls == 1 and states == [False] and not g.up
+    assert errors == [("claim", "unreachable")] and skipped == ["claim", "claim"]
     now[0] = 6.0
     store.error = None
     assert (await g.claim("k", owner="o")).status is ClaimStatus.MISSING
     assert store.calls == 2 and states == [False, True] and g.up
 
 
+async def test_one_timeout_fails_that_call_only() -> None:
+    store = _Failing(StoreError("timed out", kind="timeout"))
+    errors: list[tuple[str, str]] = []
+    g = StoreGuard(store, policy=POLICY, on_error=lambda op, kind: errors.append((op, kind)))  # type: ignore[arg-type]
+    with pytest.raises(StoreError):
+        await g.claim("k", owner="o")
+    store.error = None
+    assert (await g.claim("k", owner="o")).status is ClaimStatus.MISSING
+    assert store.calls == 2 and g.up and errors == [("claim", "timeout")]
+
+
 async def test_a_busy_pool_fails_the_call_but_does_not_open_the_guard() -> None:
     store = _Failing(StoreBusy("no connection free"))
     busy: list[str] = []
-    errors: list[str] = []
-    g = StoreGuard(store, retry_s=5, on_busy=busy.append, on_error=errors.append)  # type: ignore[arg-type]
+    errors: list[tuple[str, str]] = []
+    g = StoreGuard(
+        store,  # type: ignore[arg-type]
+        policy=BreakerPolicy(failures=1, span_s=0),
+        on_busy=busy.append,
+        on_error=lambda op, kind: errors.append((op, kind)),
+    )
     for _ in range(3):
         with pytest.raises(StoreBusy):
             await g.claim("k", owner="o")
@@ -186,14 +209,15 @@ async def test_each_scheme_builds_its_client_with_the_pool_timeouts_and_tls() ->
     assert isinstance(single._redis, Redis)
     pool = single._redis.connection_pool
     kw = pool.connection_kwargs
-    assert pool.connection_class is SSLConnection and pool.max_connections == 7
+    assert issubclass(pool.connection_class, SSLConnection) and pool.max_connections == 7
     assert {k: kw[k] for k in TLS_KWARGS} == TLS_KWARGS and (kw["socket_timeout"], kw["db"]) == (0.3, 2)
     conn = pool.make_connection()  # type: ignore[no-untyped-call]  # the retry the pool's connections get (a client's own is ignored)
     assert conn.retry.get_retries() == 1
     await single.close()
 
+    assert conn._connect_gate is not None  # new connections open a few at a time
     plain = RedisStore.from_url("redis://h:1/0", tls=TLS)
-    assert plain._redis.connection_pool.connection_class is not SSLConnection  # type: ignore[union-attr]
+    assert not issubclass(plain._redis.connection_pool.connection_class, SSLConnection)  # type: ignore[union-attr]
     await plain.close()
 
     cluster = RedisStore.from_url("rediss+cluster://h:7000,g:7001", command_timeout_s=0.3, max_connections=9, tls=TLS)
@@ -211,3 +235,34 @@ async def test_each_scheme_builds_its_client_with_the_pool_timeouts_and_tls() ->
     sentinel_node = sentinel._closers[0].sentinels[0].connection_pool
     assert sentinel_node.connection_class is SSLConnection
     await sentinel.close()
+
+
+@pytest.mark.parametrize(
+    ("message", "idempotent", "tries"),
+    [
+        ("Timeout connecting to server", False, 2),  # nothing was sent: any operation may go again
+        ("Timeout reading from 127.0.0.1:6379", True, 2),  # a read: harmless twice
+        ("Timeout reading from 127.0.0.1:6379", False, 1),  # a claim or a put: it may have run
+    ],
+)
+async def test_what_a_timeout_retries(message: str, idempotent: bool, tries: int) -> None:
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    s = RedisStore(fakeredis.aioredis.FakeRedis(decode_responses=True))
+    calls = 0
+
+    async def once() -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RedisTimeoutError(message)
+        return "ok"
+
+    if tries == 2:
+        assert await s._twice_on_timeout("op", once, idempotent=idempotent) == "ok"
+    else:
+        with pytest.raises(StoreError) as failed:
+            await s._twice_on_timeout("op", once, idempotent=idempotent)
+        assert failed.value.kind == "timeout"
+    assert calls == tries
+    await s.close()

@@ -46,6 +46,7 @@ from turnkv.reuse.estimator import CostEstimator
 from turnkv.reuse.policies import build_policy
 from turnkv.routing import Router, build_profile
 from turnkv.state.base import ConversationStore
+from turnkv.state.breaker import BreakerPolicy
 from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
 from turnkv.state.redis import RedisStore, TLSOptions
@@ -57,6 +58,7 @@ STARTUP_AUDIT_S = 3.0
 STOP_LOOPS_S = 5.0
 STOP_TICK_S = 0.1
 SHUTDOWN_RELEASE_S = 5.0
+WARM_WITHIN_S = 5.0  # opening the Redis pool at start; a Redis not there yet is met by the first calls
 logger = logging.getLogger("turnkv.app")
 
 
@@ -80,6 +82,19 @@ def cost_priors(settings: Settings) -> CostParams:
     )
 
 
+def breaker_policy(settings: Settings) -> BreakerPolicy:
+    b = settings.store_breaker
+    return BreakerPolicy(
+        failures=b.failures,
+        span_s=b.span_s,
+        ratio=b.ratio,
+        window_s=b.window_s,
+        min_calls=b.min_calls,
+        open_s=settings.store_retry_s,
+        max_open_s=max(b.max_open_s, settings.store_retry_s),
+    )
+
+
 def _store(settings: Settings) -> ConversationStore:
     s = settings
     if s.redis_url:
@@ -94,6 +109,8 @@ def _store(settings: Settings) -> ConversationStore:
             s.redis_url,
             namespace=s.redis_namespace,
             command_timeout_s=s.timeouts.redis_s,
+            connect_timeout_s=s.timeouts.redis_connect_s,
+            connect_concurrency=s.redis_connect_concurrency,
             pool_timeout_s=s.redis_pool_timeout_s,
             max_connections=s.redis_max_connections,
             in_flight_ttl_s=s.redis_in_flight_ttl_s,
@@ -214,13 +231,18 @@ def create_app(
         log = make_logger("turnkv.turn", json=settings.log_json)
         if multiprocess_dir is not None:
             log = log.bind(worker=os.getpid())  # which of the workers served a turn
+        backing = store if store is not None else _store(settings)
         guard = StoreGuard(
-            store if store is not None else _store(settings),
-            retry_s=settings.store_retry_s,
-            on_error=lambda op: metrics.redis_errors.labels(op).inc(),
+            backing,
+            policy=breaker_policy(settings),
+            on_error=lambda op, kind: metrics.redis_errors.labels(op, kind).inc(),
             on_state=lambda up: metrics.store_up.set(1 if up else 0),
             on_busy=lambda op: metrics.store_busy.labels(op).inc(),
+            on_skip=lambda op: metrics.store_skipped.labels(op).inc(),
         )
+        if isinstance(backing, RedisStore) and settings.redis_warm_connections:
+            opened = await backing.warm(settings.redis_warm_connections, within_s=WARM_WITHIN_S)
+            log.info("store.warm", connections=opened)
         async with contextlib.AsyncExitStack() as stack:
             eng = engine if engine is not None else await stack.enter_async_context(open_engine(settings))
             fleet = Fleet(settings.prefill, settings.decode, settings.block_size)

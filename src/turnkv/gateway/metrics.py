@@ -38,11 +38,26 @@ class GatewayMetrics:
             "turnkv_reuse_decisions", "Reuse decisions", ["outcome", "action", "reason"], registry=r
         )
         self.tokens = Counter(
-            "turnkv_tokens", "Prompt tokens by how they were obtained, and generated tokens", ["kind"], registry=r
+            "turnkv_tokens",
+            "Prompt tokens by how they were obtained (planned_pull: as planned; vLLM does not count pulls "
+            "per request), and generated tokens",
+            ["kind"],
+            registry=r,
         )
         self.upstream_errors = Counter("turnkv_upstream_errors", "Engine call failures", ["leg", "kind"], registry=r)
         self.retries = Counter("turnkv_retries", "Retried engine calls", ["leg", "reason"], registry=r)
-        self.redis_errors = Counter("turnkv_redis_errors", "Conversation store failures", ["op"], registry=r)
+        self.redis_errors = Counter(
+            "turnkv_redis_errors",
+            "Conversation store failures by kind: timeout, connect_timeout, unreachable, error",
+            ["op", "kind"],
+            registry=r,
+        )
+        self.store_skipped = Counter(
+            "turnkv_store_skipped",
+            "Store calls not made because the store counts as down (the breaker is open)",
+            ["op"],
+            registry=r,
+        )
         self.store_busy = Counter(
             "turnkv_store_busy",
             "Store calls that found every connection busy (load, not an outage; the turn ran without its record)",

@@ -60,8 +60,35 @@ def _exit_with_supervisor(lifeline: Connection) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def worker_share(settings: Settings) -> Settings:
+    """One worker's settings: the client-facing caps (``limits.max_inflight``, ``max_inflight_per_tenant``,
+    ``max_client_connections``, ``max_connections_per_ip``) are the whole gateway's, so each of the
+    ``workers`` processes takes an equal share, rounded down, at least 1: together they never admit more
+    than configured. The kernel spreads connections over workers by address, not by load, so one worker
+    may refuse while another has room; per-process pools (``max_connections`` to the engines,
+    ``redis_max_connections``) are left as they are."""
+    n = settings.workers
+    lim = settings.limits
+    if n <= 1:
+        return settings
+
+    def share(cap: int) -> int:
+        return max(1, cap // n)
+
+    limits = lim.model_copy(
+        update={
+            "max_inflight": share(lim.max_inflight),
+            "max_inflight_per_tenant": share(lim.max_inflight_per_tenant),
+            "max_client_connections": share(lim.max_client_connections),
+            "max_connections_per_ip": None if lim.max_connections_per_ip is None else share(lim.max_connections_per_ip),
+        }
+    )
+    return settings.model_copy(update={"limits": limits})
+
+
 def _worker(settings: Settings, ready: Any, lifeline: Connection, metrics_dir: str) -> None:
-    """One worker process: listen on the shared port, tell the supervisor, serve until SIGTERM."""
+    """One worker process: listen on the shared port, tell the supervisor, serve until SIGTERM. Its caps
+    are its share of the gateway's (``worker_share``)."""
     from turnkv.gateway.app import create_app
     from turnkv.gateway.connections import edge_limits
     from turnkv.launch import run_uvicorn
@@ -69,6 +96,7 @@ def _worker(settings: Settings, ready: Any, lifeline: Connection, metrics_dir: s
 
     threading.Thread(target=_exit_with_supervisor, args=(lifeline,), daemon=True).start()
     configure_stdlib(settings.log_level)
+    settings = worker_share(settings)
     sock = bind(settings.host, settings.port, reuse_port=True)
     sock.listen(LISTEN_BACKLOG)
     ready.put(os.getpid())

@@ -27,6 +27,7 @@ class Reason(enum.StrEnum):
     STORE_UNAVAILABLE = "store_unavailable"
     STORE_BUSY = "store_busy"  # every store connection stayed busy past the pool wait: this turn only
     RENDER_FAILED = "render_failed"
+    REQUEST_REJECTED = "request_rejected"  # the render refused the request as the client sent it (a 4xx)
     UNSUPPORTED_REQUEST = "unsupported_request"
     EXPIRED = "expired"
     TENANT = "tenant"

@@ -1,12 +1,15 @@
-"""Keeps a failing store off the request path: after a failure, turns skip it for a while.
+"""Keeps a failing store off the request path: the circuit breaker (``state.breaker``) in front of it.
 
-While the store is down every call raises ``StoreError`` at once, so a turn falls back to plain
-P/D without waiting for a timeout; the first call after ``retry_s`` tries the store again, and a
-success brings it back. What counts as down: a failure of the store itself (a connection refused
-or reset, a command timeout, an error answer). ``StoreBusy``, a call that found every connection
-busy past the pool wait, fails that call only and is counted apart (``on_busy``): under load the
-store is slow to reach, not gone, and skipping it for ``retry_s`` would turn a burst into seconds
-of stateless turns and in-flight markers left behind.
+While the breaker is open every call raises ``StoreError`` (kind ``open``) at once, so a turn falls
+back to plain P/D without waiting for a timeout; then one call probes the store, and its success
+brings it back. One failed call costs that call only: the breaker opens on an outage's evidence
+(nothing listening, failures in a row over time, or a high failure ratio), not on one slow command.
+``StoreBusy``, a call that found every connection busy past the pool wait, fails that call only
+and is no outcome for the breaker (``on_busy``): under load the store is slow to reach, not gone.
+
+Reported: every failure by operation and kind (``on_error``: ``timeout``, ``connect_timeout``,
+``unreachable``, ``error``), calls skipped while open (``on_skip``), and the breaker's state
+(``on_state``), with a log line on each change saying why.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TypeVar
 
 from turnkv.errors import StoreBusy, StoreError
 from turnkv.state.base import Claim, ConversationStore, PinEntry, Pinned
+from turnkv.state.breaker import Admit, Breaker, BreakerPolicy, State, Transition
 from turnkv.state.record import ConversationRecord
 
 T = TypeVar("T")
@@ -29,41 +33,58 @@ class StoreGuard:
         self,
         store: ConversationStore,
         *,
-        retry_s: float,
-        on_error: Callable[[str], None] = lambda op: None,
+        policy: BreakerPolicy,
+        on_error: Callable[[str, str], None] = lambda op, kind: None,
         on_state: Callable[[bool], None] = lambda up: None,
         on_busy: Callable[[str], None] = lambda op: None,
+        on_skip: Callable[[str], None] = lambda op: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
-        self._retry_s = retry_s
+        self.breaker = Breaker(policy)
         self._on_error = on_error
         self._on_state = on_state
         self._on_busy = on_busy
+        self._on_skip = on_skip
         self._clock = clock
-        self._down_until = 0.0
-        self.up = True
+
+    @property
+    def up(self) -> bool:
+        """False from the breaker's opening until a probe finds the store back."""
+        return self.breaker.state is State.CLOSED
+
+    def _changed(self, change: Transition | None, op: str, error: StoreError | None) -> None:
+        if change is None:
+            return
+        up = change.state is State.CLOSED
+        if up:
+            log.warning("store.up op=%s why=%s", op, change.why)
+        else:
+            kind = error.kind if error is not None else None
+            log.warning("store.down op=%s why=%s kind=%s error=%s", op, change.why, kind, error)
+        self._on_state(up)
 
     async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
-        if not self.up and self._clock() < self._down_until:
-            raise StoreError("store is down; retrying later")
+        admitted = self.breaker.admit(self._clock())
+        if admitted is Admit.SKIP:
+            self._on_skip(op)
+            raise StoreError("store is down; retrying later", kind="open")
         try:
             result = await fn()
         except StoreBusy:
             self._on_busy(op)
+            self.breaker.abandoned(admitted)
             raise
         except StoreError as exc:
-            self._on_error(op)
-            self._down_until = self._clock() + self._retry_s
+            self._on_error(op, exc.kind)
             if self.up:
-                log.warning("store.down op=%s error=%s", op, exc)
-                self.up = False
-                self._on_state(False)
+                log.info("store.failure op=%s kind=%s error=%s", op, exc.kind, exc)
+            self._changed(self.breaker.failed(self._clock(), exc.kind, admitted), op, exc)
             raise
-        if not self.up:
-            log.warning("store.up op=%s", op)
-            self.up = True
-            self._on_state(True)
+        except BaseException:
+            self.breaker.abandoned(admitted)
+            raise
+        self._changed(self.breaker.succeeded(self._clock(), admitted), op, None)
         return result
 
     async def claim(self, key: str, *, owner: str) -> Claim:

@@ -50,10 +50,22 @@ the last put wins; claims stay single-use, so no handle is used twice.
 Connections: at most ``max_connections`` operations run at once per store (an asyncio semaphore in
 front of redis-py's pools, the same for the three topologies, whose pools are sized to match). A
 call that waits longer than ``pool_timeout_s`` for its turn raises ``StoreBusy``: load, not an
-outage, which the guard does not count as Redis being down. A command is retried once, at once, on
-a connection error (a pooled connection Redis dropped while it was away), never on a timeout (a
-Cluster client also retries a timeout once, on a fresh view of the slots). Every redis-py error
-is translated here, once, into ``StoreError``.
+outage, which the guard does not count as Redis being down. ``warm`` opens the pool's connections
+before traffic comes (a burst of first turns then opens none), and at most ``connect_concurrency``
+connections are being opened at once (one server and Sentinel): after Redis restarts, a burst of
+calls each reconnecting would otherwise all wait on each other's handshakes; a call that cannot
+start opening one in time (as many rounds of the connect timeout as there are rounds of openings ahead
+of it: bounded, and only reached when connections fail to open) is ``StoreBusy`` too. Opening a
+connection has its own deadline (``connect_timeout_s``), not the command's.
+
+Retries: a command is retried once, at once, on a connection error (a pooled connection Redis
+dropped while it was away); a claim, read or release whose new connection did not open in time
+(nothing was sent) once more. A timeout is retried once only where running the operation twice is
+harmless (``pinned``, ``release``, ``get_doc``, ``put_doc``, ``ping``); never ``claim`` (a second
+try would find the first one's marker) nor ``put`` (a second write could land after another turn
+claimed the first, storing a handle that turn holds). A Cluster client also retries a timeout
+once, on a fresh view of the slots. Every redis-py error is translated here, once, into
+``StoreError`` with its kind: ``timeout``, ``connect_timeout``, ``unreachable``, ``error``.
 """
 
 from __future__ import annotations
@@ -64,12 +76,13 @@ import dataclasses
 import hashlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, cast
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar, cast
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.connection import (
+    AbstractConnection,
     Connection,
     ConnectionPool,
     SSLConnection,
@@ -80,6 +93,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from turnkv import jsonwire
 from turnkv.errors import StoreBusy, StoreError
@@ -87,10 +101,12 @@ from turnkv.state.base import Claim, ClaimStatus, PinEntry, Pinned
 from turnkv.state.record import ConversationRecord
 from turnkv.state.redis_url import RedisTarget, Topology, parse_redis_url
 
+T = TypeVar("T")
 log = logging.getLogger("turnkv.store")
 
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_POOL_TIMEOUT_S = 0.5
+DEFAULT_CONNECT_CONCURRENCY = 16
 DEFAULT_IN_FLIGHT_TTL_S = 60.0
 EVICT_BATCH = 256  # entries per pick; a pick and its CAS pipeline are one round trip each
 MAX_EVICT_ROUNDS = 64  # 16k entries per evict call at most
@@ -300,6 +316,7 @@ class RedisStore:
         self._redis = client
         self._ns = namespace
         self._slots = asyncio.Semaphore(max_connections)
+        self._max_connections = max_connections
         self._pool_timeout_s = pool_timeout_s
         self._in_flight_ms = max(1, int(in_flight_ttl_s * 1000))
         self._closers = list(closers)
@@ -311,22 +328,33 @@ class RedisStore:
         *,
         namespace: str = "turnkv",
         command_timeout_s: float = 0.25,
+        connect_timeout_s: float | None = None,
+        connect_concurrency: int = DEFAULT_CONNECT_CONCURRENCY,
         pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         in_flight_ttl_s: float = DEFAULT_IN_FLIGHT_TTL_S,
         tls: TLSOptions | None = None,
     ) -> RedisStore:
-        """A store on the deployment ``url`` names (see ``state.redis_url``). Nothing connects yet."""
+        """A store on the deployment ``url`` names (see ``state.redis_url``). Nothing connects yet
+        (``warm`` opens the pool). ``connect_timeout_s``: default ``command_timeout_s``."""
         target = parse_redis_url(url)
+        connect_s = command_timeout_s if connect_timeout_s is None else connect_timeout_s
         client, closers = _client(
-            target, command_timeout_s=command_timeout_s, max_connections=max_connections, tls=tls or TLSOptions()
+            target,
+            command_timeout_s=command_timeout_s,
+            connect_timeout_s=connect_s,
+            # a wait for a turn is bounded by the rounds of openings ahead of it, each within connect_s
+            gate=_ConnectGate(connect_concurrency, connect_s * -(-max_connections // connect_concurrency)),
+            max_connections=max_connections,
+            tls=tls or TLSOptions(),
         )
         log.info(
-            "store.redis target=%s max_connections=%d pool_timeout_s=%s command_timeout_s=%s",
+            "store.redis target=%s max_connections=%d pool_timeout_s=%s command_timeout_s=%s connect_timeout_s=%s",
             target.describe(),
             max_connections,
             pool_timeout_s,
             command_timeout_s,
+            connect_s,
         )
         return cls(
             client,
@@ -355,16 +383,19 @@ class RedisStore:
     # --- the contract ---
 
     async def claim(self, key: str, *, owner: str) -> Claim:
-        async with self._op("claim"):
-            claim = _claim_of(await self._eval(CLAIM, [self.conversation_key(key)], [owner, self._in_flight_ms]))
-            record = claim.record
-            if record is not None and record.handle is not None:
-                try:
+        async def run() -> Claim:
+            return _claim_of(await self._eval(CLAIM, [self.conversation_key(key)], [owner, self._in_flight_ms]))
+
+        claim = await self._twice_on_timeout("claim", run, idempotent=False)
+        record = claim.record
+        if record is not None and record.handle is not None:
+            try:
+                async with self._op("claim"):
                     await self._eval(UNPIN, self._index(record.decode_url).keys, [key, _pin_of(record.handle)])
-                except _REDIS_ERRORS as exc:
-                    # the claim stands (the turn owns the handle); the entry left behind is an
-                    # orphan that evict's CAS refuses and prune drops
-                    log.warning("store.claim_unindex_failed reason=orphan_entry error=%s: %s", type(exc).__name__, exc)
+            except StoreError as exc:
+                # the claim stands (the turn owns the handle); the entry left behind is an
+                # orphan that evict's CAS refuses and prune drops
+                log.warning("store.claim_unindex_failed reason=orphan_entry kind=%s error=%s", exc.kind, exc)
         return claim
 
     async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
@@ -399,19 +430,25 @@ class RedisStore:
         ]
 
     async def release(self, key: str, *, owner: str) -> None:
-        async with self._op("release"):
+        async def run() -> None:
             await self._eval(RELEASE, [self.conversation_key(key)], [owner])
+
+        await self._twice_on_timeout("release", run)
 
     async def pinned(self, decode_urls: Sequence[str]) -> dict[str, Pinned]:
         urls = list(dict.fromkeys(decode_urls))
         if not urls:
             return {}
-        async with self._op("pinned"), self._redis.pipeline(transaction=False) as pipe:
-            for url in urls:
-                z, _, t = self._index(url).keys
-                pipe.zcard(z)
-                pipe.get(t)
-            res = await pipe.execute()
+
+        async def run() -> list[Any]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for url in urls:
+                    z, _, t = self._index(url).keys
+                    pipe.zcard(z)
+                    pipe.get(t)
+                return list(await pipe.execute())
+
+        res = await self._twice_on_timeout("pinned", run)
         out: dict[str, Pinned] = {}
         for i, url in enumerate(urls):
             handles, tokens = int(res[2 * i] or 0), int(res[2 * i + 1] or 0)
@@ -469,17 +506,42 @@ class RedisStore:
         return out
 
     async def put_doc(self, key: str, value: str, ttl_s: float) -> None:
-        async with self._op("put_doc"):
+        async def run() -> None:
             await self._redis.set(self._doc_key(key), value, px=max(1, int(ttl_s * 1000)))
 
+        await self._twice_on_timeout("put_doc", run)
+
     async def get_doc(self, key: str) -> str | None:
-        async with self._op("get_doc"):
-            value = await self._redis.get(self._doc_key(key))
+        async def run() -> Any:
+            return await self._redis.get(self._doc_key(key))
+
+        value = await self._twice_on_timeout("get_doc", run)
         return None if value is None else str(value)
 
     async def ping(self) -> None:
-        async with self._op("ping"):
+        async def run() -> None:
             await self._redis.ping()
+
+        await self._twice_on_timeout("ping", run)
+
+    async def warm(self, connections: int, *, within_s: float) -> int:
+        """Open up to ``connections`` of the pool's connections now (at most ``max_connections``; at
+        most ``connect_concurrency`` at a time), and give them back to the pool, within ``within_s``;
+        how many opened. A Cluster client learns its slots instead. Raises nothing: a Redis that is
+        not there yet is met by the first calls (and the guard)."""
+        n = min(connections, self._max_connections)
+        if n <= 0:
+            return 0
+        client: Any = self._redis
+        try:
+            async with asyncio.timeout(within_s):
+                if isinstance(self._redis, RedisCluster):
+                    await self._redis.initialize()
+                    return 0
+                return await _hold_open(client.connection_pool, n)
+        except (*_REDIS_ERRORS, _NoConnectTurn) as exc:
+            log.warning("store.warm_failed error=%s: %s", type(exc).__name__, exc)
+            return 0
 
     async def close(self) -> None:
         for c in [self._redis, *self._closers]:
@@ -504,12 +566,26 @@ class RedisStore:
                 # before it waits for the slots
                 await self._redis.initialize()
             yield
-        except MaxConnectionsError as exc:  # a pool below max_connections; not an outage either
+        except (MaxConnectionsError, _NoConnectTurn) as exc:  # a pool below max_connections; not an outage either
             raise StoreBusy(f"redis {op}: {exc}") from exc
         except _REDIS_ERRORS as exc:
-            raise StoreError(f"redis {op} failed: {type(exc).__name__}: {exc}") from exc
+            raise StoreError(f"redis {op} failed: {type(exc).__name__}: {exc}", kind=_kind(exc)) from exc
         finally:
             self._slots.release()
+
+    async def _twice_on_timeout(self, op: str, fn: Callable[[], Awaitable[T]], *, idempotent: bool = True) -> T:
+        """``fn`` as one operation, run again once where that cannot do harm: when no connection could
+        be opened for it (``connect_timeout``: nothing was sent), and for an ``idempotent`` one when its
+        answer timed out (on another connection: redis-py drops one whose answer it gave up on)."""
+        try:
+            async with self._op(op):
+                return await fn()
+        except StoreError as exc:
+            if not (exc.kind == "connect_timeout" or (idempotent and exc.kind == "timeout")):
+                raise
+            log.info("store.retry op=%s reason=%s", op, exc.kind)
+        async with self._op(op):
+            return await fn()
 
     async def _eval(self, script: _Script, keys: Sequence[str], args: Sequence[str | int | float]) -> Any:
         client = cast(Any, self._redis)
@@ -541,6 +617,75 @@ class RedisStore:
                 # may span slots; ours each touch one slot, which routes them like any keyed command
                 pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
             return list(await pipe.execute(raise_on_error=False))
+
+
+def _kind(exc: BaseException) -> str:
+    """The kind of a redis-py failure (``errors.StoreError``)."""
+    if isinstance(exc, RedisTimeoutError | TimeoutError):
+        return "connect_timeout" if "connecting" in str(exc) else "timeout"
+    if isinstance(exc, RedisConnectionError | OSError):
+        return "unreachable"
+    return "error"
+
+
+class _NoConnectTurn(RedisError):
+    """No turn to open a connection came within the connect timeout: load (``StoreBusy``)."""
+
+
+class _ConnectGate:
+    """At most ``limit`` connections being opened at once; a wait past ``wait_s`` is ``_NoConnectTurn``.
+    Not a ``ConnectionError``: redis-py would retry it."""
+
+    def __init__(self, limit: int, wait_s: float) -> None:
+        self._sem = asyncio.Semaphore(limit)
+        self._limit = limit
+        self._wait_s = wait_s
+
+    @contextlib.asynccontextmanager
+    async def opening(self) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(self._wait_s):
+                await self._sem.acquire()
+        except TimeoutError:
+            raise _NoConnectTurn(f"{self._limit} connections were being opened for {self._wait_s} s") from None
+        try:
+            yield
+        finally:
+            self._sem.release()
+
+
+async def _hold_open(pool: Any, n: int) -> int:
+    """Take ``n`` connections from ``pool`` at once (each opened), then give them all back; how many
+    opened. Each is given back whatever happens (a cancelled warm-up included)."""
+    settled = 0
+    opened = 0
+    all_settled = asyncio.Event()
+
+    def settle() -> None:
+        nonlocal settled
+        settled += 1
+        if settled == n:
+            all_settled.set()
+
+    async def hold() -> None:
+        nonlocal opened
+        try:
+            conn = await pool.get_connection()
+        except (*_REDIS_ERRORS, _NoConnectTurn):
+            settle()
+            raise
+        try:
+            opened += 1
+            settle()
+            await all_settled.wait()
+        finally:
+            await pool.release(conn)
+
+    results = await asyncio.gather(*(hold() for _ in range(n)), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        log.warning("store.warm_partial opened=%d failed=%d error=%s", opened, len(failed), failed[0])
+    return opened
 
 
 def _claim_of(res: Sequence[Any]) -> Claim:
@@ -583,7 +728,35 @@ def _entry(decode_url: str, key: str, raw: str) -> tuple[PinEntry, str]:
         raise StoreError(f"redis: unreadable pin index entry for {key!r}: {exc}") from exc
 
 
-class _SentinelConnection(SentinelManagedConnection):
+class _Gated(AbstractConnection):
+    """A connection that opens only with a turn from its store's ``_ConnectGate`` (a pool's
+    connection kwargs carry the gate)."""
+
+    def __init__(self, *args: Any, connect_gate: _ConnectGate | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._connect_gate = connect_gate
+
+    async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if self.is_connected or self._connect_gate is None:
+            await super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+            return
+        async with self._connect_gate.opening():
+            await super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+
+class _GatedConnection(_Gated, Connection):
+    pass
+
+
+class _GatedSSLConnection(_Gated, SSLConnection):
+    pass
+
+
+class _GatedUnixConnection(_Gated, UnixDomainSocketConnection):
+    pass
+
+
+class _SentinelConnection(_Gated, SentinelManagedConnection):
     """Asks Sentinel where the master is on every connect. redis-py (8.1) does so only in
     ``connect()``, while a command on a dropped connection reconnects through
     ``connect_check_health()``, to the old address: after a failover the retry of the command that
@@ -600,16 +773,23 @@ class _SentinelSSLConnection(_SentinelConnection, SSLConnection):
 
 
 def _client(
-    target: RedisTarget, *, command_timeout_s: float, max_connections: int, tls: TLSOptions
+    target: RedisTarget,
+    *,
+    command_timeout_s: float,
+    connect_timeout_s: float,
+    gate: _ConnectGate,
+    max_connections: int,
+    tls: TLSOptions,
 ) -> tuple[Redis | RedisCluster, list[Any]]:
     """The redis-py client for ``target``: pools of ``max_connections`` and explicit timeouts (a slow
     Redis must not hold a turn). Retry: once at once, on a connection error only (redis-py keeps
     the retry of the connections its pool makes: the pool's connection kwargs carry it; a Redis
-    client's own ``retry=`` is ignored when it is handed a pool)."""
+    client's own ``retry=`` is ignored when it is handed a pool). New connections open through
+    ``gate`` (not in a Cluster, whose client makes its own per-node connections)."""
     retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
     common: dict[str, Any] = {
         "socket_timeout": command_timeout_s,
-        "socket_connect_timeout": command_timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
         "decode_responses": True,
         "username": target.username,
         "password": target.password,
@@ -627,7 +807,12 @@ def _client(
             **common,
             **ssl,
         ), []
-    conn_kwargs: dict[str, Any] = {**common, "retry": retry, "retry_on_error": [RedisConnectionError]}
+    conn_kwargs: dict[str, Any] = {
+        **common,
+        "retry": retry,
+        "retry_on_error": [RedisConnectionError],
+        "connect_gate": gate,
+    }
     if target.topology is Topology.SENTINEL:
         assert target.service is not None
         sentinel_kwargs: dict[str, Any] = {
@@ -649,7 +834,7 @@ def _client(
         return master, [sentinel]
     if target.path is not None:
         pool = ConnectionPool(
-            connection_class=UnixDomainSocketConnection,
+            connection_class=_GatedUnixConnection,
             path=target.path,
             db=target.db,
             max_connections=max_connections,
@@ -658,7 +843,7 @@ def _client(
     else:
         host, port = target.nodes[0]
         pool = ConnectionPool(
-            connection_class=SSLConnection if target.tls else Connection,
+            connection_class=_GatedSSLConnection if target.tls else _GatedConnection,
             host=host,
             port=port,
             db=target.db,

@@ -84,6 +84,7 @@ async def _advance(run: TurnRun) -> None:
     if run.turn.chat:
         run.rendered = await render.run(run.svc, run.turn)
         if run.rendered.failure is not None:
+            run.plan = Plan(Action.RECOMPUTE, run.rendered.reason)  # logged with the render's reason
             raise run.rendered.failure
     else:
         run.rendered = Rendered(Next.PREFILL, Reason.NO_SESSION)

@@ -94,9 +94,11 @@ async def run(svc: Services, turn: Turn) -> Rendered:
         claim, why = claimed
     seconds = time.perf_counter() - t0
     failed = Rendered(Next.PLAN, Reason.RENDER_FAILED, claim=claim, claimed=_claimed(claim), seconds=seconds)
-    if isinstance(rendered, UpstreamStatus) and 400 <= rendered.upstream_status < 500:
+    if isinstance(rendered, ClientError) or (
+        isinstance(rendered, UpstreamStatus) and 400 <= rendered.upstream_status < 500
+    ):
         # the messages themselves are wrong: the client hears the engine's words
-        return dataclasses.replace(failed, failure=rendered)
+        return dataclasses.replace(failed, reason=Reason.REQUEST_REJECTED, failure=rendered)
     if isinstance(rendered, UpstreamError):
         svc.metrics.upstream_errors.labels("render", rendered.kind).inc()
         return failed

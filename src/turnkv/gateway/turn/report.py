@@ -36,7 +36,9 @@ def headers(run: TurnRun) -> dict[str, str]:
         h["x-turnkv-prompt-tokens"] = str(len(prompt_ids))
     elif prefilled is not None and prefilled.result.prompt_tokens is not None:
         h["x-turnkv-prompt-tokens"] = str(prefilled.result.prompt_tokens)  # not rendered: P's count
-    h["x-turnkv-pulled-tokens"] = str(plan.pull_tokens)
+    # the plan's figure: vLLM reports no per-request count of pulled tokens, only cached_tokens
+    # (its prefix-cache hits and the pull together: x-turnkv-prefill-cached-tokens)
+    h["x-turnkv-planned-pull-tokens"] = str(plan.pull_tokens)
     if prefilled is not None and prefilled.result.cached_tokens is not None:
         h["x-turnkv-prefill-cached-tokens"] = str(prefilled.result.cached_tokens)
     if run.prefill_url is not None and not plan.decode_local:
@@ -67,7 +69,7 @@ def account(run: TurnRun, capture: Capture) -> None:
     computed = max(n_prompt - cached, 0)
     generated = len(collected.token_ids)
     m.tokens.labels("prompt").inc(n_prompt)
-    m.tokens.labels("pulled").inc(plan.pull_tokens)
+    m.tokens.labels("planned_pull").inc(plan.pull_tokens)
     m.tokens.labels("computed").inc(computed)
     m.tokens.labels("generated").inc(generated)
     ttft_ms = None
@@ -87,7 +89,7 @@ def account(run: TurnRun, capture: Capture) -> None:
         action=plan.action.value,
         reason=plan.reason.value,
         matched_tokens=a.tokens if a else 0,
-        tokens_pulled=plan.pull_tokens,
+        tokens_planned_pull=plan.pull_tokens,
         tokens_cached=cached,
         tokens_computed=computed,
         prompt_tokens=n_prompt,
