@@ -162,6 +162,41 @@ def test_a_turn_that_waits_past_the_admission_deadline_gets_a_503(procs: list[la
         assert d.step().correct
 
 
+def test_no_decode_local_turn_while_turns_wait_for_room_on_the_decode_engine(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    # turns waiting in the gateway for room on D are D's queue all the same: a decode-local turn there
+    # would wait behind them and then prefill on D; it goes through P instead, and says why
+    c = start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",
+        policy="adaptive",
+        decode_flags=("--time-scale", "1", "--num-gpu-blocks", str(ADMIT_BLOCKS)),
+    )
+    with Dialogue(c, session="c", stream=True) as conv:
+        assert conv.step().correct
+        http, resp, _lines = _holder(c)
+        with ThreadPoolExecutor(2) as pool, Dialogue(c, session="b", stream=True, max_tokens=400) as waiter:
+            waiting = pool.submit(waiter.step)
+            wait_for(
+                lambda: metric(c.gateway.url, "turnkv_decode_admission_waits_total") == 1,
+                what="a turn waiting in the gateway",
+            )
+            second = pool.submit(conv.step)
+            wait_for(
+                lambda: metric(c.gateway.url, "turnkv_decode_admission_waits_total") == 2,
+                what="the conversation's second turn waiting too",
+            )
+            resp.close()
+            http.close()
+            assert waiting.result(timeout=60).correct
+            turn = second.result(timeout=60)
+    assert turn.correct and turn.reason == "decode_busy" and turn.headers["x-turnkv-action"] != "decode_local"
+    event = c.turn_events(4)[-1]
+    assert event["admission_ms"] > 0
+
+
 def test_decode_local_turns_leave_nothing_pinned(procs: list[launch.Running], tmp_path: Path) -> None:
     # vLLM pins a request whose params name neither direction without tracking it: no release and no TTL
     # ever frees it. Decode-local turns must not create such pins; their handles are not worth keeping.

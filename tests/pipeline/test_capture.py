@@ -129,6 +129,7 @@ LOGGED = {
     "reason",
     "matched_tokens",
     "tokens_planned_pull",
+    "admission_ms",
     "tokens_cached",
     "tokens_computed",
     "prompt_tokens",

@@ -73,6 +73,11 @@ class DecodeAdmission:
         e = self._engines.setdefault(url, _Engine())
         return room is None or tokens <= room or e.in_flight == 0
 
+    def queued(self, url: str) -> int:
+        """Turns waiting in the gateway for room on ``url`` now."""
+        e = self._engines.get(url)
+        return sum(1 for _, fut in e.queue if not fut.done()) if e else 0
+
     def reserved(self, url: str) -> int:
         e = self._engines.get(url)
         return e.reserved if e else 0

@@ -23,7 +23,7 @@ from turnkv.gateway.services import Services
 from turnkv.gateway.turn import report
 from turnkv.gateway.turn.direct import bytes_per_token, history_digest
 from turnkv.gateway.turn.direct import enabled as direct_enabled
-from turnkv.gateway.turn.plan import facts
+from turnkv.gateway.turn.plan import facts, room_for_local
 from turnkv.gateway.turn.results import Capture
 from turnkv.gateway.turn.run import TurnRun
 from turnkv.reuse.chain import ChainBuilder
@@ -121,7 +121,7 @@ def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> bool:
         matched=rec.num_tokens,
         prefill=svc.fleet.view(rec.prefill_url),
         decode=d,
-        decode_holds=d is not None and svc.pins.room_for_local(d),
+        decode_holds=d is not None and room_for_local(svc, d),
         block_size=bs,
     )
     return svc.policy.keeps_pin(f, svc.estimator.params())

@@ -76,7 +76,9 @@ async def _admit(run: TurnRun) -> None:
     (``gateway.kv_admission``); held until the turn is settled (``capture.end``)."""
     d = decode.pick(run)
     if d is not None:
+        t0 = time.perf_counter()
         run.ticket = await run.until_aborted(run.svc.admission.acquire(d.url, _context_tokens(run)))
+        run.journal.admission_s = time.perf_counter() - t0
 
 
 async def _advance(run: TurnRun) -> None:

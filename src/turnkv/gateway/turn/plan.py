@@ -30,6 +30,13 @@ from turnkv.state.base import Claim
 from turnkv.state.record import ConversationRecord
 
 
+def room_for_local(svc: Services, inst: InstanceView) -> bool:
+    """Whether D can take a decode-local turn: its KV is not nearly full and nothing waits for it, on D
+    (``PinKeeper.room_for_local``) or in the gateway for room on D (``kv_admission``): a queue held in
+    the gateway is D's queue all the same."""
+    return svc.pins.room_for_local(inst) and svc.admission.queued(inst.url) == 0
+
+
 def likely_prefill_cached(rec: ConversationRecord | None, prefill: InstanceView | None, block_size: int) -> int:
     """Prompt tokens the chosen P likely still caches: it computed the last prompt if it served the
     last turn; how much of that survives there is measured (``InstanceView.cache_factor``)."""
@@ -120,8 +127,8 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         return base
     bs = svc.settings.block_size
     holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
-    # a D short of KV or with a queue takes no decode-local turn (``PinKeeper.room_for_local``)
-    pressed = holds and decode is not None and not svc.pins.room_for_local(decode)
+    # a D short of KV or with a queue takes no decode-local turn (``room_for_local``)
+    pressed = holds and decode is not None and not room_for_local(svc, decode)
     holds = holds and not pressed
     f = facts(
         rec,
@@ -179,7 +186,7 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
     view = EngineView(d.routable, d.epoch) if d is not None and d.url == rec.decode_url else None
     if d is None or record_unusable(claim, tenant=turn.conversation.tenant, now=time.time(), decode=view) is not None:
         return None
-    if not svc.pins.room_for_local(d):
+    if not room_for_local(svc, d):
         return None  # rendered and planned: the plan says why (decode_busy)
     echoed = cand.echoed
     if echoed.answer_digest != rec.answer_digest or (

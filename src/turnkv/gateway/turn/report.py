@@ -98,6 +98,7 @@ def account(run: TurnRun, capture: Capture) -> None:
         decode=run.decode_url,
         render_ms=round(run.rendered.seconds * 1e3, 2),
         planned_ms=round(run.planned_s * 1e3, 2),
+        admission_ms=round(run.journal.admission_s * 1e3, 2),
         prefill_ms=round((prefilled.seconds if prefilled else 0.0) * 1e3, 2),
         ttft_ms=ttft_ms,
         capture=capture.value,

@@ -41,6 +41,7 @@ class Journal:
     tried_decode: set[str] = field(default_factory=set)  # decode engines that failed this leg
     avoid_decode: set[str] = field(default_factory=set)  # missed a first-token deadline: another D if any
     first_token_at: float | None = None  # when the client's first output left (streams)
+    admission_s: float = 0.0  # how long the turn waited in the gateway for room on D (kv_admission)
 
     @property
     def rerun(self) -> bool:
