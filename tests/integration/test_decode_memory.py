@@ -93,18 +93,24 @@ def test_many_conversations_on_a_decode_engine_too_small_to_pin_them_all(
     assert metric(c.gateway.url, "turnkv_pinned_kv_budget_bytes") > 0
 
 
-ADMIT_BLOCKS = 160  # 2,560 tokens of KV; turns may reserve 0.9 of it: 2,304
+SMALL_BLOCKS = 160  # 2,560 tokens of KV; turns may reserve 0.9 of it: 2,304
 
 
-def _admission_cluster(procs: list[launch.Running], tmp_path: Path, wait_s: float) -> Cluster:
-    # D decodes in real time (8 ms a token), so a long answer holds its reservation for seconds
+def _realtime_cluster(procs: list[launch.Running], tmp_path: Path, policy: str = "always-pull", **env: str) -> Cluster:
+    """D decodes in real time (8 ms a token), so a long answer holds its KV for seconds, and its KV is
+    small: a few long answers fill it."""
     return start_cluster(
         procs,
         tmp_path,
         compat="0.33",
-        decode_flags=("--time-scale", "1", "--num-gpu-blocks", str(ADMIT_BLOCKS)),
-        gateway_env={"TURNKV_DECODE_MEMORY__ADMISSION_WAIT_S": str(wait_s)},
+        policy=policy,
+        decode_flags=("--time-scale", "1", "--num-gpu-blocks", str(SMALL_BLOCKS)),
+        gateway_env=env,
     )
+
+
+def _admission_cluster(procs: list[launch.Running], tmp_path: Path, wait_s: float) -> Cluster:
+    return _realtime_cluster(procs, tmp_path, TURNKV_DECODE_MEMORY__ADMISSION_WAIT_S=str(wait_s))
 
 
 def _holder(c: Cluster) -> tuple[httpx.Client, Any, Any]:
@@ -167,13 +173,7 @@ def test_no_decode_local_turn_while_turns_wait_for_room_on_the_decode_engine(
 ) -> None:
     # turns waiting in the gateway for room on D are D's queue all the same: a decode-local turn there
     # would wait behind them and then prefill on D; it goes through P instead, and says why
-    c = start_cluster(
-        procs,
-        tmp_path,
-        compat="0.33",
-        policy="adaptive",
-        decode_flags=("--time-scale", "1", "--num-gpu-blocks", str(ADMIT_BLOCKS)),
-    )
+    c = _realtime_cluster(procs, tmp_path, policy="adaptive")
     with Dialogue(c, session="c", stream=True) as conv:
         assert conv.step().correct
         http, resp, _lines = _holder(c)
@@ -320,9 +320,7 @@ def _gateway_sees(c: Cluster, pred: Any) -> bool:
 def test_no_decode_local_turn_on_a_decode_engine_short_of_kv(procs: list[launch.Running], tmp_path: Path) -> None:
     # a D out of blocks has evicted idle conversations' freed blocks: decode-local there would compute
     # the whole history again, behind a queue. The turn goes through P, and says why.
-    c = start_cluster(
-        procs, tmp_path, compat="0.33", policy="adaptive", decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160")
-    )
+    c = _realtime_cluster(procs, tmp_path, policy="adaptive")
     with Dialogue(c, session="a", stream=True) as d:
         assert d.step().correct
         hogs = _hog(c, 3, 1000)
@@ -338,13 +336,7 @@ def test_a_busy_decode_engine_is_waited_for_past_the_first_token_deadline(
     # D decodes in real time and three long answers sent to it directly hold its KV: a turn waits there
     # for blocks far longer than the 1 s deadline, while D's counters show it working. Giving up on a
     # busy engine would only add a retry to its queue: the turn is waited for, and answered.
-    c = start_cluster(
-        procs,
-        tmp_path,
-        compat="0.33",
-        decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160"),
-        gateway_env={"TURNKV_TIMEOUTS__DECODE_FIRST_TOKEN_S": "1"},
-    )
+    c = _realtime_cluster(procs, tmp_path, TURNKV_TIMEOUTS__DECODE_FIRST_TOKEN_S="1")
     hogs = _hog(c, 3, 1000)
     with Dialogue(c, session="a", stream=True) as d:
         turn = d.step()
@@ -360,7 +352,7 @@ def test_a_client_that_leaves_before_the_first_token_is_settled_cleanly(
     # the turn waits for its first token behind a full D; the client gives up. Nothing else may read D's
     # stream while that wait is still reading it (a crash seen on the H200: readany() while another
     # coroutine waits), and the turn is settled and logged.
-    c = start_cluster(procs, tmp_path, compat="0.33", decode_flags=("--time-scale", "1", "--num-gpu-blocks", "160"))
+    c = _realtime_cluster(procs, tmp_path)
     with Dialogue(c, session="a") as d:
         d.step()
         hogs = _hog(c, 3, 1000)
