@@ -87,7 +87,14 @@ class DecodeMemory(BaseModel):
     admission_wait_s: float = Field(
         60.0,
         gt=0,
-        description="how long a turn may wait for room on a decode engine before it is answered 503 with Retry-After",
+        description="how long a decode-local turn may wait for room on a decode engine before it is answered 503 "
+        "with Retry-After",
+    )
+    admission_overflow_s: float = Field(
+        20.0,
+        gt=0,
+        description="how long a turn whose KV P holds for D may wait for room on D; then it goes to D all the same "
+        "(keep it below P's kv_lease_duration, 30 s by default, past which P frees what D was to pull)",
     )
     janitor_interval_s: float = Field(
         5.0, gt=0, description="how often pins are checked against budget, pressure, expiry and engine restarts"

@@ -109,10 +109,6 @@ def _realtime_cluster(procs: list[launch.Running], tmp_path: Path, policy: str =
     )
 
 
-def _admission_cluster(procs: list[launch.Running], tmp_path: Path, wait_s: float) -> Cluster:
-    return _realtime_cluster(procs, tmp_path, TURNKV_DECODE_MEMORY__ADMISSION_WAIT_S=str(wait_s))
-
-
 def _holder(c: Cluster) -> tuple[httpx.Client, Any, Any]:
     """A turn in flight on D that reserves prompt + 2,000 answer tokens: what is left cannot hold another
     turn asking for 400."""
@@ -131,7 +127,7 @@ def _holder(c: Cluster) -> tuple[httpx.Client, Any, Any]:
 def test_a_turn_that_does_not_fit_waits_for_room_on_the_decode_engine(
     procs: list[launch.Running], tmp_path: Path
 ) -> None:
-    c = _admission_cluster(procs, tmp_path, wait_s=60)
+    c = _realtime_cluster(procs, tmp_path)
     http, resp, _lines = _holder(c)
     with ThreadPoolExecutor(1) as pool, Dialogue(c, session="b", stream=True, max_tokens=400) as d:
         waiting = pool.submit(d.step)
@@ -152,19 +148,33 @@ def test_a_turn_that_does_not_fit_waits_for_room_on_the_decode_engine(
     assert metric(c.gateway.url, "turnkv_decode_admission_waits_total") == 1
 
 
-def test_a_turn_that_waits_past_the_admission_deadline_gets_a_503(procs: list[launch.Running], tmp_path: Path) -> None:
-    c = _admission_cluster(procs, tmp_path, wait_s=0.5)
+def test_a_turn_p_prefilled_goes_to_d_after_its_overflow_wait(procs: list[launch.Running], tmp_path: Path) -> None:
+    # P holds the turn's KV for D only for its lease: past admission_overflow_s the turn goes to D
+    # all the same (D's own queue keeps P's lease), rather than waste P's work on a 503
+    c = _realtime_cluster(procs, tmp_path, TURNKV_DECODE_MEMORY__ADMISSION_OVERFLOW_S="0.5")
     http, resp, _lines = _holder(c)
-    with c.client() as client, pytest.raises(openai.APIStatusError) as err:
-        client.with_options(max_retries=0).chat.completions.create(
-            model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=400
-        )
+    with Dialogue(c, session="b", max_tokens=400) as d:
+        turn = d.step()  # answered while the holder still runs
+    assert turn.correct
+    assert metric(c.gateway.url, "turnkv_decode_admission_overflows_total") == 1
     resp.close()
     http.close()
+
+
+def test_a_decode_local_turn_that_waits_past_the_admission_deadline_gets_a_503(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    c = _realtime_cluster(procs, tmp_path, policy="adaptive", TURNKV_DECODE_MEMORY__ADMISSION_WAIT_S="0.5")
+    with Dialogue(c, session="c", stream=True, max_tokens=400) as conv:
+        assert conv.step().correct
+        http, resp, _lines = _holder(c)  # no turn waits: the next turn may go decode-local, and not fit
+        with pytest.raises(openai.APIStatusError) as err:
+            conv.step()
+        resp.close()
+        http.close()
     assert err.value.status_code == 503 and int(err.value.response.headers["retry-after"]) >= 1
     assert "decode engines are full" in err.value.message
-    # the holder's room came back: the next turn runs at once
-    with Dialogue(c, session="c", max_tokens=400) as d:
+    with Dialogue(c, session="d", max_tokens=400) as d:  # the holder's room came back
         assert d.step().correct
 
 

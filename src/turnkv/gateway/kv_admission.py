@@ -5,11 +5,15 @@ and pins a finished turn's blocks for the next one. Sent more than it can hold, 
 reservations for pulls and with pins while nothing runs; P keeps its own blocks leased for pulls
 that do not come, and the releases turnkv sends through P queue behind prefills P cannot schedule:
 on the H200 at 64 conversations of 8k tokens (twice what D holds) D sat at 98% KV with 0 running for
-minutes. So the gateway holds turns back itself: each turn reserves its context (prompt and answer
+minutes. So the gateway holds turns back itself, at the moment they would reach D (after P's prefill,
+not before it: a turn queued at P holds nothing on D): each reserves its context (prompt and answer
 tokens) against ``admit_share`` of the engine's capacity, less what stored handles pin there; a turn
-that does not fit waits, first come first served, at most ``wait_s``, then gets a 503 with
-``Retry-After``. An engine whose capacity is not known admits everything. A turn larger than the
-whole share is admitted alone, when nothing else is in flight there.
+that does not fit waits, first come first served. A decode-local turn waits at most ``wait_s``, then
+gets a 503 with ``Retry-After``. A turn whose KV P holds for D waits at most ``overflow_s``, below P's
+lease (``kv_lease_duration``, 30 s by default: past it P frees what D was to pull), then goes to D all
+the same, whose own queue keeps P's lease alive: a bounded wait that never wastes P's work.
+An engine whose capacity is not known admits everything. A turn larger than the whole share is
+admitted alone, when nothing else is in flight there.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ class _Engine:
 class Ticket:
     """A reservation; ``release`` gives it back (once, whatever calls it more)."""
 
-    def __init__(self, admission: DecodeAdmission, url: str, tokens: int) -> None:
+    def __init__(self, admission: DecodeAdmission, url: str, tokens: int, *, overflowed: bool = False) -> None:
         self._admission, self.url, self.tokens = admission, url, tokens
+        self.overflowed = overflowed  # admitted past its wait, without room
         self._held = True
 
     def release(self) -> None:
@@ -82,9 +87,10 @@ class DecodeAdmission:
         e = self._engines.get(url)
         return e.reserved if e else 0
 
-    async def acquire(self, url: str, tokens: int) -> Ticket:
+    async def acquire(self, url: str, tokens: int, *, overflow_after_s: float | None = None) -> Ticket:
         """Reserve ``tokens`` on ``url``, waiting (bounded, first come first served) for room; the ticket
-        gives it back (``Overloaded`` past the wait)."""
+        gives it back. Past the wait: ``Overloaded``, or with ``overflow_after_s`` (that long instead of
+        ``wait_s``) the room is taken all the same (``Ticket.overflowed``)."""
         e = self._engines.setdefault(url, _Engine())
         if not e.queue and self._fits(url, tokens):
             self._take(url, tokens)
@@ -93,11 +99,14 @@ class DecodeAdmission:
         e.queue.append((tokens, fut))
         self._on_wait(url)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self._wait_s)
+            await asyncio.wait_for(asyncio.shield(fut), self._wait_s if overflow_after_s is None else overflow_after_s)
         except TimeoutError:
             if not fut.done():
                 e.queue.remove((tokens, fut))
                 self._wake(url)
+                if overflow_after_s is not None:
+                    self._take(url, tokens)
+                    return Ticket(self, url, tokens, overflowed=True)
                 raise Overloaded(
                     "the decode engines are full; send the turn again", retry_after_s=max(1, round(self._wait_s / 4))
                 ) from None

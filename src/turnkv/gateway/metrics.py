@@ -93,6 +93,12 @@ class GatewayMetrics:
             ["decode"],
             registry=r,
         )
+        self.admission_overflows = Counter(
+            "turnkv_decode_admission_overflows",
+            "Turns sent to a decode engine without room after waiting admission_overflow_s (P held their KV)",
+            ["decode"],
+            registry=r,
+        )
         self.deadline_misses = Counter(
             "turnkv_first_token_deadline_misses", "Engine calls past their first-token deadline", ["leg"], registry=r
         )

@@ -28,13 +28,15 @@ ANSWER_RESERVE = 2048  # answer tokens a turn reserves on D at most
 
 
 async def _legs(run: TurnRun) -> None:
-    """P (unless the plan is decode-local), then D; a decode-local turn no D could take goes through P."""
+    """P (unless the plan is decode-local), then room on D, then D; a decode-local turn no D could take
+    goes through P."""
     for _ in range(2):  # the second time as plain P/D, where decode answers or raises
         prefilled = None
         if not run.plan.decode_local:
             run.check()
             run.prefilled = prefilled = await prefill.run(run)
         run.check()
+        await _admit(run)
         opened = await decode.run(run, prefilled)
         if opened is not None:
             run.opened = opened
@@ -73,12 +75,20 @@ def _context_tokens(run: TurnRun) -> int:
 
 async def _admit(run: TurnRun) -> None:
     """Wait, bounded, until the decode engine the turn will most likely use has room for it
-    (``gateway.kv_admission``); held until the turn is settled (``capture.end``)."""
+    (``gateway.kv_admission``), once per turn, just before its decode leg; held until the turn is settled
+    (``capture.end``). A turn whose KV P holds goes on after ``admission_overflow_s`` (P's lease)."""
     d = decode.pick(run)
-    if d is not None:
-        t0 = time.perf_counter()
-        run.ticket = await run.until_aborted(run.svc.admission.acquire(d.url, _context_tokens(run)))
-        run.journal.admission_s = time.perf_counter() - t0
+    if d is None or run.ticket is not None:
+        return
+    dm = run.svc.settings.decode_memory
+    overflow = None if run.prefilled is None else dm.admission_overflow_s
+    t0 = time.perf_counter()
+    run.ticket = await run.until_aborted(
+        run.svc.admission.acquire(d.url, _context_tokens(run), overflow_after_s=overflow)
+    )
+    run.journal.admission_s = time.perf_counter() - t0
+    if run.ticket.overflowed:
+        run.svc.metrics.admission_overflows.labels(d.url).inc()
 
 
 async def _advance(run: TurnRun) -> None:
@@ -91,7 +101,6 @@ async def _advance(run: TurnRun) -> None:
     else:
         run.rendered = Rendered(Next.PREFILL, Reason.NO_SESSION)
     run.plan = _plan(run, run.rendered)
-    await _admit(run)
     await _legs(run)
 
 
