@@ -185,9 +185,11 @@ async def stop_tasks(tasks: list[asyncio.Task[None]]) -> None:
 
 
 async def _shut_down(svc: Services) -> None:
-    """After the last connection closed: with a store nobody else reads, give every pin back, and send
-    the releases still queued (bounded: D frees them at its TTL otherwise)."""
+    """After the last connection closed: give back the handles nobody will pull, with a store nobody else
+    reads every pin too, and send the releases still queued (bounded: D frees them at its TTL otherwise)."""
     with anyio.move_on_after(SHUTDOWN_RELEASE_S):
+        if svc.settings.decode_memory.release_on_shutdown:
+            svc.pins.release_unused()  # handles nobody will pull, left to D's TTL: nobody's, whatever the store
         if svc.settings.decode_memory.release_on_shutdown and not svc.settings.redis_url:
             n = await svc.pins.release_all()
             if n:
