@@ -260,10 +260,10 @@ return out
 @dataclasses.dataclass(frozen=True)
 class _Script:
     source: str
+    sha: str = dataclasses.field(init=False)  # computed once, not on every call
 
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(self.source.encode()).hexdigest()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
 CLAIM, PUT, RELEASE, STRIP, HOLDS = (_Script(s) for s in (_CLAIM, _PUT, _RELEASE, _STRIP, _HOLDS))
