@@ -18,8 +18,14 @@ import structlog
 
 
 def configure_stdlib(level: str) -> None:
-    """Called by the command line only: the process's root logger prints plain lines to stderr."""
+    """Called by the command line only: the process's root logger prints plain lines to stderr. They say
+    only their message, so no record looks up its caller's frame, thread or process (the logging HOWTO's
+    "Optimization" switches): a turn's log event costs that on every turn otherwise."""
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(message)s")
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
 
 
 def make_logger(name: str = "turnkv", *, json: bool = True) -> Any:

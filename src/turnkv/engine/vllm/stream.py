@@ -295,8 +295,11 @@ class VllmDecodeStream(DecodeStream):
         return out
 
     async def drain(self, timeout_s: float) -> None:
+        if self._resp.content.at_eof():
+            return  # the usual end: the body's end came with [DONE]
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            await asyncio.wait_for(self._resp.content.read(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # no task of its own, as wait_for makes
+                await self._resp.content.read()
 
     async def salvage(self, timeout_s: float) -> None:
         if self.done or self._capture.error is not None:
