@@ -167,14 +167,15 @@ def test_a_turn_that_waits_past_the_admission_deadline_gets_a_503(procs: list[la
 
 def test_decode_local_turns_leave_nothing_pinned(procs: list[launch.Running], tmp_path: Path) -> None:
     # vLLM pins a request whose params name neither direction without tracking it: no release and no TTL
-    # ever frees it. Decode-local turns must not create such pins; their handles are not worth keeping.
+    # ever frees it. Decode-local turns must not create such pins; their handles are not worth keeping
+    # (released at once here: by default they are left to D's TTL, within decode_memory.unused_share).
     c = start_cluster(
         procs,
         tmp_path,
         compat="0.33",
         policy="adaptive",
         decode_flags=("--num-gpu-blocks", str(DECODE_BLOCKS)),
-        gateway_env=FAST_JANITOR,
+        gateway_env={**FAST_JANITOR, "TURNKV_DECODE_MEMORY__UNUSED_SHARE": "0"},
     )
     results = _run_many(c, 6, 4)
     assert all(t.correct for conv in results for t in conv)
