@@ -6,16 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 
-def chat_scope(headers: dict[str, str], *, state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A POST to /v1/chat/completions with a JSON body and ``headers`` (lower-case names)."""
+def chat_scope(
+    headers: dict[str, str], *, state: dict[str, Any] | None = None, path: str = "/v1/chat/completions"
+) -> dict[str, Any]:
+    """A POST to ``path`` (the chat route unless given) with a JSON body and ``headers`` (lower-case names)."""
     scope: dict[str, Any] = {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
         "client": ("127.0.0.1", 1234),

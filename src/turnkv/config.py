@@ -66,6 +66,15 @@ class DecodeMemory(BaseModel):
         description="a decode engine's KV capacity in tokens when its "
         "/metrics does not say (vllm:cache_config_info num_gpu_blocks x block_size)",
     )
+    unused_share: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="share of each decode engine's KV capacity that handles nobody will pull (stateless turns, "
+        "handles the policy does not keep) may go on pinning until the engine's own decoder_kv_blocks_ttl frees "
+        "them, as plain P/D leaves them; past it the oldest, and under pressure all, are released (a 1-token "
+        "request to a prefill engine each); 0: release each at once",
+    )
     pressure_kv_usage: float = Field(0.9, gt=0, le=1.01, description="D's KV usage at which pins are released")
     pressure_keep_share: float = Field(
         0.1, ge=0, le=1, description="under pressure, pins are released down to this share of capacity"

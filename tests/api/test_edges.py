@@ -115,9 +115,11 @@ def test_cors_is_off_by_default_and_answers_preflights_when_on(caplog: pytest.Lo
 class Held:
     """An ASGI request whose body arrives only when released (or never); its response is collected."""
 
-    def __init__(self, app: Any, state: dict[str, Any], body: bytes, headers: dict[str, str]) -> None:
+    def __init__(
+        self, app: Any, state: dict[str, Any], body: bytes, headers: dict[str, str], path: str = "/v1/chat/completions"
+    ) -> None:
         self.app, self.body = app, body
-        self.scope = chat_scope(headers, state=state)
+        self.scope = chat_scope(headers, state=state, path=path)
         self.reading = anyio.Event()  # the app asked for the body: it is past the front door
         self.release = anyio.Event()
         self.disconnect = False  # on release, the client is gone instead
@@ -152,8 +154,10 @@ def in_loop(c: TestClient, fn: Callable[[], Awaitable[None]]) -> None:
     c.portal.call(fn)
 
 
-def hold(c: TestClient, headers: dict[str, str], body: bytes = json.dumps(CHAT).encode()) -> Held:
-    return Held(c.app, c.app_state, body, headers)
+def hold(
+    c: TestClient, headers: dict[str, str], body: bytes = json.dumps(CHAT).encode(), path: str = "/v1/chat/completions"
+) -> Held:
+    return Held(c.app, c.app_state, body, headers, path)
 
 
 def test_overload_is_a_503_with_retry_after_and_the_slot_comes_back(caplog: pytest.LogCaptureFixture) -> None:
@@ -234,3 +238,40 @@ def test_a_client_gone_mid_body_is_quiet(caplog: pytest.LogCaptureFixture) -> No
         assert after.status == 503  # the gone client's slot came back
     said = [r for r in caplog.records if "client.gone" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.DEBUG  # one debug line, no traceback (checked above)
+
+
+@pytest.mark.parametrize(
+    ("held_path", "other_path"),
+    [
+        ("/v1/chat/completions", "/tokenize"),
+        ("/tokenize", "/v1/chat/completions"),
+        ("/v1/responses", "/v1/completions"),
+    ],
+)
+def test_turn_routes_and_the_others_share_one_admission_count(
+    caplog: pytest.LogCaptureFixture, held_path: str, other_path: str
+) -> None:
+    """The turn routes skip Starlette's router (gateway/hot.py) but not the front door: a request held in
+    flight on one way in takes the only place from a request on the other."""
+    body = {"/v1/responses": {"model": "m", "input": "hi"}, "/tokenize": {"model": "m", "prompt": "hi"}}
+    body["/v1/completions"] = body["/tokenize"]
+    with gateway(caplog, limits={"max_inflight": 1, "retry_after_s": 2}) as c:
+        held = hold(c, {}, json.dumps(body.get(held_path, CHAT)).encode(), held_path)
+        other = hold(c, {}, json.dumps(body.get(other_path, CHAT)).encode(), other_path)
+        after = hold(c, {}, json.dumps(body.get(other_path, CHAT)).encode(), other_path)
+
+        async def scenario() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(held.run)
+                with anyio.fail_after(WAIT_S):
+                    await held.reading.wait()
+                    await other.run()  # refused at once: its body is never read
+                held.release.set()
+            after.release.set()
+            with anyio.fail_after(WAIT_S):
+                await after.run()
+
+        in_loop(c, scenario)
+        assert other.status == 503 and other.error()["code"] == "server_overloaded" and not other.reading.is_set()
+        for h in (held, after):  # past the front door: the engines' own 503
+            assert h.status == 503 and h.error()["code"] == "upstream_unavailable", h.chunks

@@ -23,9 +23,11 @@ pytestmark = pytest.mark.integration
 BLOCK = 16
 DECODE_BLOCKS = 400  # 6,400 tokens of KV: less than the pins of the conversations below would take
 BUDGET_SHARE = 0.5
+UNUSED_SHARE = 0.1  # handles nobody will pull (the policy does not keep them), left to D's TTL up to this share
 FAST_JANITOR = {
     "TURNKV_DECODE_MEMORY__JANITOR_INTERVAL_S": "0.2",
     "TURNKV_DECODE_MEMORY__PIN_BUDGET_SHARE": str(BUDGET_SHARE),
+    "TURNKV_DECODE_MEMORY__UNUSED_SHARE": str(UNUSED_SHARE),
 }
 
 
@@ -68,7 +70,8 @@ def test_many_conversations_on_a_decode_engine_too_small_to_pin_them_all(
     c = start_cluster(
         procs, tmp_path, compat="0.33", decode_flags=("--num-gpu-blocks", str(DECODE_BLOCKS)), gateway_env=FAST_JANITOR
     )
-    budget = int(DECODE_BLOCKS * BLOCK * BUDGET_SHARE)
+    # stored pins within their budget, and the handles nobody will pull within their own share
+    budget = int(DECODE_BLOCKS * BLOCK * BUDGET_SHARE) + int(DECODE_BLOCKS * BLOCK * UNUSED_SHARE)
     with PinSampler(c.decode[0].url) as pins:
         results = _run_many(c, 16, 5)
     later = [t for conv in results for t in conv[1:]]
@@ -209,14 +212,15 @@ def test_no_decode_local_turn_while_turns_wait_for_room_on_the_decode_engine(
 
 def test_decode_local_turns_leave_nothing_pinned(procs: list[launch.Running], tmp_path: Path) -> None:
     # vLLM pins a request whose params name neither direction without tracking it: no release and no TTL
-    # ever frees it. Decode-local turns must not create such pins; their handles are not worth keeping.
+    # ever frees it. Decode-local turns must not create such pins; their handles are not worth keeping
+    # (released at once here: by default they are left to D's TTL, within decode_memory.unused_share).
     c = start_cluster(
         procs,
         tmp_path,
         compat="0.33",
         policy="adaptive",
         decode_flags=("--num-gpu-blocks", str(DECODE_BLOCKS)),
-        gateway_env=FAST_JANITOR,
+        gateway_env={**FAST_JANITOR, "TURNKV_DECODE_MEMORY__UNUSED_SHARE": "0"},
     )
     results = _run_many(c, 6, 4)
     assert all(t.correct for conv in results for t in conv)

@@ -130,7 +130,10 @@ def test_stateless_turns_do_not_leave_decode_memory_pinned(
 ) -> None:
     # a bidirectional D pins its blocks after every P/D answer; without a conversation nobody will pull them
     # (none is found from the messages either: that is turned off here)
-    c = start_cluster(procs, tmp_path, compat=compat, gateway_env={"TURNKV_CONVERSATION_FROM_HISTORY": "false"})
+    # (told to release them at once: by default they are left to D's TTL within decode_memory.unused_share,
+    # tests/pipeline/test_capture.py)
+    env = {"TURNKV_CONVERSATION_FROM_HISTORY": "false", "TURNKV_DECODE_MEMORY__UNUSED_SHARE": "0"}
+    c = start_cluster(procs, tmp_path, compat=compat, gateway_env=env)
     with Dialogue(c, session=None, stream=stream) as d:
         assert d.step().outcome == "stateless"
     wait_for(lambda: sim_state(c.decode[0].url)["pinned_tokens"] == 0, what="D to free the unused handle")

@@ -60,6 +60,35 @@ async def test_a_stateless_turns_handle_is_released() -> None:
         assert gw.metric("turnkv_handle_releases_total", why="unused") == 1
 
 
+async def test_handles_nobody_will_pull_are_left_to_ds_ttl_within_their_share() -> None:
+    """As plain P/D leaves them (no release request each), while they hold at most ``unused_share`` of D's
+    capacity: past it the oldest is released, and under pressure all of them."""
+    async with gateway(policy={"name": "never-pull"}, decode_memory={"unused_share": 0.5}) as gw:
+        d = gw.engine[D0]
+        d.capacity_tokens = 1_000_000
+        await gw.wait_for("the capacity to be read", lambda: gw.svc.pins.capacity(D0) == 1_000_000)
+        await first_turn(gw)  # a session turn whose handle the policy would not pull
+        assert gw.turns[-1]["capture"] == "stored_not_needed"
+        await Chat(gw).say("what is the weather like")  # a stateless turn
+        assert gw.turns[-1]["capture"] == "no_session"
+        assert len(d.pins) == 2 and not d.released
+        assert gw.metric("turnkv_unused_handles_left_total", why="not_needed") == 1
+        assert gw.metric("turnkv_unused_handles_left_total", why="unused") == 1
+        assert gw.metric("turnkv_handle_releases_total", why="unused") == 0
+        assert gw.svc.pins.unused_tokens(D0) == d.pinned_tokens
+        oldest = next(iter(d.pins))
+        # room for two more like these: the next one pushes the oldest out
+        d.capacity_tokens = d.pinned_tokens * 2
+        await gw.wait_for("the capacity to be read", lambda: gw.svc.pins.capacity(D0) == d.capacity_tokens)
+        await Chat(gw).say("what is the weather like")
+        await gw.wait_for("the oldest to be released", lambda: d.released == [oldest])
+        assert len(d.pins) == 2 and gw.metric("turnkv_handle_releases_total", why="not_needed") == 1
+        d.kv_usage = 0.95  # pressure: every handle nobody will pull goes first
+        await gw.wait_for("the rest to be released", lambda: not d.pins)
+        assert gw.metric("turnkv_handle_releases_total", why="unused") == 2
+        assert gw.svc.pins.unused_tokens(D0) == 0
+
+
 @pytest.mark.parametrize(
     ("fault", "outcome"),
     [

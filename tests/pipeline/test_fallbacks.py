@@ -113,6 +113,22 @@ async def test_a_shutdown_past_its_drain_aborts_a_stream_in_flight() -> None:
         assert gw.turns[-1]["capture"] == "failed"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_shutdown_past_its_drain_aborts_a_turn_waiting_on_p(stream: bool) -> None:
+    """The abort ends the wait for P's answer at once (its call cancelled), well before P's deadline."""
+    async with gateway(drain_s=0.0, timeouts={"prefill_first_token_s": 30.0}) as gw:
+        chat = await conversation(gw, stream=stream)
+        gw.engine.faults(P0, hang=1, leg="prefill")
+        before = gw.engine[P0].calls.count("prefill")
+        task = asyncio.create_task(chat.say("and then?"))
+        await gw.wait_for("P to have the call", lambda: gw.engine[P0].calls.count("prefill") == before + 1)
+        gw.svc.drain.bind(asyncio.get_running_loop())
+        gw.svc.drain.begin()
+        a = await asyncio.wait_for(task, 10)
+        assert a.error is not None and a.error["code"] == "shutting_down"
+        assert gw.turns[-1]["capture"] == "failed"
+
+
 async def test_a_client_that_leaves_mid_stream_aborts_d_and_frees_its_handle() -> None:
     async with gateway() as gw:
         chat = await conversation(gw)

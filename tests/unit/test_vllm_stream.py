@@ -196,6 +196,47 @@ def test_usage_says_what_this_turn_did_not_compute(cached: int | None, seen: int
     assert json.loads(_some(out))["usage"]["prompt_tokens_details"]["cached_tokens"] == seen
 
 
+# logprobs as vLLM writes them: Python's json would write -1e-05 and 0.1 back (orjson 1e-05 as -0.00001)
+LOGPROBS_FINAL = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":'
+    b'{"content":"\xc3\xa9"},"logprobs":{"content":[{"token":"x","logprob":-0.00001,"bytes":[120],'
+    b'"top_logprobs":[]}]},"finish_reason":"stop","stop_reason":null,"token_ids":[2]}],'
+    b'"usage":{"prompt_tokens":40,"total_tokens":45,"completion_tokens":5,"prompt_tokens_details":'
+    b'{"cached_tokens":4}},"kv_transfer_params":{"do_remote_decode":true,"remote_block_ids":[[1,2]],'
+    b'"remote_num_tokens":6,"remote_blocks_expiry_time":18734.52,"remote_host":"h"}}'
+)
+
+
+@pytest.mark.parametrize("collect", [True, False])
+def test_a_chunk_is_changed_in_vllms_own_bytes_only_where_it_must(collect: bool) -> None:
+    """The handle nulled, the ids nulled, cached_tokens corrected in the bytes vLLM sent: its floats and
+    text reach the client as vLLM wrote them, not as an encoder writes them again."""
+    cap = DecodeCapture(keep_token_ids=False, collect=collect, cached_tokens=3)
+    out, shown = cap.chunk(LOGPROBS_FINAL)
+    expected = (
+        LOGPROBS_FINAL.replace(b'"token_ids":[2]', b'"token_ids":null')
+        .replace(b'"cached_tokens":4}', b'"cached_tokens":3}')
+        .split(b',"kv_transfer_params":')[0]
+        + b',"kv_transfer_params":null}'
+    )
+    assert out == expected and shown
+    assert cap.kv_transfer_params is not None and cap.kv_transfer_params["remote_blocks_expiry_time"] == 18734.52
+    assert cap.finish_reason == "stop" and cap.token_ids == [2]
+
+
+def test_a_chunk_that_cannot_be_changed_in_its_bytes_is_encoded_again() -> None:
+    spaced = FINAL.replace(b'"remote_num_tokens":6', b'"remote_num_tokens": 6')  # not as compact JSON writes it
+    cap = DecodeCapture(keep_token_ids=False)
+    out, _ = cap.chunk(spaced)
+    seen = json.loads(_some(out))
+    assert seen["kv_transfer_params"] is None and seen["choices"][0]["token_ids"] is None
+    assert cap.kv_transfer_params == {"do_remote_decode": True, "remote_num_tokens": 6}
+    # a cached_tokens value found twice is not guessed at either
+    twice = USAGE.replace(b'"completion_tokens":5', b'"completion_tokens":5,"x":{"cached_tokens":40}')
+    out, _ = DecodeCapture(keep_token_ids=False, cached_tokens=7).chunk(twice)
+    assert json.loads(_some(out))["usage"]["prompt_tokens_details"]["cached_tokens"] == 7
+
+
 class _PlainSplitter:
     """The reference: split the whole text at the first event end, again and again."""
 

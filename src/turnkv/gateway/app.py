@@ -29,9 +29,10 @@ from turnkv.engine.base import Engine
 from turnkv.errors import GatewayError, UpstreamError, UpstreamStatus
 from turnkv.gateway import routes
 from turnkv.gateway.audit import classify, engine_renderer
-from turnkv.gateway.edge import EdgeMiddleware
+from turnkv.gateway.edge import Edge, EdgeMiddleware
 from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpected
 from turnkv.gateway.fleet import Fleet
+from turnkv.gateway.hot import GatewayApp
 from turnkv.gateway.kv_admission import DecodeAdmission
 from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
@@ -201,9 +202,11 @@ async def stop_tasks(tasks: list[asyncio.Task[None]]) -> None:
 
 
 async def _shut_down(svc: Services) -> None:
-    """After the last connection closed: with a store nobody else reads, give every pin back, and send
-    the releases still queued (bounded: D frees them at its TTL otherwise)."""
+    """After the last connection closed: give back the handles nobody will pull, with a store nobody else
+    reads every pin too, and send the releases still queued (bounded: D frees them at its TTL otherwise)."""
     with anyio.move_on_after(SHUTDOWN_RELEASE_S):
+        if svc.settings.decode_memory.release_on_shutdown:
+            svc.pins.release_unused()  # handles nobody will pull, left to D's TTL: nobody's, whatever the store
         if svc.settings.decode_memory.release_on_shutdown and not svc.settings.redis_url:
             n = await svc.pins.release_all()
             if n:
@@ -301,7 +304,8 @@ def create_app(
             await guard.close()
 
     cors = settings.cors
-    middleware = [Middleware(EdgeMiddleware, settings=settings)]
+    edge = Edge(settings)
+    middleware = [Middleware(EdgeMiddleware, edge=edge)]
     if cors.allow_origins:  # outermost: a browser's preflight is answered without credentials
         middleware.insert(
             0,
@@ -321,7 +325,15 @@ def create_app(
                 ],
             ),
         )
-    app = Starlette(
+    turns = {
+        "/v1/chat/completions": routes.chat_completions,
+        "/v1/completions": routes.completions,
+        "/v1/responses": responses_routes.create,
+    }
+    app = GatewayApp(
+        # the turns skip Starlette's stack (gateway/hot.py), unless a CORS middleware must see them
+        hot={} if cors.allow_origins else turns,
+        edge=edge,
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),

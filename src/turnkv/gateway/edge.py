@@ -4,7 +4,9 @@ Before any route runs, every request is authenticated (``auth.Authenticator``; `
 are open to all, a valid admin key only adds ``/ready``'s details), and a POST (a turn, a tokenize call:
 engine work) is admitted or refused by ``admission.Admission``. A refusal is an OpenAI-shaped error, counted
 in ``turnkv_rejected_requests_total{reason}``. The request's ``Principal`` is left in its state for the
-routes. Pure ASGI, so a streamed answer holds its admission until its last byte is sent.
+routes. Pure ASGI, so a streamed answer holds its admission until its last byte is sent. One ``Edge`` serves
+both ways in: the middleware in front of Starlette's router, and the turn routes served directly
+(``gateway.hot``), so that they share one admission count.
 """
 
 from __future__ import annotations
@@ -23,19 +25,18 @@ from turnkv.gateway.errors import error_response
 OPEN_PATHS = frozenset({"/health", "/ready"})
 
 
-class EdgeMiddleware:
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
-        self.app = app
+class Edge:
+    """Authentication and admission, in front of whichever ASGI app serves the request."""
+
+    def __init__(self, settings: Settings) -> None:
         self.auth = Authenticator(settings)
         lim = settings.limits
         self.admission = Admission(
             lim.max_inflight, lim.max_inflight_per_tenant if self.auth.required else None, lim.retry_after_s
         )
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def serve(self, scope: Scope, receive: Receive, send: Send, app: ASGIApp) -> None:
+        """Serve an HTTP request with ``app`` once it is authenticated and admitted; answer the refusal if not."""
         state: dict[str, Any] = scope.setdefault("state", {})
         headers = Headers(scope=scope)
         engine_work = scope["method"] == "POST"
@@ -57,7 +58,19 @@ class EdgeMiddleware:
             return
         state["principal"] = principal
         if not engine_work:
-            await self.app(scope, receive, send)
+            await app(scope, receive, send)
             return
         with self.admission.hold(principal.tenant):
+            await app(scope, receive, send)
+
+
+class EdgeMiddleware:
+    def __init__(self, app: ASGIApp, edge: Edge) -> None:
+        self.app = app
+        self.edge = edge
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        await self.edge.serve(scope, receive, send, self.app)

@@ -131,6 +131,14 @@ class GatewayMetrics:
         self.releases = Counter(
             "turnkv_handle_releases", "Handles given back to decode unused, by why", ["why"], registry=r
         )
+        # why: unused (a stateless turn), not_needed (the policy does not keep it); released later (past
+        # decode_memory.unused_share, or under pressure) they count in turnkv_handle_releases_total too
+        self.unused_left = Counter(
+            "turnkv_unused_handles_left",
+            "Handles nobody will pull, left pinned for the decode engine's TTL to free (as plain P/D), by why",
+            ["why"],
+            registry=r,
+        )
         self.store_up.set(1)
 
     def render(self) -> bytes:

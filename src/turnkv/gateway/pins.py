@@ -12,6 +12,11 @@ oldest matters more than which is largest. Under pressure (D's KV usage high, or
 D while pins hold memory) pins are released down to a low watermark at once, when the engine's
 metrics are read, not at the next turn. Every entry evicted from the store's index left its record
 without the handle, so no turn can pull a handle that is being released.
+
+Handles nobody will pull (a stateless turn's, one the policy does not keep) are not released one by one
+as they come: each release is a request to a prefill engine, which plain P/D does not pay (it leaves
+them all to D's TTL). They are left pinned, as plain P/D leaves them, while they hold at most
+``unused_share`` of D's capacity; past that the oldest are released, under pressure all of them first.
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from turnkv.config import Settings
+from turnkv.engine.base import Handle
 from turnkv.errors import StoreError
 from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.metrics import GatewayMetrics
@@ -32,6 +40,16 @@ from turnkv.state.base import PinEntry
 from turnkv.state.guard import StoreGuard
 
 log = logging.getLogger("turnkv.pins")
+
+
+@dataclass(frozen=True)
+class _Unused:
+    """A handle nobody will pull, left to D's TTL."""
+
+    expires: float  # monotonic: when D frees it itself
+    tokens: int
+    handle: Handle
+    why: str
 
 
 class PinKeeper:
@@ -49,6 +67,8 @@ class PinKeeper:
         self._estimate: dict[str, int] = {}
         self._handles: dict[str, int] = {}
         self._urgent: asyncio.Queue[str] = asyncio.Queue()
+        self._unused: dict[str, deque[_Unused]] = {}  # per engine, oldest first
+        self._unused_tokens: dict[str, int] = {}
         self.on_change: Callable[[str], None] = lambda url: None  # pins on ``url`` went down
 
     # -- budgets -----------------------------------------------------------------------------
@@ -77,11 +97,11 @@ class PinKeeper:
         return inst.kv_usage < self._dm.pressure_kv_usage and inst.waiting == 0
 
     def under_pressure(self, inst: InstanceView) -> bool:
-        """D's cache is nearly full, or requests wait on D while pins hold more than the low watermark."""
+        """D's cache is nearly full, or requests wait on D while stored pins hold more than the low watermark."""
         if inst.kv_usage >= self._dm.pressure_kv_usage:
             return True
         cap = self.capacity(inst.url)
-        pinned = self._estimate.get(inst.url, 0)
+        pinned = self._estimate.get(inst.url, 0)  # stored pins: handles nobody will pull count in kv_usage only
         return inst.waiting > 0 and cap is not None and pinned > cap * self._dm.pressure_keep_share
 
     # -- on the turn's path ------------------------------------------------------------------
@@ -106,6 +126,49 @@ class PinKeeper:
             self._releaser.submit(e.handle, why)
             self._set(e.decode_url, max(0, self._estimate.get(e.decode_url, 0) - e.tokens))
 
+    # -- handles nobody will pull -------------------------------------------------------------
+    def unused(self, url: str, handle: Handle, tokens: int, why: str) -> None:
+        """A handle on ``url`` that no turn will pull: left pinned for D's own TTL to free while unused
+        handles hold at most ``unused_share`` of its capacity (unknown capacity: none); past that the
+        oldest are released."""
+        cap = self.capacity(url)
+        budget = int(cap * self._dm.unused_share) if cap is not None else 0
+        if tokens > budget:
+            self._releaser.submit(handle, why)
+            return
+        now = time.monotonic()
+        q = self._unused.setdefault(url, deque())
+        q.append(_Unused(now + self._s.decoder_kv_blocks_ttl, tokens, handle, why))
+        self._unused_tokens[url] = self._unused_tokens.get(url, 0) + tokens
+        self._metrics.unused_left.labels(why).inc()
+        self._trim_unused(url, budget, now)
+
+    def _trim_unused(self, url: str, keep_tokens: int, now: float) -> int:
+        """Forget the unused handles on ``url`` that D freed itself (past its TTL), then release the oldest
+        until they hold at most ``keep_tokens``; how many were released."""
+        q = self._unused.get(url)
+        if not q:
+            return 0
+        held = self._unused_tokens.get(url, 0)
+        released = 0
+        while q and (held > keep_tokens or q[0].expires <= now):
+            e = q.popleft()
+            held -= e.tokens
+            if e.expires > now:
+                self._releaser.submit(e.handle, e.why)
+                released += 1
+        self._unused_tokens[url] = held
+        return released
+
+    def unused_tokens(self, url: str) -> int:
+        """Tokens that handles nobody will pull still pin on ``url``, as far as this process knows."""
+        return self._unused_tokens.get(url, 0)
+
+    def release_unused(self) -> int:
+        """Release every unused handle still pinned (at shutdown); how many."""
+        now = time.monotonic()
+        return sum(self._trim_unused(url, 0, now) for url in list(self._unused))
+
     def urgent(self, url: str) -> None:
         """Relieve ``url`` now (its first-token deadline passed, or its metrics show pressure)."""
         self._urgent.put_nowait(url)
@@ -117,27 +180,31 @@ class PinKeeper:
     # -- background --------------------------------------------------------------------------
     async def relieve(self, url: str) -> int:
         """Release pins on ``url`` down to the low watermark; how many were released."""
+        unused = self._trim_unused(url, 0, time.monotonic())  # nobody's: the first to go
         cap = self.capacity(url)
         keep = int(cap * self._dm.pressure_keep_share) if cap is not None else 0
         try:
             entries = await self._store.evict(url, keep_tokens=keep, why="pressure")
         except StoreError:
-            return 0
+            return unused
         self.release(entries, "pressure")
-        if entries:
+        if entries or unused:
             self._log.warning(
                 "pins.pressure",
                 decode=url,
                 released=len(entries),
                 tokens=sum(e.tokens for e in entries),
                 keep_tokens=keep,
+                unused_released=unused,
             )
-        return len(entries)
+        return len(entries) + unused
 
     async def check(self) -> None:
         """One janitor pass: forget dead entries, refresh the totals, and hold every engine to its budget."""
         urls = self._fleet.urls("decode")
         now = time.time()
+        for url in list(self._unused):
+            self._trim_unused(url, self._unused_tokens.get(url, 0), time.monotonic())  # forget what D freed
         try:
             for inst in self._fleet.views("decode"):
                 await self._store.prune(inst.url, now=now, epoch=inst.epoch)

@@ -276,10 +276,10 @@ return out
 @dataclasses.dataclass(frozen=True)
 class _Script:
     source: str
+    sha: str = dataclasses.field(init=False)  # computed once, not on every call
 
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(self.source.encode()).hexdigest()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
 CLAIM, PUT, RELEASE, STRIP, HOLDS = (_Script(s) for s in (_CLAIM, _PUT, _RELEASE, _STRIP, _HOLDS))
@@ -597,7 +597,10 @@ class RedisStore:
 
     async def _batch(self, calls: Sequence[_Call]) -> list[Any]:
         """The scripts in one pipeline (not a transaction; in a Cluster spread over the nodes);
-        those that met NOSCRIPT are loaded and run again, the others are not run twice."""
+        those that met NOSCRIPT are loaded and run again, the others are not run twice. One script is
+        sent as itself: the same round trip without building a pipeline (a put without a handle)."""
+        if len(calls) == 1:
+            return [await self._eval(*calls[0])]
         results = await self._pipeline(calls)
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if missing:

@@ -51,8 +51,14 @@ GATEWAY = ("--policy", "never-pull")  # same engine legs as pd-direct on every t
 # requests per second D runs out of KV and fails requests. D gets a large pool and a 20 s TTL (the
 # gateway is told the same TTL), so that no run here is limited by pinned memory.
 D_MEMORY = ("--num-gpu-blocks", "200000", "--decoder-kv-blocks-ttl", "20")
-# turnkv-stateless measures requests without session ids as plain P/D: no conversation found from messages
-GW_ENV = (("TURNKV_DECODER_KV_BLOCKS_TTL", "20"), ("TURNKV_CONVERSATION_FROM_HISTORY", "false"))
+# turnkv-stateless measures requests without session ids as plain P/D: no conversation found from messages;
+# the handles nobody will pull are left to D's TTL as pd-direct leaves them (D has room for them all), not
+# released one request each (decode_memory.unused_share, gateway/pins.py)
+GW_ENV = (
+    ("TURNKV_DECODER_KV_BLOCKS_TTL", "20"),
+    ("TURNKV_CONVERSATION_FROM_HISTORY", "false"),
+    ("TURNKV_DECODE_MEMORY__UNUSED_SHARE", "1"),
+)
 # (label, workload changes): one at a time, Poisson arrivals at 25 and 50 requests/s (below saturation on
 # this machine), then closed loops of 8, 32 and 64 concurrent requests (core 0 saturates)
 LOADS: tuple[tuple[str, dict[str, float]], ...] = (

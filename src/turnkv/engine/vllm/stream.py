@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 
 from turnkv import jsonwire
 from turnkv.engine.base import DecodeStream, Handle, Piece, StreamBroken
@@ -75,6 +76,22 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def _patch(payload: bytes, key: bytes, old: Any, new: bytes) -> bytes | None:
+    """The payload with ``key``'s value (``old``, as vLLM's compact JSON writes it) replaced by ``new``,
+    the rest of vLLM's bytes as they came; None when that value is not found exactly once, whole."""
+    try:
+        was = key + orjson.dumps(old)
+    except orjson.JSONEncodeError:
+        return None
+    i = payload.find(was)
+    if i < 0 or payload.find(was, i + 1) >= 0:
+        return None
+    end = i + len(was)
+    if payload[end : end + 1] not in (b",", b"}"):
+        return None  # a longer number, or not where the key's value ends
+    return payload[:i] + key + new + payload[end:]
+
+
 @dataclass
 class DecodeCapture:
     """What the decode leg produced, gathered while it is relayed."""
@@ -113,16 +130,18 @@ class DecodeCapture:
     def handle(self) -> Handle | None:
         return self.kv_transfer_params
 
-    def _usage(self, obj: dict[str, Any]) -> bool:
-        """Note the usage; True when its cached_tokens were corrected (the chunk must be re-encoded)."""
+    def _usage(self, obj: dict[str, Any]) -> tuple[Any, int] | None:
+        """Note the usage; (the cached_tokens D said, what this turn says) when corrected (the chunk must
+        say it too)."""
         usage = obj.get("usage")
         if not isinstance(usage, dict):
-            return False
+            return None
         details = usage.get("prompt_tokens_details")
         if self.cached_tokens is None or not isinstance(details, dict) or "cached_tokens" not in details:
-            return False
+            return None
+        said = details["cached_tokens"]
         details["cached_tokens"] = min(self.cached_tokens, int(usage.get("prompt_tokens") or 0))
-        return True
+        return said, details["cached_tokens"]
 
     def chunk(self, payload: bytes) -> tuple[bytes | None, bool]:
         """One SSE payload: the bytes to forward (None: nothing a client of plain vLLM would have got, so
@@ -149,7 +168,9 @@ class DecodeCapture:
         if "error" in obj and "choices" not in obj:
             self.error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
             return payload, False
-        redump = False  # the handle is removed from the parsed chunk; the ids are nulled in the bytes
+        # what must change is changed in vLLM's bytes (the ids nulled, the handle nulled, cached_tokens
+        # corrected); only a chunk where that cannot be done exactly is re-encoded from the parsed object
+        redump = False
         if prompt_json is not None:
             self._prompt_ids, self._prompt_ids_json = None, prompt_json
             if not self.keep_token_ids:
@@ -160,11 +181,19 @@ class DecodeCapture:
                 obj["prompt_token_ids"] = None
                 redump = True
         if obj.get("kv_transfer_params") is not None:
-            if isinstance(obj["kv_transfer_params"], dict):
-                self.kv_transfer_params = obj["kv_transfer_params"]
+            kv = obj["kv_transfer_params"]
+            if isinstance(kv, dict):
+                self.kv_transfer_params = kv
             obj["kv_transfer_params"] = None
-            redump = True
-        redump = self._usage(obj) or redump
+            nulled = _patch(payload, b'"kv_transfer_params":', kv, b"null")
+            redump = redump or nulled is None
+            payload = nulled or payload
+        fixed = self._usage(obj)
+        if fixed is not None:
+            said, now = fixed
+            patched = _patch(payload, b'"cached_tokens":', said, str(now).encode())
+            redump = redump or patched is None
+            payload = patched or payload
         visible = False
         only_ours = False  # the chunk carried token ids the client did not ask for, and nothing else
         for choice in obj.get("choices") or []:
@@ -266,8 +295,11 @@ class VllmDecodeStream(DecodeStream):
         return out
 
     async def drain(self, timeout_s: float) -> None:
+        if self._resp.content.at_eof():
+            return  # the usual end: the body's end came with [DONE]
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            await asyncio.wait_for(self._resp.content.read(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # no task of its own, as wait_for makes
+                await self._resp.content.read()
 
     async def salvage(self, timeout_s: float) -> None:
         if self.done or self._capture.error is not None:

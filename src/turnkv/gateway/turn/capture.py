@@ -32,6 +32,7 @@ from turnkv.state.record import ConversationRecord
 # the store keeps a record this long past its last usable moment, to tell "expired" from "none"
 EXPIRED_GRACE_S = 120.0
 FINISH_TIMEOUT_S = 5.0
+UNBOUNDED = 1 << 62  # a handle's own token count, read without a sequence to hold it against
 log = logging.getLogger("turnkv.capture")
 
 
@@ -133,7 +134,7 @@ async def finish(run: TurnRun, *, ok: bool) -> Capture:
     rec = build_record(run) if ok else Capture.FAILED
     new_handle = run.collected.handle
     if isinstance(rec, ConversationRecord) and rec.handle is not None and not _keeps_pin(run, rec):
-        _release(svc, rec.handle, "not_needed")  # D's blocks stay in its prefix cache, evictable
+        _leave(svc, rec.decode_url, rec.handle, rec.num_tokens, "not_needed")  # then in D's prefix cache
         rec = dataclasses.replace(rec, handle=None, unpinned="not_needed")
     old = run.rendered.record
     spent = run.journal.handle_spent
@@ -168,8 +169,16 @@ async def finish(run: TurnRun, *, ok: bool) -> Capture:
         and svc.engine.pins_memory(new_handle)
     ):
         # D pinned its blocks for a next turn that will not use them (a stateless turn, a failed one, or a
-        # handle that could not be kept): give the memory back now rather than after decoder_kv_blocks_ttl
-        _release(svc, new_handle, "unused" if ok else "failed_turn")
+        # handle that could not be kept): a failed turn's go back now; an answered one's are left to D's TTL
+        # as plain P/D leaves them, within decode_memory.unused_share (gateway/pins.py)
+        if ok and run.decode_url is not None:
+            held = svc.engine.read_handle(new_handle, seq_len=UNBOUNDED, block_size=svc.settings.block_size)
+            if isinstance(held, HandleProblem):
+                _release(svc, new_handle, "unused")
+            else:
+                _leave(svc, run.decode_url, new_handle, held.tokens, "unused")
+        else:
+            _release(svc, new_handle, "failed_turn" if not ok else "unused")
     if old is not None and old.handle is not None and not spent:
         # the claimed handle was not handed to P (decode-local, or the turn ended): it pins D for nothing
         _release(svc, old.handle, "superseded")
@@ -192,6 +201,12 @@ async def end(run: TurnRun, *, ok: bool) -> None:
         run.svc.drain.untrack(run)
         if run.ticket is not None:
             run.ticket.release()
+
+
+def _leave(svc: Services, decode_url: str, handle: Handle, tokens: int, why: str) -> None:
+    """A handle nobody will pull: left to D's TTL within the unused share, else released."""
+    if svc.settings.release_unused:
+        svc.pins.unused(decode_url, handle, tokens, why)
 
 
 def _release(svc: Services, handle: Handle, why: str) -> None:

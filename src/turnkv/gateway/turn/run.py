@@ -70,7 +70,7 @@ class TurnRun:
     opened: Opened | None = None  # the last answer D opened
     aborted: str | None = None  # why the gateway ended the turn early ("shutdown")
     ticket: Ticket | None = None  # its reservation on a decode engine's KV (gateway.kv_admission)
-    _abort: asyncio.Event = field(default_factory=asyncio.Event)
+    _calls: set[asyncio.Future[Any]] = field(default_factory=set)  # what ``until_aborted`` waits on now
 
     @property
     def stateful(self) -> bool:
@@ -120,7 +120,8 @@ class TurnRun:
     def abort(self, why: str) -> None:
         """End the turn early: its decode answer is closed (D aborts the request) and its steps stop."""
         self.aborted = why
-        self._abort.set()
+        for call in list(self._calls):
+            call.cancel()  # its waiter wakes and says ShuttingDown
         if self.opened is not None and self.opened.stream is not None:
             self.opened.stream.abort()
 
@@ -143,18 +144,19 @@ class TurnRun:
         loop = asyncio.get_running_loop()
         started = loop.time() if started is None else started
         until = None if deadline is None else started + deadline.first_s
+        # one task per call: an abort cancels it (no second task waiting for the abort beside it)
         task = asyncio.ensure_future(call)
-        stop = asyncio.ensure_future(self._abort.wait())
+        self._calls.add(task)
         try:
             while True:
                 timeout = None if until is None else max(0.0, until - loop.time())
-                done, _ = await asyncio.wait({task, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait((task,), timeout=timeout)
                 if task in done:
+                    if task.cancelled():
+                        self.check()  # the abort cancelled it
                     return task.result()
-                self.check()  # the abort came first
-                if deadline is None:
-                    continue  # without a deadline only the call or the abort ends the wait
-                now = loop.time()
+                now = loop.time()  # the deadline passed (without one only the call or the abort ends the wait)
+                assert deadline is not None, "a wait without a deadline has no timeout"
                 if not deadline.renews(self.svc.fleet.view(deadline.url), started, now):
                     raise FirstTokenDeadline(
                         f"the {deadline.leg} engine missed its first-token deadline",
@@ -164,7 +166,7 @@ class TurnRun:
                 self.svc.metrics.deadline_renewals.labels(deadline.leg).inc()  # busy, not stuck: wait on
                 until = now + deadline.first_s
         finally:
-            stop.cancel()
+            self._calls.discard(task)
             if not task.done():
                 task.add_done_callback(_close_answer)
                 task.cancel()
