@@ -57,8 +57,8 @@ def _conversation(c: Cluster, i: int, turns: int, stream: bool) -> list[Turn]:
         return [d.step() for _ in range(turns)]
 
 
-def _run_many(c: Cluster, n: int, turns: int) -> list[list[Turn]]:
-    with ThreadPoolExecutor(n) as pool:
+def _run_many(c: Cluster, n: int, turns: int, at_once: int | None = None) -> list[list[Turn]]:
+    with ThreadPoolExecutor(at_once or n) as pool:
         return list(pool.map(lambda i: _conversation(c, i, turns, stream=i % 2 == 0), range(n)))
 
 
@@ -222,9 +222,12 @@ def test_decode_local_turns_leave_nothing_pinned(procs: list[launch.Running], tm
         decode_flags=("--num-gpu-blocks", str(DECODE_BLOCKS)),
         gateway_env={**FAST_JANITOR, "TURNKV_DECODE_MEMORY__UNUSED_SHARE": "0"},
     )
-    results = _run_many(c, 6, 4)
+    # two at a time: with all six at once on a loaded machine, most later turns were once refused
+    # decode-local as decode_busy (D or the gateway had turns waiting for it when they were planned)
+    results = _run_many(c, 6, 4, at_once=2)
+    later = [t for conv in results for t in conv[1:]]
     assert all(t.correct for conv in results for t in conv)
-    assert sum(t.outcome == "decode_local" for conv in results for t in conv[1:]) >= 12
+    assert sum(t.outcome == "decode_local" for t in later) >= 12, [t.reason for t in later]
     state = sim_state(c.decode[0].url)
     assert state["untracked_pins"] == 0 and state["unrecognized_notices"] == 0
     wait_for(lambda: sim_state(c.decode[0].url)["pins"] == 0, what="no pins left on D")
