@@ -86,12 +86,12 @@ class DecodeMemory(BaseModel):
         "only when the policy would pull it on the next turn; always: keep every handle",
     )
     admit_share: float = Field(
-        0.9,
+        0.0,
         ge=0,
         le=1,
-        description="decode admission: turns in flight on a decode engine "
+        description="decode admission (off by default: README, Decode memory): turns in flight on a decode engine "
         "may reserve (prompt and answer tokens) this share of its KV capacity, less "
-        "what stored handles pin; others wait in the gateway (0: no admission control)",
+        "what stored handles pin; others wait in the gateway (0: no admission control; 0.9 when on)",
     )
     admission_wait_s: float = Field(
         60.0,

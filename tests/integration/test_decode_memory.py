@@ -101,7 +101,8 @@ SMALL_BLOCKS = 160  # 2,560 tokens of KV; turns may reserve 0.9 of it: 2,304
 
 def _realtime_cluster(procs: list[launch.Running], tmp_path: Path, policy: str = "always-pull", **env: str) -> Cluster:
     """D decodes in real time (8 ms a token), so a long answer holds its KV for seconds, and its KV is
-    small: a few long answers fill it."""
+    small: a few long answers fill it. Decode admission is on (it is off by default)."""
+    env = {"TURNKV_DECODE_MEMORY__ADMIT_SHARE": "0.9", **env}
     return start_cluster(
         procs,
         tmp_path,

@@ -213,7 +213,7 @@ def add_bench_parser(sub: Any) -> None:
     s.add_argument(
         "--suite",
         required=True,
-        choices=["fifth-turn", "overhead", "smoke", "decode-memory", "goodput", "reliability"],
+        choices=["fifth-turn", "overhead", "smoke", "decode-memory", "decode-overload", "goodput", "reliability"],
     )
     s.add_argument("--out", default=None, help="output directory (default bench-results/<suite>-<time>)")
     s.add_argument(

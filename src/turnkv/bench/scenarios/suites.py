@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from turnkv.bench.records import ConfigResult, RunResult
-from turnkv.bench.scenarios import decode_memory, fifth_turn, goodput, overhead, reliability, smoke
+from turnkv.bench.scenarios import decode_memory, decode_overload, fifth_turn, goodput, overhead, reliability, smoke
 from turnkv.bench.scenarios.base import Bench, run_bench, with_duration, with_gateway_workers
 
 Analyzer = Callable[[Sequence[ConfigResult]], tuple[str, dict[str, list[str]]]]
@@ -22,6 +22,7 @@ SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
     "overhead": (overhead.benches, overhead.analyze),
     "smoke": (smoke.benches, smoke.analyze),
     "decode-memory": (decode_memory.benches, decode_memory.analyze),
+    "decode-overload": (decode_overload.benches, decode_overload.analyze),
     "goodput": (goodput.benches, goodput.analyze),
     "reliability": (reliability.benches, reliability.analyze),
 }
@@ -30,6 +31,7 @@ TITLES = {
     "overhead": "turnkv bench: gateway overhead with zero-cost engines",
     "smoke": "turnkv bench: smoke",
     "decode-memory": "turnkv bench: decode memory under load",
+    "decode-overload": "turnkv bench: more conversations than the decode engine holds",
     "goodput": "turnkv bench: goodput under SLOs, load sweeps on the simulator",
     "reliability": "turnkv bench: reliability, many concurrent streams for minutes",
 }
