@@ -36,6 +36,16 @@ class InstanceView:
     pinned_tokens: int  # decode KV the gateway's stored handles pin there (as far as it knows)
     pin_budget_tokens: int | None  # what they may pin (None: no budget known)
     progressed_at: float  # monotonic; when its token counters last moved (it computed something), 0: never seen
+    # its load as its latency histograms said between its last two reads (``reuse.load``), and as this gateway
+    # holds it: None where nothing was observed between the reads
+    scraped: bool = False  # its metrics were read at least once
+    latency_metrics: bool = False  # it reports an inter-token latency histogram at all
+    step_ms: float | None = None  # mean gap between its streams' tokens: its step time
+    queue_wait_ms: float | None = None  # mean time its requests waited to be scheduled
+    prefill_request_ms: float | None = None  # mean prefill time of its requests (the last one measured)
+    queued_prefill_s: float = 0.0  # this gateway's prefills in flight there: their estimated work
+    queued_prefill_tokens: int = 0  # ... their new tokens
+    queued_since: float = 0.0  # monotonic; when the oldest of them was sent (0: none)
 
     @property
     def busy(self) -> int:

@@ -7,7 +7,9 @@ queue takes no decode-local turn (``decode_busy``): its idle conversations' free
 first it evicts, so the turn would compute the whole history again there, behind the queue.
 ``direct`` is the same planner for a turn not rendered at all (``turn.direct``): its prompt's size is
 estimated, and only a decode-local decision stands. ``facts`` is what the policy is told, the same for
-both and for CAPTURE's question whether a new handle is worth keeping.
+both and for CAPTURE's question whether a new handle is worth keeping: the token check's result, and the
+engines' load (``reuse.load``: D's step time and the KV its streams read, P's queue; a fact the fleet
+cannot give is left to the policy's model, and the turn log says which and why).
 Transition: PLAN → PREFILL, or → DECODE for decode-local.
 """
 
@@ -24,6 +26,7 @@ from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Plan, Rendered
 from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, record_unusable, unpinned_reason
 from turnkv.reuse.cost import Action, TurnFacts, pulled_tokens
+from turnkv.reuse.load import LoadFacts, load_facts
 from turnkv.reuse.policies import Decision
 from turnkv.routing.base import InstanceView
 from turnkv.state.base import Claim
@@ -56,9 +59,13 @@ def facts(
     decode: InstanceView | None,
     decode_holds: bool,
     block_size: int,
+    load: LoadFacts | None = None,
 ) -> TurnFacts:
     """What the policy is told of a turn continuing ``rec`` (None: nothing stored): ``matched`` tokens of
-    D's sequence extend the prompt; D may run the turn itself when it ``decode_holds`` them."""
+    D's sequence extend the prompt; D may run the turn itself when it ``decode_holds`` them; ``load``:
+    the engines' load (None: the facts ``prefill`` and ``decode`` give, as ``reuse.load`` reads them now)."""
+    if load is None:
+        load = load_facts(prefill, decode, time.monotonic())
     return TurnFacts(
         prompt_tokens=prompt_tokens,
         reusable_tokens=matched if rec is not None and rec.handle is not None else 0,
@@ -69,6 +76,9 @@ def facts(
         # for the ITL budget: D's decode batch and how full its KV is, as its metrics last said
         decode_running=decode.busy if decode is not None else None,
         decode_kv_usage=decode.kv_usage if decode is not None and decode.kv_usage > 0 else None,
+        decode_step_ms=load.decode_step_ms,
+        decode_context_tokens=load.decode_context_tokens,
+        prefill_queue_ms=load.prefill_queue_ms,
     )
 
 
@@ -123,6 +133,7 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
     # a D short of KV or with a queue takes no decode-local turn (``PinKeeper.room_for_local``)
     pressed = holds and decode is not None and not svc.pins.room_for_local(decode)
     holds = holds and not pressed
+    load = load_facts(prefill, decode, time.monotonic())
     f = facts(
         rec,
         prompt_tokens=len(rendered.prompt_ids),
@@ -131,6 +142,7 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         decode=decode,
         decode_holds=holds,
         block_size=bs,
+        load=load,
     )
     costs = svc.estimator.params()
     decision = svc.policy.decide(f, costs)
@@ -147,6 +159,7 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         action=decision.action,
         reason=reason,
         estimates=estimates_ms(decision),
+        load=load.log(),
         expected_cached=f.prefill_cached_tokens,
         expect_hits=(rec.prompt_tokens // bs) * bs if rec is not None and same_p and not local else 0,
     )
@@ -191,6 +204,7 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         return None  # the history before the answer changed (compacted, tools, options): render and check
     bs = svc.settings.block_size
     prefill = svc.router.pick("prefill", prefer=rec.prefill_url)
+    load = load_facts(prefill, d, time.monotonic())
     f = facts(
         rec,
         prompt_tokens=rec.num_tokens + cand.new_tokens(rec.bytes_per_token),
@@ -199,6 +213,7 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         decode=d,
         decode_holds=True,
         block_size=bs,
+        load=load,
     )
     decision = svc.policy.decide(f, svc.estimator.params())
     if decision.action is not Action.DECODE_LOCAL:
@@ -210,5 +225,6 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         decode_url=rec.decode_url,
         expected_cached=f.decode_cached_tokens,
         estimates=estimates_ms(decision),
+        load=load.log(),
         direct=True,
     )
