@@ -81,7 +81,8 @@ def test_real_vllm_metrics_carry_the_three_latency_histograms() -> None:
     doc = json.loads(FIXTURE.read_text())
     sample = load_sample(doc["steps"][0]["response"]["raw"])  # vLLM 0.26.0's /metrics, recorded
     assert sample is not None and sample.itl is not None
-    assert sample.prefill_time == Histo(pytest.approx(0.21141681299997117), 9.0)
+    assert sample.prefill_time is not None and sample.prefill_time.count == 9.0
+    assert sample.prefill_time.sum == pytest.approx(0.21141681299997117)
     assert sample.queue_time is not None and sample.queue_time.count == 9.0
     assert sample.itl.count > 0 and sample.itl.sum > 0
 
@@ -162,11 +163,12 @@ def test_ps_queue_is_the_gateways_prefills_in_flight_there_less_what_p_has_done_
 def test_ps_other_requests_count_at_its_recent_prefill_time() -> None:
     f = Fleet([P], [D])
     read(f, P, metrics(pf_n=10, pf_s=1.0))
-    v = read(f, P, metrics(running=1, waiting=3, pf_n=14, pf_s=2.0))  # 4 prefills of 250 ms since
+    read(f, P, metrics(running=1, waiting=3, pf_n=14, pf_s=2.0))  # 4 prefills of 250 ms since
     held = f.hold(P, work_s=0.1, tokens=500)  # one of P's four is this gateway's
     v = f.view(P)
     assert v is not None
-    assert prefill_queue(v, v.queued_since) == (pytest.approx(100.0 + 3 * 250.0), "gateway+prefill_time_histogram")
+    queue, source = prefill_queue(v, v.queued_since)
+    assert queue == pytest.approx(100.0 + 3 * 250.0) and source == "gateway+prefill_time_histogram"
     held.release()
     f2 = Fleet([P], [D])
     bare = read(f2, P, "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 3\n")
