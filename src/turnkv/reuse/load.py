@@ -23,9 +23,11 @@ is left to the policy's own model (``reuse.cost``: D's step estimated from its b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from turnkv.engine.base import Histo
-from turnkv.routing.base import InstanceView
+if TYPE_CHECKING:  # routing's scorers read P's queue from here
+    from turnkv.engine.base import Histo
+    from turnkv.routing.base import InstanceView
 
 
 @dataclass(frozen=True)

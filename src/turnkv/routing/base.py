@@ -62,6 +62,12 @@ class RouteRequest:
     prefer: str | None = None  # the engine that holds the conversation's KV or its prefix
     exclude: frozenset[str] = frozenset()  # tried by this turn already: never again
     avoid: frozenset[str] = frozenset()  # missed a deadline in this turn: only when no other is left
+    # what the turn would cost a prefill engine (the ``ttft`` scorer): its prompt (0: not known), what the
+    # preferred engine likely caches of it, P's time per token computed, and the clock of ``queued_since``
+    prompt_tokens: int = 0
+    prefer_cached_tokens: int = 0
+    prefill_s_per_token: float = 25e-6
+    now: float = 0.0
 
 
 class Params(BaseModel):

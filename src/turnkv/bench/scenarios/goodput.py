@@ -17,7 +17,9 @@ with two of each). Configurations, side by side at each rate:
 * ``vllm-multiturn``: vLLM's multi-turn proxy as a policy (the previous handle pulled, unchecked;
   round-robin routing with several engines, as the proxy does);
 * ``adaptive``: turnkv's adaptive policy with the ITL budget at the TPOT SLO, D taking a decode-local
-  turn's prefill ``D_CHUNK_TOKENS`` tokens a step (``--long-prefill-token-threshold``; the policy is told);
+  turn's prefill ``D_CHUNK_TOKENS`` tokens a step (``--long-prefill-token-threshold``; the policy is told),
+  the planner passing D's step time, its streams' KV and P's queue; with several P, the ``load-affinity``
+  routing (P by the turn's estimated wait there);
 * ``adaptive-no-itl``: adaptive without an ITL budget, D as vLLM's default (turnkv before issue 11);
 * ``adaptive-pull``: adaptive with decode-local off (pull or recompute only).
 
@@ -77,7 +79,8 @@ DESCRIPTIONS = {
     "colocated": "colocated engines, one per GPU of the P/D topology, conversations sticking to one",
     "plain": "vLLM's standard P/D (no bidirectional KV) through turnkv without session ids",
     "vllm-multiturn": "turnkv --policy vllm-multiturn (vLLM's multi-turn proxy: previous handle pulled, unchecked)",
-    "adaptive": "turnkv --policy adaptive with the ITL budget at the TPOT SLO, D prefilling 64 tokens a step",
+    "adaptive": "turnkv --policy adaptive with the ITL budget at the TPOT SLO, D prefilling 64 tokens a step, "
+    "the engines' load passed (load-affinity routing with several P)",
     "adaptive-no-itl": "turnkv --policy adaptive without an ITL budget (before issue 11)",
     "adaptive-pull": "turnkv --policy adaptive with decode-local off",
 }
@@ -164,6 +167,8 @@ def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
             env.append(("TURNKV_ROUTING", "round-robin"))  # the upstream proxy round-robins P and D
     elif config == "adaptive":
         env.append(("TURNKV_POLICY__PARAMS", json.dumps(adaptive_params(opts.slo))))
+        if p > 1:
+            env.append(("TURNKV_ROUTING", "load-affinity"))  # P by the turn's wait there, its cache counted
     elif config == "adaptive-pull":
         env.append(("TURNKV_POLICY__PARAMS", json.dumps({"decode_local": False})))
     return Deployment(

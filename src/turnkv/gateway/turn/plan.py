@@ -21,11 +21,11 @@ from dataclasses import replace
 from turnkv.engine.base import HandleUse
 from turnkv.gateway.answer import echoed_answer
 from turnkv.gateway.services import Services
-from turnkv.gateway.turn.direct import Candidate, history_digest
+from turnkv.gateway.turn.direct import Candidate, history_digest, size_guess
 from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Plan, Rendered
 from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, record_unusable, unpinned_reason
-from turnkv.reuse.cost import Action, TurnFacts, pulled_tokens
+from turnkv.reuse.cost import Action, CostParams, TurnFacts, pulled_tokens
 from turnkv.reuse.load import LoadFacts, load_facts
 from turnkv.reuse.policies import Decision
 from turnkv.routing.base import InstanceView
@@ -82,6 +82,21 @@ def facts(
     )
 
 
+def _pick_prefill(
+    svc: Services, rec: ConversationRecord | None, prompt_tokens: int, costs: CostParams
+) -> InstanceView | None:
+    """The P for the turn: the routing profile's, told what the turn would compute on each (the
+    conversation's P computing only what it likely caches)."""
+    home = rec.prefill_url if rec else None
+    return svc.router.pick(
+        "prefill",
+        prefer=home,
+        prompt_tokens=prompt_tokens,
+        prefer_cached_tokens=likely_prefill_cached(rec, svc.fleet.view(home), svc.settings.block_size),
+        prefill_s_per_token=costs.prefill_per_token_s,
+    )
+
+
 def estimates_ms(decision: Decision) -> dict[str, float]:
     """The policy's TTFT estimates per action, in ms, as the turn log shows them."""
     return {k.value: round(v * 1e3, 3) for k, v in decision.estimates.items()}
@@ -115,7 +130,9 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
     a = _assess(svc, turn, rendered)
     rec = rendered.record
     reason = a.reason if a is not None else rendered.reason
-    prefill = svc.router.pick("prefill", prefer=rec.prefill_url if rec else None)
+    costs = svc.estimator.params()
+    n = len(rendered.prompt_ids) if rendered.prompt_ids is not None else size_guess(turn.messages)
+    prefill = _pick_prefill(svc, rec, n, costs)
     decode = svc.router.pick("decode", prefer=rec.decode_url if rec else None)
     base = Plan(
         Action.RECOMPUTE,
@@ -144,7 +161,6 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         block_size=bs,
         load=load,
     )
-    costs = svc.estimator.params()
     decision = svc.policy.decide(f, costs)
     if decision.reason is not None:
         reason = decision.reason
@@ -203,11 +219,13 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
     if rec.history_digest is None or history_digest(turn.body, history) != rec.history_digest:
         return None  # the history before the answer changed (compacted, tools, options): render and check
     bs = svc.settings.block_size
-    prefill = svc.router.pick("prefill", prefer=rec.prefill_url)
+    prompt_tokens = rec.num_tokens + cand.new_tokens(rec.bytes_per_token)
+    costs = svc.estimator.params()
+    prefill = _pick_prefill(svc, rec, prompt_tokens, costs)
     load = load_facts(prefill, d, time.monotonic())
     f = facts(
         rec,
-        prompt_tokens=rec.num_tokens + cand.new_tokens(rec.bytes_per_token),
+        prompt_tokens=prompt_tokens,
         matched=rec.num_tokens,
         prefill=prefill,
         decode=d,
@@ -215,7 +233,7 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         block_size=bs,
         load=load,
     )
-    decision = svc.policy.decide(f, svc.estimator.params())
+    decision = svc.policy.decide(f, costs)
     if decision.action is not Action.DECODE_LOCAL:
         return None
     return Plan(

@@ -16,24 +16,17 @@ import time
 from turnkv.engine.base import PrefillCall
 from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
 from turnkv.gateway.turn.deadline import Deadline
-from turnkv.gateway.turn.direct import text_size
+from turnkv.gateway.turn.direct import size_guess
 from turnkv.gateway.turn.results import Fallback, Prefilled
 from turnkv.gateway.turn.run import TurnRun
 from turnkv.reuse.cost import prefill_s, transfer_s
-
-# a prompt sent unrendered (a first turn) is sized from its text for P's queue: English runs ~4 bytes a token
-QUEUE_BYTES_PER_TOKEN = 4.0
 
 
 def queued_work(run: TurnRun) -> tuple[float, int]:
     """(seconds, new tokens) this prefill is expected to keep P busy: what P computes past its expected
     cache hits and the pull, and the pull itself (for P's queue, ``reuse.load``)."""
     svc, plan, prompt_ids = run.svc, run.plan, run.rendered.prompt_ids
-    if prompt_ids is not None:
-        n = len(prompt_ids)
-    else:
-        size = text_size(run.turn.messages)
-        n = 0 if size is None else size[0] + int(size[1] / QUEUE_BYTES_PER_TOKEN)
+    n = len(prompt_ids) if prompt_ids is not None else size_guess(run.turn.messages)
     cached = min(plan.expected_cached, n)
     costs = svc.estimator.params()
     work = prefill_s(costs, n - cached, cached) + transfer_s(costs, plan.pull_tokens, svc.settings.block_size)
