@@ -27,7 +27,7 @@ async def test_a_long_queue_at_the_conversations_p_sends_its_turns_to_the_other_
         async def all_turns(text: str) -> dict[str, str]:
             ids = await asyncio.gather(*(turn(c, f"{text} {HISTORY}") for c in chats))
             by_id = {t["request_id"]: t for t in gw.turns}
-            return {c.session: str(by_id[i]["prefill"]) for c, i in zip(chats, ids, strict=True)}
+            return {str(c.session): str(by_id[i]["prefill"]) for c, i in zip(chats, ids, strict=True)}
 
         home = await all_turns("first")
         assert set(home.values()) == {P0, P1}  # first turns spread over the shorter queues
