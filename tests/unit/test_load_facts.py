@@ -163,8 +163,8 @@ def test_ps_queue_is_the_gateways_prefills_in_flight_there_less_what_p_has_done_
 def test_ps_other_requests_count_at_its_recent_prefill_time() -> None:
     f = Fleet([P], [D])
     read(f, P, metrics(pf_n=10, pf_s=1.0))
-    read(f, P, metrics(running=1, waiting=3, pf_n=14, pf_s=2.0))  # 4 prefills of 250 ms since
-    held = f.hold(P, work_s=0.1, tokens=500)  # one of P's four is this gateway's
+    held = f.hold(P, work_s=0.1, tokens=500)  # one of the four P counts next is this gateway's
+    read(f, P, metrics(running=1, waiting=3, pf_n=14, pf_s=2.0))  # 4 prefills of 250 ms since the last read
     v = f.view(P)
     assert v is not None
     queue, source = prefill_queue(v, v.queued_since)
@@ -173,6 +173,17 @@ def test_ps_other_requests_count_at_its_recent_prefill_time() -> None:
     f2 = Fleet([P], [D])
     bare = read(f2, P, "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 3\n")
     assert prefill_queue(bare, 0.0) == (0.0, "gateway:others_unknown")
+
+
+def test_ps_counts_as_old_as_its_last_read_do_not_count_this_gateways_finished_prefills_as_others() -> None:
+    f = Fleet([P], [D])
+    read(f, P, metrics(pf_n=10, pf_s=1.0))
+    slots = [f.hold(P, work_s=0.05, tokens=300) for _ in range(3)]
+    read(f, P, metrics(running=3, pf_n=14, pf_s=2.0))  # P runs our three
+    for s in slots:
+        s.release()  # done since; P's counts say 3 until the next read
+    v = f.view(P)
+    assert v is not None and prefill_queue(v, 0.0) == (0.0, "gateway")
 
 
 def test_the_planners_facts_carry_the_load_and_leave_what_is_missing_to_the_model() -> None:

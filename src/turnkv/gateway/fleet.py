@@ -60,6 +60,7 @@ class _Engine:
     pin_budget_tokens: int | None = None
     progressed_at: float = 0.0  # monotonic; when its token counters last moved
     scraped: bool = False
+    in_flight_scraped: int = 0  # ours, when its metrics were read: what its running and waiting counts include
     step_ms: float | None = None
     queue_wait_ms: float | None = None
     prefill_request_ms: float | None = None
@@ -108,6 +109,7 @@ class _Engine:
             queued_prefill_s=sum(w for _, w, _ in q),
             queued_prefill_tokens=sum(t for _, _, t in q),
             queued_since=min((t0 for t0, _, _ in q), default=0.0),
+            in_flight_scraped=self.in_flight_scraped,
         )
         object.__setattr__(self, "_view", v)
         return v
@@ -257,7 +259,7 @@ class Fleet:
                 self.on_restart(e.view(time.monotonic()))
         e.running, e.waiting, e.kv_usage = sample.running, sample.waiting, sample.kv_usage
         self._latencies(e, sample)
-        e.scraped = True
+        e.scraped, e.in_flight_scraped = True, e.in_flight
         work = sample.tokens_computed
         if work is not None:
             if e.work is not None and work > e.work:

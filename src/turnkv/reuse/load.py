@@ -15,7 +15,7 @@ is left to the policy's own model (``reuse.cost``: D's step estimated from its b
 * ``prefill_queue_ms``: the prefills this gateway has in flight on P, each as the cost model estimated
   it when it was sent (new tokens over what P had cached), less what P has already worked since the
   oldest of them started (P takes them in order), plus P's other requests (running and waiting, as its
-  metrics say, beyond this gateway's) at P's recent mean prefill time
+  metrics said, beyond this gateway's own in flight when they were read) at P's recent mean prefill time
   (``vllm:request_prefill_time_seconds``). Missing when there is no P; when P has requests of others
   and no prefill-time histogram, their part is left out and the source says so.
 """
@@ -95,7 +95,8 @@ def prefill_queue(p: InstanceView | None, now: float) -> tuple[float | None, str
     source = "gateway"
     others_ms = 0.0
     if p.scraped:
-        others = max(0, p.running + p.waiting - p.in_flight)
+        # compared with ours as of the same read: its counts are that old, and ours have moved since
+        others = max(0, p.running + p.waiting - p.in_flight_scraped)
         if others and p.prefill_request_ms is not None:
             others_ms = others * p.prefill_request_ms
             source = "gateway+prefill_time_histogram"

@@ -46,6 +46,7 @@ class InstanceView:
     queued_prefill_s: float = 0.0  # this gateway's prefills in flight there: their estimated work
     queued_prefill_tokens: int = 0  # ... their new tokens
     queued_since: float = 0.0  # monotonic; when the oldest of them was sent (0: none)
+    in_flight_scraped: int = 0  # this gateway's requests in flight there when its metrics were last read
 
     @property
     def busy(self) -> int:
