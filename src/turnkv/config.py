@@ -125,7 +125,7 @@ class RoutingPlugin(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     type: str = Field(
         description="the plugin's name (turnkv.routing.plugins: filters not-tried, not-avoided, "
-        "routable; scorers load, affinity, pin-headroom; picker max-score)"
+        "routable; scorers load, affinity, pin-headroom, ttft; picker max-score)"
     )
     weight: float = Field(1.0, ge=0, description="scorers: how much its score counts")
     params: dict[str, Any] = Field(default_factory=dict, description="the plugin's own parameters")
@@ -381,7 +381,8 @@ class Settings(BaseSettings):
     routing: str = Field(
         "affinity",
         description="the routing profile: affinity (the engines that hold the "
-        "conversation, unless much busier), least-loaded, round-robin, or one of routing_profiles",
+        "conversation, unless much busier), load-affinity (P by the turn's estimated wait there, its "
+        "cache counted; D as affinity), least-loaded, round-robin, or one of routing_profiles",
     )
     routing_profiles: dict[str, RoutingProfile] = Field(
         default_factory=dict, description="routing profiles of one's own, by name"

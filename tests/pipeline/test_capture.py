@@ -186,11 +186,14 @@ async def test_headers_and_log_of_a_pull(stream: bool) -> None:
         chat = await first_turn(gw, stream=stream)
         a = await chat.say("again")
         assert ours(a.headers) == FULL
-        assert set(gw.turns[-1]) == LOGGED | {"ttft_ms"} if stream else LOGGED
+        # what the planner told the policy of the engines' load (reuse.load) is logged with every planned turn
+        assert set(gw.turns[-1]) == LOGGED | {"load"} | ({"ttft_ms"} if stream else set())
         assert a.headers["x-turnkv-conversation"] == "header"
 
 
-@pytest.mark.parametrize(("policy", "logged"), [("decode-local", {"direct"}), ("adaptive", {"direct", "estimates_ms"})])
+@pytest.mark.parametrize(
+    ("policy", "logged"), [("decode-local", {"direct", "load"}), ("adaptive", {"direct", "estimates_ms", "load"})]
+)
 async def test_headers_and_log_of_a_direct_decode_local_turn(policy: str, logged: set[str]) -> None:
     async with gateway(policy={"name": policy}) as gw:
         chat = await first_turn(gw)

@@ -199,13 +199,11 @@ def test_configurations_deploy_as_described() -> None:
     assert vm.gateway_flags == ("--policy", "vllm-multiturn") and ("TURNKV_ROUTING", "round-robin") in vm.gateway_env
     ad = suite.bench("2p2d", "adaptive", 2.0, opts)
     params = json.loads(dict(ad.deployment.gateway_env)["TURNKV_POLICY__PARAMS"])
-    assert params == {
-        "itl_budget_ms": 30.0,
-        "decode_chunk_tokens": 64,
-        "decode_cache_max_usage": 0.6,
-        "decode_kv_tokens": 18000 * 16,
-        "prefill_queue_ms": 100.0,
-    }
+    # D's step, its streams' KV and P's queue come from the planner (reuse.load), read every second
+    assert params == {"itl_budget_ms": 30.0, "decode_chunk_tokens": 64, "decode_cache_max_usage": 0.6}
+    assert ("TURNKV_SCRAPE_INTERVAL_S", "1") in ad.deployment.gateway_env
+    assert ("TURNKV_ROUTING", "load-affinity") in ad.deployment.gateway_env  # several P: by the turn's wait
+    assert "TURNKV_ROUTING" not in dict(suite.bench("1p1d", "adaptive", 1.0, opts).deployment.gateway_env)
     assert build_policy("adaptive", params).name == "adaptive"  # the gateway accepts them
     assert "--long-prefill-token-threshold" in ad.deployment.decode_flags
     before = suite.bench("2p2d", "adaptive-no-itl", 2.0, opts).deployment

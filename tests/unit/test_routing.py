@@ -176,3 +176,56 @@ def test_a_profile_of_ones_own_by_name() -> None:
 def test_a_bad_profile_refuses_the_start(routing: str, profiles: dict[str, RoutingProfile], error: str) -> None:
     with pytest.raises(ValueError, match=error):  # ConfigError, as pydantic reports it
         Settings(prefill=["http://p"], decode=["http://d"], routing=routing, routing_profiles=profiles)
+
+
+# -- load-affinity (issue 11): P by the turn's estimated wait, its cache counted; D as affinity ------------
+
+
+def queued(url: str, work_s: float, since: float = 100.0) -> InstanceView:
+    """A P with this gateway's prefills in flight, ``work_s`` of estimated work sent at ``since``."""
+    return dataclasses.replace(engine(url, in_flight=1), queued_prefill_s=work_s, queued_since=since)
+
+
+TURN = {"prompt_tokens": 8600, "prefer_cached_tokens": 8320, "prefill_s_per_token": 25e-6, "now": 100.0}
+
+
+@pytest.mark.parametrize(
+    ("engines", "req", "want"),
+    [
+        # the conversation's P computes 280 tokens (7 ms), another all 8600 (215 ms): home wins while its queue
+        # is shorter than that difference, however many requests it has in flight
+        ([queued("http://p0", 0.1), engine("http://p1")], {"prefer": "http://p0", **TURN}, {"http://p0"}),
+        (
+            [dataclasses.replace(queued("http://p0", 0.1), in_flight=12), engine("http://p1")],
+            {"prefer": "http://p0", **TURN},
+            {"http://p0"},
+        ),
+        # home's queue is longer than recomputing the whole prompt elsewhere: the less loaded P
+        ([queued("http://p0", 0.6), engine("http://p1")], {"prefer": "http://p0", **TURN}, {"http://p1"}),
+        # P has worked 0.5 s of it already: what is left is short again
+        ([queued("http://p0", 0.6), engine("http://p1")], {"prefer": "http://p0", **TURN, "now": 100.5}, {"http://p0"}),
+        # a first turn (no home): the shortest queue
+        (
+            [queued("http://p0", 0.3), queued("http://p1", 0.2), queued("http://p2", 0.4)],
+            {"prompt_tokens": 8000, "now": 100.0},
+            {"http://p1"},
+        ),
+    ],
+)
+def test_load_affinity_sends_p_work_where_it_waits_least(
+    engines: list[InstanceView], req: dict[str, object], want: set[str]
+) -> None:
+    assert set(picks(router("load-affinity", engines), req)) == want
+
+
+def test_load_affinity_keeps_the_conversation_on_its_d_within_the_slack() -> None:
+    ds = [dataclasses.replace(engine(u, in_flight=n), role="decode") for u, n in (("http://d0", 6), ("http://d1", 0))]
+    r = Router(build_profile("load-affinity"), lambda role: tuple(ds))
+    home = r.route(RouteRequest("decode", prefer="http://d0"), ds)
+    assert home is not None and home.url == "http://d0"
+    busy = [dataclasses.replace(ds[0], in_flight=20), ds[1]]
+    moved = r.route(RouteRequest("decode", prefer="http://d0"), busy)
+    assert moved is not None and moved.url == "http://d1"
+    # a first turn: the least loaded D
+    first = r.route(RouteRequest("decode"), ds)
+    assert first is not None and first.url == "http://d1"

@@ -196,6 +196,15 @@ class Transfers:
 
 
 @dataclass(frozen=True)
+class Histo:
+    """A latency histogram's running totals (its ``_sum`` and ``_count``): two readings give the mean of
+    what was observed between them."""
+
+    sum: float
+    count: float
+
+
+@dataclass(frozen=True)
 class LoadSample:
     """One reading of an engine's own metrics."""
 
@@ -211,6 +220,11 @@ class LoadSample:
     # prompt and generated tokens computed, a running total (None: not reported): when it moves, the engine
     # is working, busy rather than stuck
     tokens_computed: float | None = None
+    # latency histograms (None: not reported): the gaps between a stream's tokens (D's step time), how long
+    # requests waited before their first step, and how long their prefill took once scheduled
+    itl: Histo | None = None
+    queue_time: Histo | None = None
+    prefill_time: Histo | None = None
 
 
 @dataclass(frozen=True)

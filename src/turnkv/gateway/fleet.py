@@ -5,7 +5,9 @@ snapshots (``views``, ``view``).
 Background probes (``run``) refresh health and version and read the engines' own metrics through the
 engine seam: the process start time (to notice restarts), running and waiting requests and KV usage,
 the tokens it computed (when that total last moved: a first-token deadline waits for a busy engine),
-KV transfer totals (for the link estimate), prefix-cache settings and hits (for what P still holds).
+KV transfer totals (for the link estimate), prefix-cache settings and hits (for what P still holds), and
+the latency histograms' totals, of which two reads give D's step time, P's queue wait and prefill time
+(``reuse.load``). A prefill request held here carries the work it was estimated at (P's queue).
 Turns report what they see as it happens: a failed connection, a missed or met first-token deadline,
 the requests they hold there. Which engine a request goes to is the router's decision
 (``turnkv.routing``), made on a snapshot.
@@ -21,7 +23,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from turnkv.engine.base import Engine, LoadSample, Transfers
+from turnkv.engine.base import Engine, Histo, LoadSample, Transfers
+from turnkv.reuse.load import mean_between
 from turnkv.routing.base import InstanceView
 
 log = logging.getLogger("turnkv.fleet")
@@ -56,6 +59,14 @@ class _Engine:
     pinned_tokens: int = 0
     pin_budget_tokens: int | None = None
     progressed_at: float = 0.0  # monotonic; when its token counters last moved
+    scraped: bool = False
+    in_flight_scraped: int = 0  # ours, when its metrics were read: what its running and waiting counts include
+    step_ms: float | None = None
+    queue_wait_ms: float | None = None
+    prefill_request_ms: float | None = None
+    # this gateway's requests in flight there that carry estimated work: slot id -> (sent at, seconds, tokens)
+    queued: dict[int, tuple[float, float, int]] = field(default_factory=dict, repr=False)
+    histos: dict[str, Histo] = field(default_factory=dict, repr=False)  # latency histograms, as last read
     work: float | None = field(default=None, repr=False)  # its tokens computed, as last read
     hits: float | None = field(default=None, repr=False)
     transfers: Transfers | None = field(default=None, repr=False)
@@ -71,6 +82,7 @@ class _Engine:
         cached = self._view
         if cached is not None and (cached.routable or not cached.healthy or now < self.suspended_until):
             return cached
+        q = self.queued.values()
         v = InstanceView(
             url=self.url,
             role=self.role,
@@ -89,22 +101,38 @@ class _Engine:
             pinned_tokens=self.pinned_tokens,
             pin_budget_tokens=self.pin_budget_tokens,
             progressed_at=self.progressed_at,
+            scraped=self.scraped,
+            latency_metrics="itl" in self.histos,
+            step_ms=self.step_ms,
+            queue_wait_ms=self.queue_wait_ms,
+            prefill_request_ms=self.prefill_request_ms,
+            queued_prefill_s=sum(w for _, w, _ in q),
+            queued_prefill_tokens=sum(t for _, _, t in q),
+            queued_since=min((t0 for t0, _, _ in q), default=0.0),
+            in_flight_scraped=self.in_flight_scraped,
         )
         object.__setattr__(self, "_view", v)
         return v
 
 
 class Slot:
-    """One request's place in an engine's in-flight count, given back once."""
+    """One request's place in an engine's in-flight count (with the work it was estimated at, for P's
+    queue), given back once."""
 
-    def __init__(self, engine: _Engine) -> None:
+    _ids = itertools.count()
+
+    def __init__(self, engine: _Engine, work_s: float = 0.0, tokens: int = 0) -> None:
         self._engine = engine
         self._held = True
-        engine.in_flight += 1
+        self._id = next(Slot._ids)
+        if work_s > 0 or tokens > 0:
+            engine.queued[self._id] = (time.monotonic(), max(work_s, 0.0), max(tokens, 0))
+        engine.in_flight += 1  # also tells the engine's snapshot that it changed
 
     def release(self) -> None:
         if self._held:
             self._held = False
+            self._engine.queued.pop(self._id, None)
             self._engine.in_flight -= 1
 
 
@@ -134,13 +162,14 @@ class Fleet:
         return len(self._roles.get(role, ()))
 
     # -- what turns report -----------------------------------------------------------------------
-    def hold(self, url: str) -> Slot:
-        """Count a request in flight on ``url`` until the slot is released."""
-        return Slot(self._engines[url])
+    def hold(self, url: str, work_s: float = 0.0, tokens: int = 0) -> Slot:
+        """Count a request in flight on ``url`` until the slot is released; a prefill says the work it was
+        estimated at (seconds of P, new tokens): what a next turn would queue behind."""
+        return Slot(self._engines[url], work_s, tokens)
 
     @contextlib.contextmanager
-    def busy(self, url: str) -> Iterator[None]:
-        slot = self.hold(url)
+    def busy(self, url: str, work_s: float = 0.0, tokens: int = 0) -> Iterator[None]:
+        slot = self.hold(url, work_s, tokens)
         try:
             yield
         finally:
@@ -229,6 +258,8 @@ class Fleet:
                 log.warning("instance.restarted url=%s", url)
                 self.on_restart(e.view(time.monotonic()))
         e.running, e.waiting, e.kv_usage = sample.running, sample.waiting, sample.kv_usage
+        self._latencies(e, sample)
+        e.scraped, e.in_flight_scraped = True, e.in_flight
         work = sample.tokens_computed
         if work is not None:
             if e.work is not None and work > e.work:
@@ -243,6 +274,24 @@ class Fleet:
         if prev is not None and cur.count > prev.count:
             dc = cur.count - prev.count
             self.on_link_sample(e.role, (cur.bytes - prev.bytes) / dc, (cur.seconds - prev.seconds) / dc, dc)
+
+    @staticmethod
+    def _latencies(e: _Engine, sample: LoadSample) -> None:
+        """D's step time and P's queue wait between this read and the last (``reuse.load``); P's mean
+        prefill time is kept from the last read that measured one."""
+        prev = e.histos
+        read = (("itl", sample.itl), ("queue", sample.queue_time), ("prefill", sample.prefill_time))
+        cur = {k: h for k, h in read if h is not None}
+        e.histos = cur
+        step = mean_between(prev.get("itl"), cur.get("itl"))
+        wait = mean_between(prev.get("queue"), cur.get("queue"))
+        e.step_ms = None if step is None else step * 1e3
+        e.queue_wait_ms = None if wait is None else wait * 1e3
+        prefill = mean_between(prev.get("prefill"), cur.get("prefill"))
+        if prefill is not None:
+            e.prefill_request_ms = prefill * 1e3
+        elif "prefill" not in cur:
+            e.prefill_request_ms = None
 
     @staticmethod
     def _cache_factor(e: _Engine, hits: float | None) -> None:

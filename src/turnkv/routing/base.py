@@ -36,6 +36,17 @@ class InstanceView:
     pinned_tokens: int  # decode KV the gateway's stored handles pin there (as far as it knows)
     pin_budget_tokens: int | None  # what they may pin (None: no budget known)
     progressed_at: float  # monotonic; when its token counters last moved (it computed something), 0: never seen
+    # its load as its latency histograms said between its last two reads (``reuse.load``), and as this gateway
+    # holds it: None where nothing was observed between the reads
+    scraped: bool = False  # its metrics were read at least once
+    latency_metrics: bool = False  # it reports an inter-token latency histogram at all
+    step_ms: float | None = None  # mean gap between its streams' tokens: its step time
+    queue_wait_ms: float | None = None  # mean time its requests waited to be scheduled
+    prefill_request_ms: float | None = None  # mean prefill time of its requests (the last one measured)
+    queued_prefill_s: float = 0.0  # this gateway's prefills in flight there: their estimated work
+    queued_prefill_tokens: int = 0  # ... their new tokens
+    queued_since: float = 0.0  # monotonic; when the oldest of them was sent (0: none)
+    in_flight_scraped: int = 0  # this gateway's requests in flight there when its metrics were last read
 
     @property
     def busy(self) -> int:
@@ -52,6 +63,12 @@ class RouteRequest:
     prefer: str | None = None  # the engine that holds the conversation's KV or its prefix
     exclude: frozenset[str] = frozenset()  # tried by this turn already: never again
     avoid: frozenset[str] = frozenset()  # missed a deadline in this turn: only when no other is left
+    # what the turn would cost a prefill engine (the ``ttft`` scorer): its prompt (0: not known), what the
+    # preferred engine likely caches of it, P's time per token computed, and the clock of ``queued_since``
+    prompt_tokens: int = 0
+    prefer_cached_tokens: int = 0
+    prefill_s_per_token: float = 25e-6
+    now: float = 0.0
 
 
 class Params(BaseModel):

@@ -15,7 +15,7 @@ from turnkv.config import ConfigError
 from turnkv.routing.base import Filter, NoParams, Params, Picker, Scorer
 from turnkv.routing.filters import NotAvoided, NotTried, Routable
 from turnkv.routing.pickers import MaxScore
-from turnkv.routing.scorers import Affinity, AffinityParams, Load, LoadParams, PinHeadroom
+from turnkv.routing.scorers import Affinity, AffinityParams, Load, LoadParams, PinHeadroom, Ttft
 
 T = TypeVar("T")
 Factory = tuple[type[Params], Callable[[Any], T]]
@@ -29,6 +29,7 @@ SCORERS: dict[str, Factory[Scorer]] = {
     "load": (LoadParams, Load),
     "affinity": (AffinityParams, Affinity),
     "pin-headroom": (NoParams, PinHeadroom),
+    "ttft": (NoParams, Ttft),
 }
 PICKERS: dict[str, Factory[Picker]] = {
     "max-score": (NoParams, MaxScore),

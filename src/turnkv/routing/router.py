@@ -5,12 +5,16 @@ the conversation unless it is much busier than the least loaded, else the least 
 equals), ``least-loaded`` and ``round-robin`` (benchmark baselines that ignore the conversation), or
 one of ``settings.routing_profiles``. Every built-in keeps the same filters: not tried, not avoided,
 routable. ``affinity`` weighs its scorer 2 against ``load``'s 1, so the conversation's engine, when
-within its slack, beats any other however idle. A single candidate left by the filters is picked without
-scoring.
+within its slack, beats any other however idle. ``load-affinity`` (issue 11, docs/bench/goodput/routing.md)
+picks P by the turn's estimated wait there (``ttft``: P's queue, then what the turn computes on it, the
+conversation's P computing only what its cache lacks: affinity as a term of the estimate), and D as
+``affinity`` does (the D holding the conversation, unless much busier). A single candidate left by the
+filters is picked without scoring.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +24,13 @@ from turnkv.routing.base import Filter, InstanceView, Picker, RouteRequest, Scor
 
 BUILTIN: dict[str, RoutingProfile] = {
     "affinity": RoutingProfile(scorers=[RoutingPlugin(type="affinity", weight=2.0), RoutingPlugin(type="load")]),
+    "load-affinity": RoutingProfile(
+        scorers=[
+            RoutingPlugin(type="ttft", weight=3.0),
+            RoutingPlugin(type="affinity", weight=2.0, params={"roles": ["decode"]}),
+            RoutingPlugin(type="load", params={"roles": ["decode"]}),
+        ]
+    ),
     "least-loaded": RoutingProfile(scorers=[RoutingPlugin(type="load")]),
     "round-robin": RoutingProfile(),
 }
@@ -58,9 +69,23 @@ class Router:
         prefer: str | None = None,
         exclude: frozenset[str] = frozenset(),
         avoid: frozenset[str] = frozenset(),
+        *,
+        prompt_tokens: int = 0,
+        prefer_cached_tokens: int = 0,
+        prefill_s_per_token: float = 25e-6,
     ) -> InstanceView | None:
-        """The engine of ``role`` for one request, from the engines as they are now."""
-        req = RouteRequest(role, prefer, exclude, avoid)
+        """The engine of ``role`` for one request, from the engines as they are now (a prefill: what the
+        turn would compute there, for the ``ttft`` scorer)."""
+        req = RouteRequest(
+            role,
+            prefer,
+            exclude,
+            avoid,
+            prompt_tokens=prompt_tokens,
+            prefer_cached_tokens=prefer_cached_tokens,
+            prefill_s_per_token=prefill_s_per_token,
+            now=time.monotonic(),
+        )
         return self.route(req, self.snapshot(role))
 
     def route(self, req: RouteRequest, candidates: Sequence[InstanceView]) -> InstanceView | None:

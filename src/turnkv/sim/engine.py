@@ -195,9 +195,12 @@ class Engine:
         if kv_params and not self.cfg.has_connector:
             log.warning("Got kv_transfer_params, but no KVConnector found. Disabling KVTransfer for this request.")
         try:
+            seq.queued_at = time.perf_counter()
             await self._admit_when_blocks_free(seq)
             if seq.load:
+                loading = time.perf_counter()
                 await self.connector.load(seq)
+                seq.load_s = time.perf_counter() - loading
             self._waiting.append(seq)
             self._wake.set()
             while True:
@@ -279,6 +282,7 @@ class Engine:
                 self.cfg.long_prefill_token_threshold,
             )
             chunks = list(zip(self._waiting, sizes, strict=False))
+            self._scheduled([s for s, n in chunks if n > 0])
             duration = self.cfg.costs.step_s(
                 len(decoding), sum(s.num_computed for s in decoding), [(n, s.num_computed) for s, n in chunks]
             )
@@ -296,6 +300,14 @@ class Engine:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(freed.wait(), STALL_WAIT_S)
             self.metrics.kv_usage.set(self.pool.usage())
+
+    def _scheduled(self, seqs: Sequence[Seq]) -> None:
+        """vLLM's queue time: from its arrival (its KV load aside) to its first step."""
+        now = time.perf_counter()
+        for seq in seqs:
+            if seq.scheduled_at is None and seq.queued_at is not None:
+                seq.scheduled_at = now
+                self.metrics.queue_time.observe(max(0.0, now - seq.queued_at - seq.load_s))
 
     @staticmethod
     def _target(seq: Seq) -> int:
@@ -390,6 +402,8 @@ class Engine:
         self.metrics.tokens_external.inc(seq.external)
         seq.first_token_at = time.perf_counter()
         self.metrics.ttft.observe(seq.first_token_at - seq.arrival)
+        if seq.scheduled_at is not None:
+            self.metrics.prefill_time.observe(seq.first_token_at - seq.scheduled_at)
         self._sample(seq, values[-1])
         if not seq.done:
             self._running.append(seq)
@@ -422,6 +436,10 @@ class Engine:
     def _sample(self, seq: Seq, kv: int) -> None:
         token = seq.gen.next_token(kv, len(seq.output))
         seq.output.append(token)
+        now = time.perf_counter()
+        if seq.last_token_at is not None:
+            self.metrics.itl.observe(now - seq.last_token_at)
+        seq.last_token_at = now
         self.metrics.generation_tokens.inc()
         s = seq.sampling
         reason = None

@@ -34,6 +34,52 @@ _TTFT_BUCKETS = (
     2560.0,
 )
 
+# vLLM's (v1/metrics/loggers.py): inter-token latency, and request_latency_buckets for queue and prefill
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
 
 class EngineMetrics:
     def __init__(self, model_name: str) -> None:
@@ -73,6 +119,23 @@ class EngineMetrics:
         self.kv_expired = counter("vllm:nixl_num_kv_expired_reqs", "Requests whose KV expired").labels(**lv)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Time to first token", labels, buckets=_TTFT_BUCKETS, registry=r
+        ).labels(**lv)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency", labels, buckets=_ITL_BUCKETS, registry=r
+        ).labels(**lv)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time spent in WAITING phase for request",
+            labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        ).labels(**lv)
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Time spent in PREFILL phase for request",
+            labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
         ).labels(**lv)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", labels, registry=r).labels(**lv)
         self.running = Gauge("vllm:num_requests_running", "Running requests", labels, registry=r).labels(**lv)

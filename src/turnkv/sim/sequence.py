@@ -45,3 +45,9 @@ class Seq:
     stalled: bool = False  # no free block for its next token (none can be made: it waits in place)
     resume: list[int] | None = None  # after a preemption: the KV of every position it had computed
     first_token_at: float | None = None
+    # for vLLM's latency histograms: when it was admitted (less the time its KV load took), first
+    # scheduled, and gave its last token
+    queued_at: float | None = None
+    load_s: float = 0.0
+    scheduled_at: float | None = None
+    last_token_at: float | None = None

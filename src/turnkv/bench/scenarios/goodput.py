@@ -17,7 +17,9 @@ with two of each). Configurations, side by side at each rate:
 * ``vllm-multiturn``: vLLM's multi-turn proxy as a policy (the previous handle pulled, unchecked;
   round-robin routing with several engines, as the proxy does);
 * ``adaptive``: turnkv's adaptive policy with the ITL budget at the TPOT SLO, D taking a decode-local
-  turn's prefill ``D_CHUNK_TOKENS`` tokens a step (``--long-prefill-token-threshold``; the policy is told);
+  turn's prefill ``D_CHUNK_TOKENS`` tokens a step (``--long-prefill-token-threshold``; the policy is told),
+  the planner passing D's step time, its streams' KV and P's queue; with several P, the ``load-affinity``
+  routing (P by the turn's estimated wait there);
 * ``adaptive-no-itl``: adaptive without an ITL budget, D as vLLM's default (turnkv before issue 11);
 * ``adaptive-pull``: adaptive with decode-local off (pull or recompute only).
 
@@ -58,9 +60,9 @@ KV_BLOCKS = 18000
 # multi-turn proxy (D prefills one token of their turns); adaptive-no-itl runs D as before issue 11.
 D_CHUNK_TOKENS = 64
 DECODE_CACHE_MAX_USAGE = 0.6
-# P's queue wait the policy assumes (the gateway does not pass P's load yet): first turns' 8k-token
-# prefills hold P for ~0.25 s each, and later turns sent to P wait behind them
-PREFILL_QUEUE_MS = 100.0
+# the gateway reads the engines' metrics (D's step time, KV usage, P's prefill times) this often in every
+# P/D configuration: the load facts the planner passes the policy are at most this old
+SCRAPE_S = 1.0
 WORKLOAD = WorkloadSpec(
     conversations=8,
     turns=5,
@@ -77,7 +79,8 @@ DESCRIPTIONS = {
     "colocated": "colocated engines, one per GPU of the P/D topology, conversations sticking to one",
     "plain": "vLLM's standard P/D (no bidirectional KV) through turnkv without session ids",
     "vllm-multiturn": "turnkv --policy vllm-multiturn (vLLM's multi-turn proxy: previous handle pulled, unchecked)",
-    "adaptive": "turnkv --policy adaptive with the ITL budget at the TPOT SLO, D prefilling 64 tokens a step",
+    "adaptive": "turnkv --policy adaptive with the ITL budget at the TPOT SLO, D prefilling 64 tokens a step, "
+    "the engines' load passed (load-affinity routing with several P)",
     "adaptive-no-itl": "turnkv --policy adaptive without an ITL budget (before issue 11)",
     "adaptive-pull": "turnkv --policy adaptive with decode-local off",
 }
@@ -131,17 +134,14 @@ def _engine(opts: SweepOptions) -> tuple[str, ...]:
 
 
 def adaptive_params(slo: Slo) -> dict[str, float | int]:
-    """What ``adaptive`` is told on this branch through its parameters, the gateway unchanged: the ITL
-    budget (the TPOT SLO), D's chunk size, D's KV size, from which with D's streams (the gateway's count)
-    it estimates D's KV usage (above ``DECODE_CACHE_MAX_USAGE`` D's cache is taken to have lost the
-    conversation), and a fixed P queue wait. A planner that passes D's measured step time and KV usage
-    and P's queue needs only the budget and the chunk size."""
+    """What ``adaptive`` is told through its parameters: the ITL budget (the TPOT SLO), D's chunk size
+    (D's ``--long-prefill-token-threshold``), and the KV usage above which D's cache is taken to have lost
+    the conversation. D's step time, the KV its streams read and P's queue come from the planner
+    (``reuse.load``: the engines' metrics and the gateway's prefills in flight)."""
     return {
         "itl_budget_ms": slo.tpot_ms,
         "decode_chunk_tokens": D_CHUNK_TOKENS,
         "decode_cache_max_usage": DECODE_CACHE_MAX_USAGE,
-        "decode_kv_tokens": KV_BLOCKS * 16,
-        "prefill_queue_ms": PREFILL_QUEUE_MS,
     }
 
 
@@ -150,7 +150,10 @@ def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
     engine = _engine(opts)
     if config == "colocated":
         return Deployment("colocated", engine_flags=engine, replicas=p + d)
-    env: list[tuple[str, str]] = []
+    env: list[tuple[str, str]] = [
+        ("TURNKV_HEALTH_INTERVAL_S", f"{SCRAPE_S:g}"),
+        ("TURNKV_SCRAPE_INTERVAL_S", f"{SCRAPE_S:g}"),
+    ]
     policy = "adaptive"
     decode: tuple[str, ...] = ("--link", "nvlink")
     if config != "adaptive-no-itl":
@@ -164,6 +167,8 @@ def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
             env.append(("TURNKV_ROUTING", "round-robin"))  # the upstream proxy round-robins P and D
     elif config == "adaptive":
         env.append(("TURNKV_POLICY__PARAMS", json.dumps(adaptive_params(opts.slo))))
+        if p > 1:
+            env.append(("TURNKV_ROUTING", "load-affinity"))  # P by the turn's wait there, its cache counted
     elif config == "adaptive-pull":
         env.append(("TURNKV_POLICY__PARAMS", json.dumps({"decode_local": False})))
     return Deployment(

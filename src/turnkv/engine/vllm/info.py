@@ -3,7 +3,11 @@
 Metrics: the process start time (a restart), running and waiting requests, KV usage, prompt and
 generated tokens computed (work done: an engine whose totals move is busy, not stuck), prefix-cache
 hits and settings, KV capacity (``vllm:cache_config_info``: num_gpu_blocks x block_size) and the NIXL
-transfer totals (for the link estimate). Versions: from 0.32 a chat request takes the prompt as
+transfer totals (for the link estimate); the totals of three latency histograms, present in every vLLM
+from 0.26 to 0.33: ``vllm:inter_token_latency_seconds`` (D's step time as its streams see it; older
+releases called it ``vllm:time_per_output_token_seconds``), ``vllm:request_queue_time_seconds`` (how long
+requests waited to be scheduled) and ``vllm:request_prefill_time_seconds`` (how long their prefill took).
+Versions: from 0.32 a chat request takes the prompt as
 ``kv_transfer_params.prompt_token_ids``; from 0.33 (or with turnkv's plugin, which says so in its
 ``x-turnkv-plugin`` header) streams end with D's handle.
 """
@@ -14,7 +18,7 @@ import logging
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from turnkv.engine.base import EngineInfo, LoadSample, Transfers
+from turnkv.engine.base import EngineInfo, Histo, LoadSample, Transfers
 
 log = logging.getLogger("turnkv.engine.vllm")
 PLUGIN_HEADER = "x-turnkv-plugin"  # set by plugins/vllm-turnkv: "<version>; streams=chat,completions"
@@ -30,6 +34,13 @@ _SUMMED = (
     "vllm:nixl_xfer_time_seconds_count",
     "vllm:nixl_bytes_transferred_sum",
 )
+# histogram -> the names of its totals, newest first (a later name wins where an engine reports two)
+_HISTOS = {
+    "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "queue_time": ("vllm:request_queue_time_seconds",),
+    "prefill_time": ("vllm:request_prefill_time_seconds",),
+}
+_HISTO_TOTALS = frozenset(f"{n}{suffix}" for names in _HISTOS.values() for n in names for suffix in ("_sum", "_count"))
 
 
 def version_tuple(v: str | None) -> tuple[int, ...]:
@@ -64,7 +75,7 @@ def load_sample(text: str) -> LoadSample | None:
     try:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                if s.name in _SUMMED:
+                if s.name in _SUMMED or s.name in _HISTO_TOTALS:
                     values[s.name] = values.get(s.name, 0.0) + float(s.value)
                 elif s.name == "vllm:cache_config_info":
                     labels = s.labels
@@ -98,4 +109,15 @@ def load_sample(text: str) -> LoadSample | None:
         capacity_tokens=capacity,
         transfers=transfers,
         tokens_computed=sum(work) if work else None,
+        itl=_histo(values, "itl"),
+        queue_time=_histo(values, "queue_time"),
+        prefill_time=_histo(values, "prefill_time"),
     )
+
+
+def _histo(values: dict[str, float], key: str) -> Histo | None:
+    for name in _HISTOS[key]:
+        count = values.get(f"{name}_count")
+        if count is not None:
+            return Histo(values.get(f"{name}_sum", 0.0), count)
+    return None

@@ -87,6 +87,17 @@ def text_size(messages: Sequence[Any]) -> tuple[int, int] | None:
     return total_d, total_b
 
 
+# a prompt not rendered (a first turn) is sized from its text for P's queue and routing: English ~4 bytes a token
+SIZE_BYTES_PER_TOKEN = 4.0
+
+
+def size_guess(messages: Sequence[Any]) -> int:
+    """A likely (not a safe) token count of messages never rendered: for P's queue, not for a limit; 0 when
+    one is not text."""
+    size = text_size(messages)
+    return 0 if size is None else size[0] + int(size[1] / SIZE_BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * len(messages)
+
+
 def bytes_per_token(messages: Sequence[Any], prompt_tokens: int) -> float | None:
     """What this conversation's text measured: its non-digit bytes per non-digit prompt token (the
     template's own tokens count in, which keeps the figure low, so estimates from it high)."""

@@ -7,7 +7,9 @@ queue takes no decode-local turn (``decode_busy``): its idle conversations' free
 first it evicts, so the turn would compute the whole history again there, behind the queue.
 ``direct`` is the same planner for a turn not rendered at all (``turn.direct``): its prompt's size is
 estimated, and only a decode-local decision stands. ``facts`` is what the policy is told, the same for
-both and for CAPTURE's question whether a new handle is worth keeping.
+both and for CAPTURE's question whether a new handle is worth keeping: the token check's result, and the
+engines' load (``reuse.load``: D's step time and the KV its streams read, P's queue; a fact the fleet
+cannot give is left to the policy's model, and the turn log says which and why).
 Transition: PLAN → PREFILL, or → DECODE for decode-local.
 """
 
@@ -19,11 +21,12 @@ from dataclasses import replace
 from turnkv.engine.base import HandleUse
 from turnkv.gateway.answer import echoed_answer
 from turnkv.gateway.services import Services
-from turnkv.gateway.turn.direct import Candidate, history_digest
+from turnkv.gateway.turn.direct import Candidate, history_digest, size_guess
 from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Plan, Rendered
 from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, record_unusable, unpinned_reason
-from turnkv.reuse.cost import Action, TurnFacts, pulled_tokens
+from turnkv.reuse.cost import Action, CostParams, TurnFacts, pulled_tokens
+from turnkv.reuse.load import LoadFacts, load_facts
 from turnkv.reuse.policies import Decision
 from turnkv.routing.base import InstanceView
 from turnkv.state.base import Claim
@@ -63,9 +66,13 @@ def facts(
     decode: InstanceView | None,
     decode_holds: bool,
     block_size: int,
+    load: LoadFacts | None = None,
 ) -> TurnFacts:
     """What the policy is told of a turn continuing ``rec`` (None: nothing stored): ``matched`` tokens of
-    D's sequence extend the prompt; D may run the turn itself when it ``decode_holds`` them."""
+    D's sequence extend the prompt; D may run the turn itself when it ``decode_holds`` them; ``load``:
+    the engines' load (None: the facts ``prefill`` and ``decode`` give, as ``reuse.load`` reads them now)."""
+    if load is None:
+        load = load_facts(prefill, decode, time.monotonic())
     return TurnFacts(
         prompt_tokens=prompt_tokens,
         reusable_tokens=matched if rec is not None and rec.handle is not None else 0,
@@ -76,6 +83,24 @@ def facts(
         # for the ITL budget: D's decode batch and how full its KV is, as its metrics last said
         decode_running=decode.busy if decode is not None else None,
         decode_kv_usage=decode.kv_usage if decode is not None and decode.kv_usage > 0 else None,
+        decode_step_ms=load.decode_step_ms,
+        decode_context_tokens=load.decode_context_tokens,
+        prefill_queue_ms=load.prefill_queue_ms,
+    )
+
+
+def _pick_prefill(
+    svc: Services, rec: ConversationRecord | None, prompt_tokens: int, costs: CostParams
+) -> InstanceView | None:
+    """The P for the turn: the routing profile's, told what the turn would compute on each (the
+    conversation's P computing only what it likely caches)."""
+    home = rec.prefill_url if rec else None
+    return svc.router.pick(
+        "prefill",
+        prefer=home,
+        prompt_tokens=prompt_tokens,
+        prefer_cached_tokens=likely_prefill_cached(rec, svc.fleet.view(home), svc.settings.block_size),
+        prefill_s_per_token=costs.prefill_per_token_s,
     )
 
 
@@ -112,7 +137,9 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
     a = _assess(svc, turn, rendered)
     rec = rendered.record
     reason = a.reason if a is not None else rendered.reason
-    prefill = svc.router.pick("prefill", prefer=rec.prefill_url if rec else None)
+    costs = svc.estimator.params()
+    n = len(rendered.prompt_ids) if rendered.prompt_ids is not None else size_guess(turn.messages)
+    prefill = _pick_prefill(svc, rec, n, costs)
     decode = svc.router.pick("decode", prefer=rec.decode_url if rec else None)
     base = Plan(
         Action.RECOMPUTE,
@@ -130,6 +157,7 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
     # a D short of KV or with a queue takes no decode-local turn (``room_for_local``)
     pressed = holds and decode is not None and not room_for_local(svc, decode)
     holds = holds and not pressed
+    load = load_facts(prefill, decode, time.monotonic())
     f = facts(
         rec,
         prompt_tokens=len(rendered.prompt_ids),
@@ -138,8 +166,8 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         decode=decode,
         decode_holds=holds,
         block_size=bs,
+        load=load,
     )
-    costs = svc.estimator.params()
     decision = svc.policy.decide(f, costs)
     if decision.reason is not None:
         reason = decision.reason
@@ -154,6 +182,7 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         action=decision.action,
         reason=reason,
         estimates=estimates_ms(decision),
+        load=load.log(),
         expected_cached=f.prefill_cached_tokens,
         expect_hits=(rec.prompt_tokens // bs) * bs if rec is not None and same_p and not local else 0,
     )
@@ -197,17 +226,21 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
     if rec.history_digest is None or history_digest(turn.body, history) != rec.history_digest:
         return None  # the history before the answer changed (compacted, tools, options): render and check
     bs = svc.settings.block_size
-    prefill = svc.router.pick("prefill", prefer=rec.prefill_url)
+    prompt_tokens = rec.num_tokens + cand.new_tokens(rec.bytes_per_token)
+    costs = svc.estimator.params()
+    prefill = _pick_prefill(svc, rec, prompt_tokens, costs)
+    load = load_facts(prefill, d, time.monotonic())
     f = facts(
         rec,
-        prompt_tokens=rec.num_tokens + cand.new_tokens(rec.bytes_per_token),
+        prompt_tokens=prompt_tokens,
         matched=rec.num_tokens,
         prefill=prefill,
         decode=d,
         decode_holds=True,
         block_size=bs,
+        load=load,
     )
-    decision = svc.policy.decide(f, svc.estimator.params())
+    decision = svc.policy.decide(f, costs)
     if decision.action is not Action.DECODE_LOCAL:
         return None
     return Plan(
@@ -217,5 +250,6 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         decode_url=rec.decode_url,
         expected_cached=f.decode_cached_tokens,
         estimates=estimates_ms(decision),
+        load=load.log(),
         direct=True,
     )

@@ -4,7 +4,8 @@ With token ids from RENDER, P gets exactly those ids; otherwise the client's req
 sends it. A failed pull (P answers 5xx: expired handle, restarted D, broken link), or one that stalls
 past the first-token deadline (renewed while P is busy: ``turn.deadline``), falls back
 (``TurnRun.fall_back``) and is tried again on the same P without the handle; an unreachable or failing
-P is replaced by the next healthy one (a single P whose connection failed is tried once more).
+P is replaced by the next healthy one (a single P whose connection failed is tried once more). While
+it runs, the prefill counts in P's queue at its estimated work (``queued_work``).
 Transition: PREFILL → DECODE.
 """
 
@@ -15,8 +16,21 @@ import time
 from turnkv.engine.base import PrefillCall
 from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
 from turnkv.gateway.turn.deadline import Deadline
+from turnkv.gateway.turn.direct import size_guess
 from turnkv.gateway.turn.results import Fallback, Prefilled
 from turnkv.gateway.turn.run import TurnRun
+from turnkv.reuse.cost import prefill_s, transfer_s
+
+
+def queued_work(run: TurnRun) -> tuple[float, int]:
+    """(seconds, new tokens) this prefill is expected to keep P busy: what P computes past its expected
+    cache hits and the pull, and the pull itself (for P's queue, ``reuse.load``)."""
+    svc, plan, prompt_ids = run.svc, run.plan, run.rendered.prompt_ids
+    n = len(prompt_ids) if prompt_ids is not None else size_guess(run.turn.messages)
+    cached = min(plan.expected_cached, n)
+    costs = svc.estimator.params()
+    work = prefill_s(costs, n - cached, cached) + transfer_s(costs, plan.pull_tokens, svc.settings.block_size)
+    return work, n - cached
 
 
 async def run(run: TurnRun) -> Prefilled:
@@ -27,6 +41,7 @@ async def run(run: TurnRun) -> Prefilled:
     only_one = fleet.size("prefill") == 1
     last: UpstreamError | None = None
     retried_same = False
+    work_s, work_tokens = queued_work(run)
     for _ in range(fleet.size("prefill") + 2):
         inst = fleet.view(url) if url and url not in tried else svc.router.pick("prefill", exclude=frozenset(tried))
         if inst is None:
@@ -37,7 +52,7 @@ async def run(run: TurnRun) -> Prefilled:
         t0 = time.perf_counter()
         run.journal.handle_spent = run.journal.handle_spent or send is not None
         try:
-            with fleet.busy(inst.url):
+            with fleet.busy(inst.url, work_s, work_tokens):
                 result = await run.until_aborted(
                     svc.engine.prefill(inst.url, call, turn.meta), Deadline.prefill(t, inst.url)
                 )

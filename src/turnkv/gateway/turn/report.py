@@ -104,6 +104,7 @@ def account(run: TurnRun, capture: Capture) -> None:
         capture=capture.value,
         retries=list(run.journal.retries) or None,
         estimates_ms=dict(plan.estimates) or None,
+        load=dict(plan.load) or None,
         direct=plan.direct or None,
         divergence=_divergence(run),
         conversation_source=conv.source if conv else None,

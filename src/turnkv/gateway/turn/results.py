@@ -60,6 +60,7 @@ class Plan:
     pull_tokens: int = 0  # tokens P is expected to pull (what D has beyond P's own cache)
     expected_cached: int = 0  # prompt tokens the engines should not have to compute
     estimates: Mapping[str, float] = field(default_factory=dict)  # the policy's TTFT estimates, ms
+    load: Mapping[str, object] = field(default_factory=dict)  # the engines' load it was told (``reuse.load``)
     assessment: Assessment | None = None
     direct: bool = False  # decode-local without a render
     expect_hits: int = 0  # tokens P should find in its prefix cache (for the cache-factor measurement)

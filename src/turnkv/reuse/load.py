@@ -1,0 +1,118 @@
+"""What the engines' load means for one turn: D's step time now, the KV its running streams read each
+step, and how long the turn would wait at P before its prefill starts.
+
+Pure: snapshots of the engines in (``InstanceView``, as the fleet last read them and as this gateway
+holds them), ``LoadFacts`` out. Each fact says where it came from, or why it is missing; a missing fact
+is left to the policy's own model (``reuse.cost``: D's step estimated from its batch, no queue at P).
+
+* ``decode_step_ms``: the mean gap between D's streams' tokens since the fleet's last read but one
+  (``vllm:inter_token_latency_seconds``: the difference of its sum over the difference of its count
+  between two reads), i.e. D's recent step time. Missing when D reports no such histogram, before two
+  reads, or when no token came out between them.
+* ``decode_context_tokens``: the KV D's running requests hold, ``vllm:kv_cache_usage_perc`` x its KV
+  size (``vllm:cache_config_info``), less what this gateway's stored handles pin there (pinned blocks
+  are not read by any stream). Missing before D's KV size is known.
+* ``prefill_queue_ms``: the prefills this gateway has in flight on P, each as the cost model estimated
+  it when it was sent (new tokens over what P had cached), less what P has already worked since the
+  oldest of them started (P takes them in order), plus P's other requests (running and waiting, as its
+  metrics said, beyond this gateway's own in flight when they were read) at P's recent mean prefill time
+  (``vllm:request_prefill_time_seconds``). Missing when there is no P; when P has requests of others
+  and no prefill-time histogram, their part is left out and the source says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # routing's scorers read P's queue from here
+    from turnkv.engine.base import Histo
+    from turnkv.routing.base import InstanceView
+
+
+@dataclass(frozen=True)
+class LoadFacts:
+    decode_step_ms: float | None = None
+    decode_context_tokens: int | None = None
+    prefill_queue_ms: float | None = None
+    # per fact: where its value came from, or "model:<why>" when the policy's model stands in for it
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def log(self) -> dict[str, object]:
+        """The facts as the turn log shows them."""
+        return {
+            "decode_step_ms": None if self.decode_step_ms is None else round(self.decode_step_ms, 2),
+            "decode_context_tokens": self.decode_context_tokens,
+            "prefill_queue_ms": None if self.prefill_queue_ms is None else round(self.prefill_queue_ms, 1),
+            "sources": dict(self.sources),
+        }
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """The facts left to the policy's model."""
+        return [k for k, v in self.sources.items() if v.startswith("model:")]
+
+
+def mean_between(prev: Histo | None, cur: Histo | None) -> float | None:
+    """The mean of what a histogram observed between two readings; None when nothing was observed (or the
+    engine restarted: its totals went back)."""
+    if prev is None or cur is None or cur.count <= prev.count or cur.sum < prev.sum:
+        return None
+    return (cur.sum - prev.sum) / (cur.count - prev.count)
+
+
+def decode_step(d: InstanceView | None) -> tuple[float | None, str]:
+    if d is None:
+        return None, "model:no_decode_engine"
+    if d.step_ms is not None:
+        return d.step_ms, "itl_histogram"
+    if not d.scraped:
+        return None, "model:not_scraped"
+    if not d.latency_metrics:
+        return None, "model:no_itl_metric"
+    return None, "model:no_tokens_since_last_scrape"
+
+
+def decode_context(d: InstanceView | None) -> tuple[int | None, str]:
+    if d is None:
+        return None, "model:no_decode_engine"
+    if not d.scraped:
+        return None, "model:not_scraped"
+    if d.capacity_tokens is None:
+        return None, "model:no_kv_capacity"
+    used = round(d.kv_usage * d.capacity_tokens) - d.pinned_tokens
+    return max(0, used), "kv_usage"
+
+
+def prefill_queue(p: InstanceView | None, now: float) -> tuple[float | None, str]:
+    """(ms the next prefill would wait on ``p``, where that came from); ``now`` on the clock of
+    ``InstanceView.queued_since`` (monotonic)."""
+    if p is None:
+        return None, "model:no_prefill_engine"
+    own_s = p.queued_prefill_s
+    if own_s > 0 and p.queued_since > 0:
+        own_s = max(0.0, own_s - max(0.0, now - p.queued_since))  # P has been at it since the oldest started
+    source = "gateway"
+    others_ms = 0.0
+    if p.scraped:
+        # compared with ours as of the same read: its counts are that old, and ours have moved since
+        others = max(0, p.running + p.waiting - p.in_flight_scraped)
+        if others and p.prefill_request_ms is not None:
+            others_ms = others * p.prefill_request_ms
+            source = "gateway+prefill_time_histogram"
+        elif others:
+            source = "gateway:others_unknown"
+    return own_s * 1e3 + others_ms, source
+
+
+def load_facts(prefill: InstanceView | None, decode: InstanceView | None, now: float) -> LoadFacts:
+    """What the policy is told of the engines' load for a turn that would use ``prefill`` and ``decode``."""
+    step, step_src = decode_step(decode)
+    ctx, ctx_src = decode_context(decode)
+    queue, queue_src = prefill_queue(prefill, now)
+    return LoadFacts(
+        decode_step_ms=step,
+        decode_context_tokens=ctx,
+        prefill_queue_ms=queue,
+        sources={"decode_step_ms": step_src, "decode_context_tokens": ctx_src, "prefill_queue_ms": queue_src},
+    )

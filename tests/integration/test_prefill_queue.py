@@ -1,0 +1,89 @@
+"""P's queue in the decision (issue 11): simulated engines over real HTTP, the gateway's own prefills in flight
+on P as the queue a later turn would wait in, the openai SDK as client, every answer checked against a
+colocated engine's.
+
+The gateway is told P computes slowly (``costs.prefill_us_per_token``), so that one long first turn held on
+P stands for seconds of queue whatever this machine's speed, and D takes a decode-local turn's prefill two
+tokens a step (``decode_chunk_tokens``), so that at an idle P the path through P is the faster."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.cluster import Dialogue, Turn, sim_control, sim_state, start_cluster, wait_for
+from turnkv import launch
+
+pytestmark = pytest.mark.integration
+SYSTEM = "You are a careful agent. Follow the house rules about travel, budgets and safety. " * 12
+LONG_SYSTEM = "Read the whole travel archive before answering, every page of it, with care. " * 500
+CONVERSATIONS = 3
+
+
+def test_a_long_queue_at_p_sends_later_turns_decode_local_and_an_idle_p_takes_them_back(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    c = start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",
+        policy="adaptive",
+        gateway_env={
+            "TURNKV_POLICY__PARAMS": json.dumps({"decode_chunk_tokens": 2, "itl_budget_ms": 30}),
+            "TURNKV_COSTS__PREFILL_US_PER_TOKEN": "500",
+        },
+    )
+    p = c.prefill[0].url
+    dialogues = [Dialogue(c, session=f"conv-{i}", system=SYSTEM, max_tokens=24) for i in range(CONVERSATIONS)]
+    blocker = Dialogue(c, session="blocker", system=LONG_SYSTEM, max_tokens=8)
+    with ThreadPoolExecutor(CONVERSATIONS + 1) as pool:
+
+        def turns() -> list[Turn]:
+            return list(pool.map(lambda d: d.step(), dialogues))
+
+        try:
+            first, idle = turns(), turns()
+            # P idle: its path beats D's two-token chunks
+            assert all(t.correct for t in first + idle)
+            assert {(t.headers["x-turnkv-action"], t.reason) for t in idle} <= {
+                ("recompute", "cheaper_to_recompute"),
+                ("pull", "full_match"),
+            }
+
+            # a long first turn held on P: the gateway has seconds of P's work in flight there
+            sim_control(p, delay_ms=60_000)
+            held = pool.submit(blocker.step)
+            wait_for(lambda: sim_state(p)["delayed"] == 1, what="the long first turn held on P")
+            queued = turns()
+            assert all(t.correct for t in queued)
+            assert {(t.outcome, t.reason) for t in queued} == {("decode_local", "decode_local")}
+
+            sim_control(p, delay_ms=0)
+            assert held.result(timeout=60).correct
+            back = turns()  # P idle again: back through P
+            assert all(t.correct for t in back)
+            assert all(t.headers["x-turnkv-action"] != "decode_local" for t in back)
+        finally:
+            sim_control(p, delay_ms=0)
+            for d in [*dialogues, blocker]:
+                d.__exit__()
+
+    # the turn log says what the policy was told, and where it came from
+    events = c.turn_events(4 * CONVERSATIONS + 1)
+    later = [e for e in events if e["turn"] > 1]
+
+    def load(e: dict[str, Any]) -> dict[str, Any]:
+        facts: dict[str, Any] = e["load"]
+        return facts
+
+    local = [load(e) for e in later if e["action"] == "decode_local"]
+    assert len(local) == CONVERSATIONS
+    assert all(f["prefill_queue_ms"] > 1000 and f["sources"]["prefill_queue_ms"].startswith("gateway") for f in local)
+    through_p = [load(e) for e in later if e["action"] != "decode_local"]
+    assert len(through_p) == 2 * CONVERSATIONS and all(f["prefill_queue_ms"] < 1000 for f in through_p)
+    # the simulator reports vLLM's histograms: D's step and its streams' KV came from its metrics
+    assert all(f["sources"]["decode_context_tokens"] == "kv_usage" for f in local + through_p)
