@@ -120,7 +120,8 @@ class GatewayMetrics:
         self.link_bytes_per_s = shared("turnkv_link_bytes_per_second", "Estimated KV link bandwidth", "direction")
         self.link_fixed_s = shared("turnkv_link_fixed_seconds", "Estimated KV transfer fixed cost", "direction")
         self.link_samples = shared("turnkv_link_samples", "Transfer measurements behind the link estimate", "direction")
-        # why: unused, superseded, not_needed, budget, pressure, failed_turn, shutdown, store_unavailable;
+        # why: unused, superseded, not_needed, budget, pressure, failed_turn, prefill_failed, shutdown,
+        # store_unavailable;
         # duplicate, dropped and failed count releases not sent or not answered
         self.rejections = Counter(
             "turnkv_rejected_requests",

@@ -96,6 +96,10 @@ class PinKeeper:
         turn would likely recompute the whole history there, and wait for blocks besides."""
         return inst.kv_usage < self._dm.pressure_kv_usage and inst.waiting == 0
 
+    def crowded(self, inst: InstanceView) -> bool:
+        """Whether requests wait on D (for blocks, or behind one that waits for them): no new pin there."""
+        return inst.waiting > 0
+
     def under_pressure(self, inst: InstanceView) -> bool:
         """D's cache is nearly full, or requests wait on D while stored pins hold more than the low watermark."""
         if inst.kv_usage >= self._dm.pressure_kv_usage:

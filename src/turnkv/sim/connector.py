@@ -7,7 +7,9 @@ below ``kv_recompute_threshold``), how remote blocks line up (the remote list en
 local blocks, no token check), when a read is declined (within 5 s of the remote expiry, judged on
 the remote clock through the handshake's offset), what a failed pull does
 (``kv_load_failure_policy``), what a finished request returns and which blocks it pins for how
-long (P: ``kv_lease_duration``; D in bidirectional mode: ``decoder_kv_blocks_ttl``), and what the
+long (P: ``kv_lease_duration``; D in bidirectional mode: ``decoder_kv_blocks_ttl``), what a request
+aborted before its blocks were allocated tells the remote engine (with ``do_remote_prefill`` still
+set: that it is done with the remote blocks, so they are freed; otherwise nothing), and what the
 side channel answers other engines.
 """
 
@@ -50,6 +52,7 @@ class Connector:
         self.pins: dict[str, Pin] = {}
         self.unrecognized_notices = 0  # "Potentially invalid KV blocks for unrecognized request" lines
         self._link_lock = asyncio.Lock()
+        self.notices: set[asyncio.Task[None]] = set()  # "done" notices of aborted requests, in flight
 
     def external_tokens(self, seq: Seq, local: int) -> tuple[int, bool]:
         """vLLM's get_num_new_matched_tokens and update_state_after_alloc, for one request: the
@@ -123,6 +126,30 @@ class Connector:
         self.e.metrics.external_hits.inc(seq.external)
         if seq.num_computed >= len(seq.prompt):
             seq.num_computed = len(seq.prompt) - 1  # the last prompt token is recomputed to sample
+
+    def aborted_before_alloc(self, seq: Seq) -> None:
+        """vLLM's request_finished for a request that never got its blocks (aborted in the waiting
+        queue): with ``do_remote_prefill`` still set, the worker is handed an empty recv, which only
+        notifies the remote engine, and the remote frees the blocks it held for the request
+        (pull_scheduler.py:210-221 in 0.26, the same in 0.33). Any other params notify nobody: a
+        release in vLLM's proxy form (``do_remote_decode``) aborted in P's queue frees nothing on D."""
+        p = seq.params
+        if not p or not p.get("do_remote_prefill") or not p.get("remote_block_ids"):
+            return
+        if not all(k in p for k in _HANDLE_KEYS):
+            return
+        task = asyncio.create_task(self._notify_only(p))
+        self.notices.add(task)
+        task.add_done_callback(self.notices.discard)
+
+    async def _notify_only(self, p: dict[str, Any]) -> None:
+        try:
+            async with SideChannelClient(str(p["remote_host"]), int(p["remote_port"])) as sc:
+                await sc.handshake(str(p["remote_engine_id"]))
+                await sc.notify(str(p["remote_request_id"]))
+        except TransferError as exc:
+            self.e.metrics.failed_transfers.inc()
+            log.warning("KV transfer notification failed: %s", exc)
 
     def request_finished(self, seq: Seq) -> dict[str, Any] | None:
         """vLLM's NixlPullConnectorScheduler.request_finished: pin the blocks, or free them now."""

@@ -1,8 +1,10 @@
 """The simulated engine core: admission, continuous batching, and the KV each step computes.
 
 Decides what vLLM's scheduler would: the local prefix-cache hit (full blocks, capped below the
-prompt length so one token is computed), when a request is admitted (a prompt that does not fit
-in the free blocks waits for blocks to be freed, as in vLLM's waiting queue; when a running stream
+prompt length so one token is computed), when a request is admitted (in arrival order, first come
+first served: a prompt that does not fit in the free blocks waits for blocks to be freed, and every
+request that arrived after it waits behind it however small, as vLLM's FCFS waiting queue stops at
+the first request it cannot allocate; when a running stream
 needs a block for its next token and none is free, the newest running request is preempted as vLLM
 does: its blocks are freed and, once blocks are free again and before any new request, its KV is
 recomputed (from what its prefix cache kept) and it decodes on with the same answer), how prefill chunks
@@ -107,6 +109,7 @@ class Engine:
         self._waiting: deque[Seq] = deque()
         self._running: list[Seq] = []
         self._preempted: deque[Seq] = deque()  # to be recomputed before any new request is admitted
+        self._arrivals: deque[Seq] = deque()  # not admitted yet, in arrival order: only the first may be
         self.preemptions = 0
         self._wake = asyncio.Event()
         self._freed = asyncio.Event()
@@ -124,9 +127,10 @@ class Engine:
         self._tasks = [asyncio.create_task(self._step_loop()), asyncio.create_task(self.connector.expiry_loop())]
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self.connector.notices]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._sidechannel.close()
 
     @property
@@ -215,24 +219,35 @@ class Engine:
                 self._abort(seq)
 
     async def _admit_when_blocks_free(self, seq: Seq) -> None:
-        """Admit ``seq``; while the free blocks cannot hold its prompt, wait for some to be freed,
-        as vLLM's scheduler leaves a request it cannot allocate in the waiting queue."""
+        """Admit ``seq`` once every request that arrived before it was admitted; while the free blocks
+        cannot hold its prompt, wait for some to be freed. vLLM's FCFS scheduler walks its waiting queue
+        in order and stops at the first request it cannot allocate, so a one-block request waits behind
+        a long prompt that does not fit (a release sent to a full P among them)."""
         need = -(-len(seq.prompt) // self.cfg.block_size)
         if need > self.pool.num_blocks:
             raise EngineError(f"the prompt needs {need} KV blocks; the engine has {self.pool.num_blocks}")
-        while True:
-            freed = self._freed
-            try:
-                if self._preempted:  # requests preempted for blocks are recomputed first
-                    raise OutOfBlocks("preempted requests wait")
-                self._admit(seq)
-                return
-            except OutOfBlocks:
-                self.blocked += 1
+        self._arrivals.append(seq)
+        try:
+            while True:
+                freed = self._freed
                 try:
-                    await freed.wait()
-                finally:
-                    self.blocked -= 1
+                    if self._preempted:  # requests preempted for blocks are recomputed first
+                        raise OutOfBlocks("preempted requests wait")
+                    if self._arrivals[0] is not seq:
+                        raise OutOfBlocks("an earlier request waits for blocks")
+                    self._admit(seq)
+                    return
+                except OutOfBlocks:
+                    self.blocked += 1
+                    try:
+                        await freed.wait()
+                    finally:
+                        self.blocked -= 1
+        finally:
+            head = self._arrivals[0] is seq
+            self._arrivals.remove(seq)
+            if head and self._arrivals:
+                self.release_blocks([])  # the next in line tries now
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         self.pool.release(block_ids)
@@ -256,6 +271,7 @@ class Engine:
         self.metrics.prefix_cache_hits.inc(local)
         seq.num_computed = seq.num_cached = local
         seq.external = external
+        seq.admitted = True
         if external:
             first = local // bs
             seq.load_blocks = seq.block_ids[first : -(-(local + external) // bs)]
@@ -472,4 +488,6 @@ class Engine:
         if seq in self._preempted:
             self._preempted.remove(seq)
         self.release_blocks(seq.block_ids)
+        if not seq.admitted:
+            self.connector.aborted_before_alloc(seq)
         self.metrics.finished("abort")

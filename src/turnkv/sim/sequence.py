@@ -38,6 +38,7 @@ class Seq:
     num_cached: int = 0
     external: int = 0
     load: bool = False
+    admitted: bool = False  # its blocks were allocated (vLLM: update_state_after_alloc ran)
     load_blocks: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     queue: asyncio.Queue[Output | BaseException] = field(default_factory=asyncio.Queue)

@@ -44,9 +44,9 @@ class ConversationRecord:
     history_digest: str | None = None
     bytes_per_token: float | None = None  # the conversation's text bytes per prompt token (turn/direct.py)
     # why the record holds no handle: released to keep D's memory within its budget ("budget"), under
-    # memory pressure ("pressure"), not worth its bytes ("not_needed"), or never had one (a decode-local
-    # turn, "decode_local"; a stream without it, "no_handle_in_stream"); D's blocks may still sit in
-    # its prefix cache, so decode-local can use them
+    # memory pressure ("pressure") or while turns waited on D ("decode_crowded"), not worth its bytes
+    # ("not_needed"), or never had one (a decode-local turn, "decode_local"; a stream without it,
+    # "no_handle_in_stream"); D's blocks may still sit in its prefix cache, so decode-local can use them
     unpinned: str | None = None
     answer_calls: int = 0  # tool calls the last answer made (to tell a rewrite as text from an edit)
 

@@ -9,6 +9,7 @@ answer (the final SSE chunk from 0.33 on). A rendered prompt goes to P as token 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping
@@ -34,10 +35,12 @@ from turnkv.engine.vllm import handles
 from turnkv.engine.vllm.http import Upstream
 from turnkv.engine.vllm.info import PLUGIN_HEADER, engine_info, load_sample
 from turnkv.engine.vllm.stream import DecodeCapture, VllmDecodeStream
-from turnkv.errors import UpstreamError, UpstreamStatus
+from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout
 
 RENDER_PATH = "/v1/chat/completions/render"
-RELEASE_TIMEOUT_S = 10.0
+RELEASE_TIMEOUT_S = 10.0  # a release's request until P answers its headers
+RELEASE_WAIT_S = 2.0  # then, until its first event: past it the release is aborted in P's queue (D is told)
+RELEASE_MAX_TOKENS = 16  # P decodes until the gateway closes the stream, not to a finish that would pin
 # request fields that do not shape the prompt (vLLM's render refuses some of them)
 _NOT_FOR_RENDER = (
     "stream",
@@ -146,12 +149,32 @@ class VllmEngine:
         return DecodeAnswer(capture.body(data), capture)
 
     async def release(self, base: str, handle: Handle, model: str | None) -> None:
-        body: dict[str, Any] = {"prompt": ".", "max_tokens": 1, "kv_transfer_params": handles.release_handle(handle)}
+        """Send P the handle as a one-token remote prefill (``handles.release_request``), streamed, and
+        close the stream at its first event or after ``RELEASE_WAIT_S`` in P's queue: either way D is
+        told (P notifies D when it allocates the request, and vLLM's abort path notifies D for a request
+        aborted before that), and the abort keeps P from pinning the request's own block."""
+        body: dict[str, Any] = {
+            "prompt": ".",
+            "max_tokens": RELEASE_MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "kv_transfer_params": handles.release_request(handle),
+        }
         if model:
             body["model"] = model
-        await self.upstream.post_json(
-            "prefill", base, "/v1/completions", body, self._headers(CallMeta()), timeout_s=RELEASE_TIMEOUT_S
-        )
+        try:
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                resp = await self.upstream.open_stream(
+                    "prefill", base, "/v1/completions", body, self._headers(CallMeta())
+                )
+        except TimeoutError:
+            raise UpstreamTimeout("release: no answer from the prefill engine", leg="prefill", instance=base) from None
+        try:
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                async with asyncio.timeout(RELEASE_WAIT_S):
+                    await resp.content.readany()
+        finally:
+            resp.close()  # P aborts the request: D has been told, or is told by the abort
 
     # -- handles -------------------------------------------------------------------------------
     def read_handle(self, handle: Handle, *, seq_len: int, block_size: int) -> HandleFacts | HandleProblem:

@@ -1,8 +1,19 @@
 """vLLM's KV handles (``kv_transfer_params``, NixlConnector, ``bidirectional_kv_xfer``): their shapes.
 
 What P is sent to prefill for remote decode (``P_ONLY``), how D's handle is cut to the tokens P may
-pull, how it becomes a release (``remote_num_tokens: 0``: P pulls nothing and notifies D, which frees
-the blocks at once; verified on vLLM 0.26), and what a handle D returned must hold to be stored.
+pull, how it becomes a release inside a turn's prefill (``remote_num_tokens: 0``: P pulls nothing and
+notifies D, which frees the blocks at once; verified on vLLM 0.26) or a release on its own
+(``release_request``), and what a handle D returned must hold to be stored.
+
+Why a release on its own takes the remote-prefill form: vLLM's P handles a request only once its
+scheduler allocates it, and its FCFS queue stops at the first request it cannot allocate. Under load
+P's KV fills with prefills leased to D, D's with pins, and a release in the proxy's form
+(``do_remote_decode``) waits behind prefills that wait for D's room: aborted there, it frees nothing
+(``request_finished`` stops tracking it), and D stays full until its TTL (the 64-conversation H200
+run, BENCHMARKS.md section 6). A request that still carries ``do_remote_prefill`` when it is aborted
+before allocation hands the worker an empty recv, which only notifies D (``pull_scheduler.py``
+``request_finished``, 0.26 and 0.33), so the release frees D's blocks whether P runs it or the gateway
+gives up on it in P's queue.
 """
 
 from __future__ import annotations
@@ -40,6 +51,15 @@ def release_handle(handle: Handle) -> Handle:
     out["remote_num_tokens"] = 0
     out["do_remote_decode"] = True
     out["do_remote_prefill"] = False
+    return out
+
+
+def release_request(handle: Handle) -> Handle:
+    """D's handle as a remote prefill of a one-token prompt on P: P reads at most D's last block into a
+    block of its own and notifies D; aborted in P's queue before that, it notifies D all the same."""
+    out = dict(handle)
+    out["do_remote_prefill"] = True
+    out["do_remote_decode"] = False
     return out
 
 

@@ -105,6 +105,14 @@ def build_record(run: TurnRun) -> ConversationRecord | Capture:
     )
 
 
+def _crowded(svc: Services, decode_url: str) -> bool:
+    """Whether requests wait on D for blocks: a pin kept now would hold them there for a next turn that
+    may never come (plain P/D, which pins nothing, serves them first). ``decode_memory.pin: always``
+    keeps pins regardless."""
+    d = svc.fleet.view(decode_url)
+    return d is not None and svc.settings.decode_memory.pin != "always" and svc.pins.crowded(d)
+
+
 def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> bool:
     """Whether the new handle is worth its pinned bytes until the next turn (the policy's own view of a
     next turn like this one)."""
@@ -133,6 +141,9 @@ async def finish(run: TurnRun, *, ok: bool) -> Capture:
     svc, conv = run.svc, run.turn.conversation
     rec = build_record(run) if ok else Capture.FAILED
     new_handle = run.collected.handle
+    if isinstance(rec, ConversationRecord) and rec.handle is not None and _crowded(svc, rec.decode_url):
+        _release(svc, rec.handle, "decode_crowded")  # its blocks go to the turns waiting on D
+        rec = dataclasses.replace(rec, handle=None, unpinned="decode_crowded")
     if isinstance(rec, ConversationRecord) and rec.handle is not None and not _keeps_pin(run, rec):
         _leave(svc, rec.decode_url, rec.handle, rec.num_tokens, "not_needed")  # then in D's prefix cache
         rec = dataclasses.replace(rec, handle=None, unpinned="not_needed")

@@ -51,8 +51,9 @@ def likely_prefill_cached(rec: ConversationRecord | None, prefill: InstanceView 
 
 def decode_cached(rec: ConversationRecord | None, matched: int, block_size: int) -> int:
     """What D's own prefix cache likely holds of the conversation: all it computed, unless its pin was
-    released under memory pressure (then its freed blocks are the first to be reused)."""
-    if rec is None or rec.unpinned == "pressure":
+    released under memory pressure or while turns waited on D (then its freed blocks are the first to be
+    reused)."""
+    if rec is None or rec.unpinned in ("pressure", "decode_crowded"):
         return 0
     return (matched // block_size) * block_size
 

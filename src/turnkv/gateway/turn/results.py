@@ -127,6 +127,7 @@ class Capture(enum.StrEnum):
 
     STORED = "stored"  # the next record, with D's new handle kept pinned
     STORED_NOT_NEEDED = "stored_not_needed"  # ... its handle released: a pull would not pay
+    STORED_DECODE_CROWDED = "stored_decode_crowded"  # ... its handle released at once: turns wait on D
     STORED_DECODE_LOCAL = "stored_decode_local"  # ... D was asked for no handle (decode-local)
     STORED_NO_HANDLE_IN_STREAM = "stored_no_handle_in_stream"  # ... D's stream carried none
     NO_SESSION = "no_session"  # a stateless turn
@@ -160,5 +161,11 @@ class Capture(enum.StrEnum):
 
 
 _STORED = frozenset(
-    {Capture.STORED, Capture.STORED_NOT_NEEDED, Capture.STORED_DECODE_LOCAL, Capture.STORED_NO_HANDLE_IN_STREAM}
+    {
+        Capture.STORED,
+        Capture.STORED_NOT_NEEDED,
+        Capture.STORED_DECODE_CROWDED,
+        Capture.STORED_DECODE_LOCAL,
+        Capture.STORED_NO_HANDLE_IN_STREAM,
+    }
 )
