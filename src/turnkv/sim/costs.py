@@ -20,7 +20,13 @@ from our own run there (a cold prefill through P took 113-121 ms for 4.2k tokens
 the decode terms from ../shared/reference/performance-anchors.md (~8 ms ITL at a small batch) and the
 KV read rate (144 KiB per token of context at ~3 TB/s effective). ``gpu/step_time.py`` measures
 decode step time against prefill tokens in the batch and batch size on real vLLM, and
-``gpu/fit_step_time.py`` fits these constants from it; until that has run, they are these priors.
+``gpu/fit_step_time.py`` fits these constants from it. Its first run (2026-12-01, one engine alone on
+the H200, vLLM 0.26 with ``--enforce-eager`` as the kit runs it; docs/bench/step-time/) found a step of
+23.8 ms + 15.4 us per stream + 12.4 ns per token of context read + 14.8 us per token past 512 + 1.235 ns
+of prefill attention (rms 13.6 ms over 248 samples: the eager engine's steps are noisy). The defaults
+stay the priors, which every simulator benchmark so far used; ``turnkv sim --decode-itl-ms 23.797
+--decode-per-seq-us 15.36 --decode-ctx-ns 12.40 --prefill-us-per-token 14.78 --free-tokens 512
+--prefill-attn-ns 1.235`` runs the fit (an eager engine: about 3x the priors' ITL at a small batch).
 
 Links: NIXL moved KV at 0.36-0.50 GB/s over TCP with about 2 ms fixed cost per transfer on our H200
 host; with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` the same host moved P->D at 172-352 GB/s and D->P at
