@@ -292,3 +292,58 @@ async def test_requests_that_outgrow_the_cache_are_preempted_and_answer_the_same
     assert (
         small.metrics.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "m", "engine": "0"}) or 0
     ) >= 1
+
+
+async def _until(cond: Callable[[], bool], what: str) -> None:
+    """Yield to the loop until ``cond`` holds (bounded: a failure names what never happened)."""
+    for _ in range(2000):
+        if cond():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_admission_is_first_come_first_served(make_engine: MakeEngine) -> None:
+    """vLLM's FCFS scheduler stops at the first waiting request it cannot allocate: a small request
+    that arrives after it waits too, though its blocks are free."""
+    d, _, _ = await decode_handle(make_engine, words(150), num_blocks=16)  # 12 of 16 blocks pinned
+    big = asyncio.create_task(run(d, words(100, 300)))  # 7 blocks: waits
+    await _until(lambda: d.blocked == 1, "the long prompt waits for blocks")
+    small = asyncio.create_task(run(d, words(5, 600)))  # 1 block, free now
+    await _until(lambda: d.blocked == 2, "the short prompt waits behind it")
+    assert not small.done()
+    assert d.expire_handles() == 1
+    assert (await big)[1].finish_reason == "length"
+    assert (await small)[1].finish_reason == "length"
+
+
+async def _release_aborted_in_queue(make_engine: MakeEngine, form: dict[str, Any]) -> Engine:
+    """D's handle sent to a P whose queue is stuck (a prompt P cannot allocate is ahead of it), then
+    the release aborted there, as the gateway gives up on it; D is returned for its pins."""
+    d, handle, seq = await decode_handle(make_engine, words(40))
+    p = await make_engine("prefill", num_blocks=16)
+    _, leased = await run(p, words(200, 300), dict(P_REQUEST), max_tokens=1)  # 13 blocks leased to a D
+    assert leased.kv_transfer_params is not None and len(p.pins) == 1
+    stuck = asyncio.create_task(run(p, words(100, 700)))  # 7 blocks: waits, and so does all behind it
+    await _until(lambda: p.blocked == 1, "P's queue stops at a prompt it cannot allocate")
+    release = asyncio.create_task(run(p, words(1, 900), {**handle, **form}, max_tokens=16))
+    await _until(lambda: p.blocked == 2, "the release waits behind it")
+    release.cancel()  # the gateway closes the stream: P aborts the request in its queue
+    with pytest.raises(asyncio.CancelledError):
+        await release
+    stuck.cancel()
+    await _until(lambda: not p.connector.notices, "P's notices to D are out")
+    return d
+
+
+async def test_a_release_aborted_in_ps_queue_as_a_remote_prefill_frees_d(make_engine: MakeEngine) -> None:
+    d = await _release_aborted_in_queue(make_engine, {"do_remote_prefill": True, "do_remote_decode": False})
+    await _until(lambda: not d.pins, "D frees the pin on P's notice")
+    assert d.connector.unrecognized_notices == 0
+
+
+async def test_a_release_aborted_in_ps_queue_in_the_proxy_form_frees_nothing(make_engine: MakeEngine) -> None:
+    d = await _release_aborted_in_queue(
+        make_engine, {"do_remote_prefill": False, "do_remote_decode": True, "remote_num_tokens": 0}
+    )
+    assert len(d.pins) == 1  # vLLM: request_finished stops tracking an aborted decode-form request
