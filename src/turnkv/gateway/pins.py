@@ -96,9 +96,12 @@ class PinKeeper:
         turn would likely recompute the whole history there, and wait for blocks besides."""
         return inst.kv_usage < self._dm.pressure_kv_usage and inst.waiting == 0
 
-    def crowded(self, inst: InstanceView) -> bool:
-        """Whether requests wait on D (for blocks, or behind one that waits for them): no new pin there."""
-        return inst.waiting > 0
+    def crowded(self, inst: InstanceView, tokens: int) -> bool:
+        """Whether a new pin of ``tokens`` would hold blocks that requests waiting on D need: they wait
+        (for blocks, or behind one that does) and stored pins would pass the low watermark with it."""
+        cap = self.capacity(inst.url)
+        pinned = self._estimate.get(inst.url, 0) + tokens
+        return inst.waiting > 0 and cap is not None and pinned > cap * self._dm.pressure_keep_share
 
     def under_pressure(self, inst: InstanceView) -> bool:
         """D's cache is nearly full, or requests wait on D while stored pins hold more than the low watermark."""

@@ -105,12 +105,12 @@ def build_record(run: TurnRun) -> ConversationRecord | Capture:
     )
 
 
-def _crowded(svc: Services, decode_url: str) -> bool:
-    """Whether requests wait on D for blocks: a pin kept now would hold them there for a next turn that
-    may never come (plain P/D, which pins nothing, serves them first). ``decode_memory.pin: always``
-    keeps pins regardless."""
-    d = svc.fleet.view(decode_url)
-    return d is not None and svc.settings.decode_memory.pin != "always" and svc.pins.crowded(d)
+def _crowded(svc: Services, rec: ConversationRecord) -> bool:
+    """Whether requests wait on D for blocks while stored pins hold more than the low watermark: a pin
+    kept now would hold them there for a next turn that may never come (plain P/D, which pins nothing,
+    serves them first). ``decode_memory.pin: always`` keeps pins regardless."""
+    d = svc.fleet.view(rec.decode_url)
+    return d is not None and svc.settings.decode_memory.pin != "always" and svc.pins.crowded(d, rec.num_tokens)
 
 
 def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> bool:
@@ -141,7 +141,7 @@ async def finish(run: TurnRun, *, ok: bool) -> Capture:
     svc, conv = run.svc, run.turn.conversation
     rec = build_record(run) if ok else Capture.FAILED
     new_handle = run.collected.handle
-    if isinstance(rec, ConversationRecord) and rec.handle is not None and _crowded(svc, rec.decode_url):
+    if isinstance(rec, ConversationRecord) and rec.handle is not None and _crowded(svc, rec):
         _release(svc, rec.handle, "decode_crowded")  # its blocks go to the turns waiting on D
         rec = dataclasses.replace(rec, handle=None, unpinned="decode_crowded")
     if isinstance(rec, ConversationRecord) and rec.handle is not None and not _keeps_pin(run, rec):
