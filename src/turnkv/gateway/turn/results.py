@@ -7,6 +7,7 @@ and why), ``Prefilled`` (PREFILL: P's params for D), ``Opened`` (DECODE: D's ans
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,14 @@ class Next(enum.Enum):
     PLAN = "plan"  # rendered: check the tokens and decide
     PREFILL = "prefill"  # plain P/D with the client's messages (no conversation, or nothing to check against)
     DECODE = "decode"  # decode-local without a render (``Rendered.direct`` holds the plan)
+    AHEAD = "ahead"  # pull or recompute planned from the record (``Rendered.direct``), P sent the messages
+
+
+class Ahead(enum.StrEnum):
+    """How a turn planned from the record (``turn.ahead``) stands to the render."""
+
+    CHECKED = "checked"  # P pulls before the token check; the render runs beside P's leg and gates D
+    SKIPPED = "skipped"  # nothing of D's KV is reused unchecked (recompute), or the policy checks no tokens
 
 
 @dataclass(frozen=True)
@@ -38,8 +47,10 @@ class Rendered:
     claim: Claim | None = None  # None: not claimed (no conversation) or the store failed
     claimed: bool = False  # the store holds this turn's in-flight marker
     seconds: float = 0.0  # render and claim, side by side
-    direct: Plan | None = None
+    direct: Plan | None = None  # the plan made without waiting for a render (decode-local or ahead)
     failure: BaseException | None = None  # the turn cannot go on: the client gets this error
+    # an ahead turn's render, still running: its result (a ``Rendered``) gates D (``turn.ahead``)
+    checking: asyncio.Future[Rendered] | None = None
 
     @property
     def record(self) -> ConversationRecord | None:
@@ -64,6 +75,12 @@ class Plan:
     assessment: Assessment | None = None
     direct: bool = False  # decode-local without a render
     expect_hits: int = 0  # tokens P should find in its prefix cache (for the cache-factor measurement)
+    ahead: Ahead | None = None  # planned from the record, P sent the messages before the render returned
+
+    @property
+    def unchecked_pull(self) -> bool:
+        """P pulls D's blocks before the token check has proved them (its request is salted apart)."""
+        return self.ahead is Ahead.CHECKED and self.send is not None and self.send.tokens > 0
 
     @property
     def decode_local(self) -> bool:
@@ -86,6 +103,7 @@ class Fallback(enum.Enum):
     DECODE_FAILED = ("decode", "decode_failed")  # D failed before its first token
     DECODE_DEADLINE = ("decode", "first_token_deadline")  # D missed its first-token deadline
     DECODE_LOCAL_FAILED = ("decode", "decode_local_failed")  # the D holding the conversation failed
+    RENDER_MISMATCH = ("prefill", "render_mismatch")  # the check did not prove what P pulled ahead of it
 
     @property
     def leg(self) -> str:
