@@ -45,7 +45,7 @@ from turnkv.gateway.services import Services
 from turnkv.gateway.turn import plan, prefill
 from turnkv.gateway.turn.direct import continuation
 from turnkv.gateway.turn.request import Turn
-from turnkv.gateway.turn.results import Ahead, Fallback, Plan, Prefilled, Rendered
+from turnkv.gateway.turn.results import Fallback, Plan, Prefilled, Rendered
 from turnkv.gateway.turn.run import STOP_WAIT_S, TurnRun
 from turnkv.reuse.assess import Reason, TemplateClass
 from turnkv.reuse.cost import Action
@@ -106,7 +106,7 @@ async def prefill_checked(run: TurnRun) -> Prefilled:
             if not run.plan.unchecked_pull or _proved(run, checked, done):
                 return done
         await _stop(leg)
-        if run.plan.ahead is Ahead.CHECKED:  # what P pulled was not proved: none of it is used
+        if run.plan.unchecked_pull:  # what P pulled was not proved: none of it is used
             run.fall_back(Fallback.RENDER_MISMATCH)
         return await prefill.run(run)
     finally:

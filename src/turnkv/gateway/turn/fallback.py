@@ -46,5 +46,4 @@ def without_handle(plan: Plan, why: Fallback, *, stateful: bool, release: Handle
         pull_tokens=0,
         expected_cached=0,
         direct=False,
-        ahead=None,
     )
