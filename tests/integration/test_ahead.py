@@ -253,7 +253,8 @@ def test_a_recompute_the_record_proves_is_not_rendered(
 
 
 def test_vllm_multiturn_baseline_pulls_without_a_render(procs: list[launch.Running], tmp_path: Path) -> None:
-    c = start_cluster(procs, tmp_path, compat="0.33", policy="vllm-multiturn")
+    # P's prefix cache off: with it on, the proxy's policy pulls nothing P already holds
+    c = start_cluster(procs, tmp_path, compat="0.33", policy="vllm-multiturn", prefill_flags=("--no-prefix-caching",))
     _audited(c)
     renders = sim_state(c.prefill[0].url)["renders"]
     with Dialogue(c, max_tokens=24) as d:

@@ -38,28 +38,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import anyio
 
-from turnkv.gateway.services import Services
-from turnkv.gateway.turn import plan, prefill
-from turnkv.gateway.turn.direct import continuation
-from turnkv.gateway.turn.request import Turn
+from turnkv.gateway.turn import plan, prefill, render
 from turnkv.gateway.turn.results import Fallback, Plan, Prefilled, Rendered
 from turnkv.gateway.turn.run import STOP_WAIT_S, TurnRun
-from turnkv.reuse.assess import Reason, TemplateClass
+from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
-
-
-def possible(svc: Services, turn: Turn) -> bool:
-    """Whether the turn may be planned from its record, so the record is worth reading before rendering:
-    the setting is on, and the policy checks no tokens or the template keeps history and the messages
-    continue an answer with text."""
-    if not svc.settings.render_ahead or turn.conversation is None:
-        return False
-    if not svc.policy.checks_tokens:
-        return True
-    return svc.catalog.template.cls is TemplateClass.PRESERVES and continuation(turn.messages) is not None
 
 
 async def _stop(leg: asyncio.Future[Prefilled]) -> None:
@@ -85,14 +72,31 @@ def _proved(run: TurnRun, checked: Rendered, done: Prefilled | None) -> bool:
     return done is None or done.result.prompt_tokens is None or done.result.prompt_tokens == len(ids)
 
 
+async def _after_p_request(run: TurnRun, leg: asyncio.Future[Prefilled]) -> None:
+    """Wait until P's request has gone out (or P's leg ended first): P's API server handles the requests
+    it gets in order, and its own render of the messages must not queue behind the gateway's."""
+    sent = asyncio.Event()
+    run.on_prefill_sent = sent.set
+    waiter: asyncio.Future[Any] = asyncio.ensure_future(sent.wait())
+    first: set[asyncio.Future[Any]] = {leg, waiter}
+    try:
+        await run.until_aborted(asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED))
+    finally:
+        run.on_prefill_sent = None
+        waiter.cancel()
+
+
 async def prefill_checked(run: TurnRun) -> Prefilled:
     """P's leg of an ahead turn: a checked pull runs beside its render, and returns only once the token
     check proved what P pulled; otherwise the turn falls back to plain P/D with the rendered ids."""
-    pending = run.rendered.checking
-    if pending is None or not run.plan.unchecked_pull:
+    claim = run.rendered.claim
+    if claim is None or not run.plan.unchecked_pull:
         return await prefill.run(run)
     leg = asyncio.ensure_future(prefill.run(run))
+    pending: asyncio.Future[Rendered] | None = None
     try:
+        await _after_p_request(run, leg)
+        pending = asyncio.ensure_future(render.checked(run.svc, run.turn, claim))
         checked = await run.until_aborted(pending)
         run.rendered = checked
         if checked.failure is not None:  # the messages themselves are wrong: the client hears why
@@ -110,4 +114,6 @@ async def prefill_checked(run: TurnRun) -> Prefilled:
             run.fall_back(Fallback.RENDER_MISMATCH)
         return await prefill.run(run)
     finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
         await _stop(leg)

@@ -105,13 +105,8 @@ async def _advance(run: TurnRun) -> None:
             raise run.rendered.failure
     else:
         run.rendered = Rendered(Next.PREFILL, Reason.NO_SESSION)
-    checking = run.rendered.checking  # an ahead turn's render, running beside P's leg (``ahead``)
-    try:
-        run.plan = _plan(run, run.rendered)
-        await _legs(run)
-    finally:
-        if checking is not None and not checking.done():
-            checking.cancel()
+    run.plan = _plan(run, run.rendered)
+    await _legs(run)
 
 
 async def rerun(run: TurnRun) -> None:

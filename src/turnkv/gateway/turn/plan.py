@@ -270,6 +270,17 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
     )
 
 
+def ahead_possible(svc: Services, turn: Turn) -> bool:
+    """Whether the turn may be planned from its record, so the record is worth reading before rendering:
+    the setting is on, and the policy checks no tokens or the template keeps history and the messages
+    continue an answer with text."""
+    if not svc.settings.render_ahead or turn.conversation is None:
+        return False
+    if not svc.policy.checks_tokens:
+        return True
+    return svc.catalog.template.cls is TemplateClass.PRESERVES and continuation(turn.messages) is not None
+
+
 def _proves_history(svc: Services, turn: Turn, rec: ConversationRecord, cand: Candidate | None) -> bool:
     """What the record says of the prompt before any render: the template keeps history, the client echoed
     the last answer as D produced it, and the history before it digests as stored."""

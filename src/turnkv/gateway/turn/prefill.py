@@ -56,8 +56,9 @@ async def run(run: TurnRun) -> Prefilled:
         run.journal.handle_spent = run.journal.handle_spent or send is not None
         try:
             with fleet.busy(inst.url, work_s, work_tokens):
+                sent, run.on_prefill_sent = run.on_prefill_sent, None
                 result = await run.until_aborted(
-                    svc.engine.prefill(inst.url, call, turn.meta), Deadline.prefill(t, inst.url)
+                    svc.engine.prefill(inst.url, call, turn.meta), Deadline.prefill(t, inst.url), then=sent
                 )
         except UpstreamError as exc:
             last = exc

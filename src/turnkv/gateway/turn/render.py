@@ -6,8 +6,8 @@ failed, or was too busy to answer: ``store_busy``) only costs this turn its reus
 Where the template keeps history, the record is read first, and a turn the planner sends to D as
 decode-local without a render (``plan.direct``) skips it; so does a first turn (no assistant message) with
 no stored record: there is nothing of D's to check it against. A pull or recompute turn the record proves is
-planned from it (``plan.ahead``) and goes to P at once; its render, when a pull needs checking, runs on
-beside P's leg (``Rendered.checking``; ``turn.ahead``).
+planned from it (``plan.ahead``) and goes to P at once; its render, when a pull needs checking, runs
+beside P's leg (``checked``, started by ``turn.ahead``).
 Transition: RENDER → PLAN, or → PREFILL with the client's messages (no conversation, or degraded), or →
 DECODE (decode-local without a render), or → AHEAD (P first, the render beside it); a render that failed the
 turn says so (``failure``) with the record it claimed, which the driver puts back.
@@ -22,9 +22,9 @@ import time
 from turnkv.errors import ClientError, StoreBusy, StoreError, UpstreamError, UpstreamStatus
 from turnkv.gateway.answer import last_assistant
 from turnkv.gateway.services import Services
-from turnkv.gateway.turn import ahead, direct, plan
+from turnkv.gateway.turn import direct, plan
 from turnkv.gateway.turn.request import Turn
-from turnkv.gateway.turn.results import Ahead, Next, Rendered
+from turnkv.gateway.turn.results import Next, Rendered
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.state.base import Claim, ClaimStatus
@@ -66,7 +66,7 @@ async def run(svc: Services, turn: Turn) -> Rendered:
     rendered: list[int] | BaseException
     first = last_assistant(turn.messages) is None
     cand = None if first else direct.candidate(svc, turn)
-    early = not first and ahead.possible(svc, turn)
+    early = not first and plan.ahead_possible(svc, turn)
     if first or cand is not None or early:
         # the record first: a decode-local turn it allows needs no render at all, nor does a
         # conversation's first turn when nothing is stored (nothing of D's to check it against); a pull or
@@ -88,10 +88,7 @@ async def run(svc: Services, turn: Turn) -> Rendered:
             reason = Reason.NO_RECORD if claim is not None else why
             return Rendered(Next.PREFILL, reason, claim=claim, claimed=_claimed(claim))
         planned = plan.ahead(svc, turn, claim) if early and claim is not None else None
-        if planned is not None and claim is not None:
-            checking = None
-            if planned.ahead is Ahead.CHECKED:
-                checking = asyncio.ensure_future(_checked(svc, turn, claim, why))
+        if planned is not None:
             return Rendered(
                 Next.AHEAD,
                 planned.reason,
@@ -99,7 +96,6 @@ async def run(svc: Services, turn: Turn) -> Rendered:
                 claimed=_claimed(claim),
                 seconds=time.perf_counter() - t0,
                 direct=planned,
-                checking=checking,
             )
         try:
             rendered = await _render(svc, turn)
@@ -113,7 +109,7 @@ async def run(svc: Services, turn: Turn) -> Rendered:
     return _judged(svc, rendered, claim, why, time.perf_counter() - t0)
 
 
-async def _checked(svc: Services, turn: Turn, claim: Claim, why: Reason) -> Rendered:
+async def checked(svc: Services, turn: Turn, claim: Claim) -> Rendered:
     """The render of a turn already sent to P ahead of it, judged as any render (``turn.ahead`` checks it)."""
     t0 = time.perf_counter()
     rendered: list[int] | BaseException
@@ -121,7 +117,7 @@ async def _checked(svc: Services, turn: Turn, claim: Claim, why: Reason) -> Rend
         rendered = await _render(svc, turn)
     except Exception as exc:
         rendered = exc
-    return _judged(svc, rendered, claim, why, time.perf_counter() - t0)
+    return _judged(svc, rendered, claim, Reason.NO_SESSION, time.perf_counter() - t0)
 
 
 def _judged(

@@ -7,7 +7,6 @@ and why), ``Prefilled`` (PREFILL: P's params for D), ``Opened`` (DECODE: D's ans
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,8 +48,6 @@ class Rendered:
     seconds: float = 0.0  # render and claim, side by side
     direct: Plan | None = None  # the plan made without waiting for a render (decode-local or ahead)
     failure: BaseException | None = None  # the turn cannot go on: the client gets this error
-    # an ahead turn's render, still running: its result (a ``Rendered``) gates D (``turn.ahead``)
-    checking: asyncio.Future[Rendered] | None = None
 
     @property
     def record(self) -> ConversationRecord | None:
