@@ -26,7 +26,9 @@ record is usable. Then:
   least what P pulled and P counted the prompt the render gave, D continues from P's KV (given the
   rendered ids, as any rendered turn); otherwise P's leg is cancelled, or its result dropped, and the
   turn falls back (``Fallback.RENDER_MISMATCH``) to plain P/D with the rendered ids, unsalted, nothing
-  reused. D never starts on a prefix the check did not prove.
+  reused. D never starts on a prefix the check did not prove. The render goes to the render authority
+  (a P unless ``render`` names a service) once P's request is out: P's API server takes requests in
+  order, and its own render of the messages, which its prefill waits for, must not queue behind ours.
 * a policy that checks no tokens (the ``vllm-multiturn`` and unchecked baselines) is never rendered
   once its record is usable: as vLLM's proxy, it pulls the previous handle with the messages.
 
