@@ -20,15 +20,16 @@ record is usable. Then:
 * **pull** (``checked``): P pulls D's whole sequence with the messages, before the check. vLLM (and the
   simulator) cache pulled blocks under the pulling request's token hashes, whatever they were computed
   from, so a pull the check then rejects would leave wrong KV in P's prefix cache for any later request
-  with those tokens. P's request therefore carries a cache salt of its own (``turn.salt``, per turn): its
-  blocks are cached where no other request looks. That also keeps P's cache out of this turn, so a
+  with those tokens. P's request therefore carries a cache salt of its own (``turn.salt``, per turn):
+  its blocks are cached where no other request looks. That also keeps P's cache out of this turn, so a
   turn whose P likely caches the conversation is rendered first as before. When the check proves at
-  least what P pulled and P counted the prompt the render gave, D continues from P's KV (given the
-  rendered ids, as any rendered turn); otherwise P's leg is cancelled, or its result dropped, and the
-  turn falls back (``Fallback.RENDER_MISMATCH``) to plain P/D with the rendered ids, unsalted, nothing
-  reused. D never starts on a prefix the check did not prove. The render goes to the render authority
-  (a P unless ``render`` names a service) once P's request is out: P's API server takes requests in
-  order, and its own render of the messages, which its prefill waits for, must not queue behind ours.
+  least what P pulled and P counted the prompt the render gave, D continues from P's KV, given the
+  messages as P was (both engines' own rendering, as in plain P/D); otherwise P's leg is cancelled, or
+  its result dropped, and the turn falls back (``Fallback.RENDER_MISMATCH``) to plain P/D with the
+  rendered ids, unsalted, nothing reused. D never starts on a prefix the check did not prove. The render
+  goes to the render authority (a P unless ``render`` names a service) once P's request is out: P's API
+  server takes requests in order, and its own render of the messages, which its prefill waits for, must
+  not queue behind ours.
 * a policy that checks no tokens (the ``vllm-multiturn`` and unchecked baselines) is never rendered
   once its record is usable: as vLLM's proxy, it pulls the previous handle with the messages.
 
@@ -92,7 +93,7 @@ async def prefill_checked(run: TurnRun) -> Prefilled:
     """P's leg of an ahead turn: a checked pull runs beside its render, and returns only once the token
     check proved what P pulled; otherwise the turn falls back to plain P/D with the rendered ids."""
     claim = run.rendered.claim
-    if claim is None or not run.plan.unchecked_pull:
+    if claim is None or not run.plan.pulls_ahead:
         return await prefill.run(run)
     leg = asyncio.ensure_future(prefill.run(run))
     pending: asyncio.Future[Rendered] | None = None
@@ -105,14 +106,14 @@ async def prefill_checked(run: TurnRun) -> Prefilled:
             await _stop(leg)
             run.plan = Plan(Action.RECOMPUTE, checked.reason)
             raise checked.failure
-        if not run.plan.unchecked_pull:  # P's pull failed meanwhile: its leg went on without the handle
+        if not run.plan.pulls_ahead:  # P's pull failed meanwhile: its leg went on without the handle
             return await leg
         if _proved(run, checked, None):
             done = await leg
-            if not run.plan.unchecked_pull or _proved(run, checked, done):
+            if not run.plan.pulls_ahead or _proved(run, checked, done):
                 return done
         await _stop(leg)
-        if run.plan.unchecked_pull:  # what P pulled was not proved: none of it is used
+        if run.plan.pulls_ahead:  # what P pulled was not proved: none of it is used
             run.fall_back(Fallback.RENDER_MISMATCH)
         return await prefill.run(run)
     finally:

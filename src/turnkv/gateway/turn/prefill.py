@@ -50,7 +50,7 @@ async def run(run: TurnRun) -> Prefilled:
         send = run.plan.send
         t = svc.settings.timeouts
         # a pull ahead of the token check is salted apart in P's cache (``ahead``)
-        body = salted(turn.body, turn.request_id) if run.plan.unchecked_pull else turn.body
+        body = salted(turn.body, turn.request_id) if run.plan.pulls_ahead else turn.body
         call = PrefillCall(turn.path, body, run.rendered.prompt_ids, send, t.prefill_s)
         t0 = time.perf_counter()
         run.journal.handle_spent = run.journal.handle_spent or send is not None

@@ -75,8 +75,9 @@ class Plan:
     ahead: Ahead | None = None  # planned from the record, P sent the messages before the render returned
 
     @property
-    def unchecked_pull(self) -> bool:
-        """P pulls D's blocks before the token check has proved them (its request is salted apart)."""
+    def pulls_ahead(self) -> bool:
+        """P pulls D's blocks with the messages, sent before the token check ran (its request is salted
+        apart; D starts only once the check has proved them)."""
         return self.ahead is Ahead.CHECKED and self.send is not None and self.send.tokens > 0
 
     @property
