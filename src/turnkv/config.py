@@ -361,6 +361,12 @@ class Settings(BaseSettings):
         description="send a decode-local turn to D without rendering it "
         "first, when the template keeps history and the last answer is echoed as is",
     )
+    render_ahead: bool = Field(
+        True,
+        description="plan a pull or recompute turn from the stored record when the template keeps history and "
+        "the history is the stored one, and send P the messages before the render returns; the token check "
+        "still runs on the render, beside P's leg, and gates D (gateway/turn/ahead.py)",
+    )
     release_unused: bool = Field(
         True,
         description="release D handles nobody will use (stateless turns...) at "

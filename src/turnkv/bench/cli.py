@@ -213,7 +213,16 @@ def add_bench_parser(sub: Any) -> None:
     s.add_argument(
         "--suite",
         required=True,
-        choices=["fifth-turn", "overhead", "smoke", "decode-memory", "decode-overload", "goodput", "reliability"],
+        choices=[
+            "fifth-turn",
+            "overhead",
+            "smoke",
+            "decode-memory",
+            "decode-overload",
+            "goodput",
+            "reliability",
+            "render-ahead",
+        ],
     )
     s.add_argument("--out", default=None, help="output directory (default bench-results/<suite>-<time>)")
     s.add_argument(

@@ -22,6 +22,7 @@ DECISION_HEADERS = (
     "x-turnkv-reason",
     "x-turnkv-matched-tokens",
     "x-turnkv-direct",
+    "x-turnkv-ahead",
 )
 
 

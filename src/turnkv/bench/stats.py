@@ -45,9 +45,12 @@ def summarize(records: Iterable[RequestRecord]) -> TurnStats:
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     itl = [x for r in ok for x in r.itl_ms]
     lat = [r.latency_ms for r in ok if r.latency_ms is not None]
-    # a decode-local turn that skipped the render is its own path ("decode_local direct")
+    # a decode-local turn that skipped the render is its own path ("decode_local direct"), and so is a turn
+    # sent to P before its render returned ("pull ahead-checked", "recompute ahead-skipped")
     actions = Counter(
-        r.decision["action"] + (" direct" if r.decision.get("direct") == "true" else "")
+        r.decision["action"]
+        + (" direct" if r.decision.get("direct") == "true" else "")
+        + (f" ahead-{r.decision['ahead']}" if r.decision.get("ahead") else "")
         for r in recs
         if "action" in r.decision
     )

@@ -13,7 +13,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from turnkv.bench.records import ConfigResult, RunResult
-from turnkv.bench.scenarios import decode_memory, decode_overload, fifth_turn, goodput, overhead, reliability, smoke
+from turnkv.bench.scenarios import (
+    decode_memory,
+    decode_overload,
+    fifth_turn,
+    goodput,
+    overhead,
+    reliability,
+    render_ahead,
+    smoke,
+)
 from turnkv.bench.scenarios.base import Bench, run_bench, with_duration, with_gateway_workers
 
 Analyzer = Callable[[Sequence[ConfigResult]], tuple[str, dict[str, list[str]]]]
@@ -25,6 +34,7 @@ SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
     "decode-overload": (decode_overload.benches, decode_overload.analyze),
     "goodput": (goodput.benches, goodput.analyze),
     "reliability": (reliability.benches, reliability.analyze),
+    "render-ahead": (render_ahead.benches, render_ahead.analyze),
 }
 TITLES = {
     "fifth-turn": "turnkv bench: fifth-turn TTFT on the simulator",
@@ -34,6 +44,7 @@ TITLES = {
     "decode-overload": "turnkv bench: more conversations than the decode engine holds",
     "goodput": "turnkv bench: goodput under SLOs, load sweeps on the simulator",
     "reliability": "turnkv bench: reliability, many concurrent streams for minutes",
+    "render-ahead": "turnkv bench: pull turns with the render off the critical path, against vLLM's multi-turn proxy",
 }
 
 

@@ -2,7 +2,8 @@
 
 D gets the client's request and what P left for it (decode-local: nothing, so D pins nothing), asked
 to say its prompt's and answer's token ids when the turn belongs to a conversation, so the next turn
-can be checked; an engine that takes the prompt as ids gets them, so it cannot tokenize differently.
+can be checked; an engine that takes the prompt as ids gets them, so it cannot tokenize differently (unless
+P rendered the messages itself, on a pull sent ahead of its render: D then renders them too, as P did).
 An unreachable or failing D before any output is replaced by the next healthy one; so is one that
 does not start its answer within the first-token deadline, renewed while D is busy (``turn.deadline``;
 then also relieved of pins and, after a few misses in a row, taken out of routing for a while).
@@ -49,7 +50,8 @@ def _call(run: TurnRun, inst: InstanceView, prefilled: Prefilled | None) -> Deco
         stream=turn.stream,
         track=run.stateful,
         for_decode=None if local or prefilled is None else prefilled.result.for_decode,
-        prompt_ids=prompt_ids if inst.takes_prompt_ids else None,
+        # the ids P computed from: none where P rendered the messages itself (a pull ahead: ``ahead``)
+        prompt_ids=prompt_ids if inst.takes_prompt_ids and not run.plan.pulls_ahead else None,
         keep_token_ids=turn.return_token_ids,
         # prompt tokens this turn did not compute, for the client's usage: P's count (its own cache and the
         # pull) on a P/D turn; D's own on a decode-local one (None: D's figure stands)

@@ -2,9 +2,10 @@
 as JSON or as a relayed stream.
 
 Follow a request here: ``render.run`` → ``plan.plan`` (or the plan RENDER made without a render, or plain
-P/D) → ``prefill.run`` (not for decode-local) → ``decode.run``, then ``stream.relay`` or the JSON answer,
-and ``capture.end`` at the end of both (for a stream, before its ``[DONE]``). A decode-local turn no D
-could take, and a decode leg that failed before any output, run again through P as plain P/D
+P/D) → ``prefill.run`` (not for decode-local; for a pull planned ahead of its render, beside that render,
+whose token check gates D: ``ahead.prefill_checked``) → ``decode.run``, then ``stream.relay`` or the JSON
+answer, and ``capture.end`` at the end of both (for a stream, before its ``[DONE]``). A decode-local turn no
+D could take, and a decode leg that failed before any output, run again through P as plain P/D
 (``TurnRun.fall_back``).
 """
 
@@ -16,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from turnkv.errors import UpstreamError, UpstreamUnavailable, retryable
 from turnkv.gateway.services import Services
-from turnkv.gateway.turn import capture, decode, plan, prefill, render, report, stream
+from turnkv.gateway.turn import ahead, capture, decode, plan, render, report, stream
 from turnkv.gateway.turn.direct import BYTES_PER_TOKEN, TOKENS_PER_MESSAGE, text_size
 from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Fallback, Next, Plan, Rendered
@@ -34,7 +35,7 @@ async def _legs(run: TurnRun) -> None:
         prefilled = None
         if not run.plan.decode_local:
             run.check()
-            run.prefilled = prefilled = await prefill.run(run)
+            run.prefilled = prefilled = await ahead.prefill_checked(run)
         run.check()
         await _admit(run)
         opened = await decode.run(run, prefilled)
@@ -48,13 +49,17 @@ async def _legs(run: TurnRun) -> None:
 def _plan(run: TurnRun, rendered: Rendered) -> Plan:
     if rendered.next is Next.DECODE and rendered.direct is not None:
         return rendered.direct
-    if rendered.next is not Next.PLAN:
-        return Plan(Action.RECOMPUTE, rendered.reason)
-    run.check()
-    try:
-        made = plan.plan(run.svc, run.turn, rendered)
-    finally:
+    if rendered.next is Next.AHEAD and rendered.direct is not None:
+        made = rendered.direct
         run.planned_s = time.perf_counter() - run.turn.started
+    elif rendered.next is not Next.PLAN:
+        return Plan(Action.RECOMPUTE, rendered.reason)
+    else:
+        run.check()
+        try:
+            made = plan.plan(run.svc, run.turn, rendered)
+        finally:
+            run.planned_s = time.perf_counter() - run.turn.started
     if made.expect_hits and made.prefill_url is not None:
         run.svc.fleet.expect_hits(made.prefill_url, made.expect_hits)
     return made

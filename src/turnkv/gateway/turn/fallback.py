@@ -27,6 +27,8 @@ _REASON = {
 def reason_after(plan: Plan, why: Fallback, *, stateful: bool) -> Reason:
     if why is Fallback.DECODE_LOCAL_FAILED:
         return plan.reason
+    if why is Fallback.RENDER_MISMATCH:  # what the check found, or that there was nothing to check
+        return plan.assessment.reason if plan.assessment is not None else Reason.RENDER_FAILED
     if why.leg == "prefill":
         return _REASON[why] if plan.action is Action.PULL else plan.reason
     return _REASON[why] if stateful else plan.reason

@@ -6,10 +6,12 @@ pulled goes to P to be released, so D frees its blocks at once. A decode engine 
 queue takes no decode-local turn (``decode_busy``): its idle conversations' freed blocks are the
 first it evicts, so the turn would compute the whole history again there, behind the queue.
 ``direct`` is the same planner for a turn not rendered at all (``turn.direct``): its prompt's size is
-estimated, and only a decode-local decision stands. ``facts`` is what the policy is told, the same for
-both and for CAPTURE's question whether a new handle is worth keeping: the token check's result, and the
-engines' load (``reuse.load``: D's step time and the KV its streams read, P's queue; a fact the fleet
-cannot give is left to the policy's model, and the turn log says which and why).
+estimated, and only a decode-local decision stands; ``ahead`` for a pull or recompute turn planned before
+its render returns (``turn.ahead``): the same facts, the record's length standing for the match. ``facts``
+is what the policy is told, the same for both and for CAPTURE's question whether a new handle is worth
+keeping: the token check's result, and the engines' load (``reuse.load``: D's step time and the KV its
+streams read, P's queue; a fact the fleet cannot give is left to the policy's model, and the turn log says
+which and why).
 Transition: PLAN → PREFILL, or → DECODE for decode-local.
 """
 
@@ -21,10 +23,18 @@ from dataclasses import replace
 from turnkv.engine.base import HandleUse
 from turnkv.gateway.answer import echoed_answer
 from turnkv.gateway.services import Services
-from turnkv.gateway.turn.direct import Candidate, history_digest, size_guess
+from turnkv.gateway.turn.direct import Candidate, continuation, history_digest, size_guess
 from turnkv.gateway.turn.request import Turn
-from turnkv.gateway.turn.results import Plan, Rendered
-from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, record_unusable, unpinned_reason
+from turnkv.gateway.turn.results import Ahead, Plan, Rendered
+from turnkv.reuse.assess import (
+    Assessment,
+    EngineView,
+    Reason,
+    TemplateClass,
+    assess,
+    record_unusable,
+    unpinned_reason,
+)
 from turnkv.reuse.cost import Action, CostParams, TurnFacts, pulled_tokens
 from turnkv.reuse.load import LoadFacts, load_facts
 from turnkv.reuse.policies import Decision
@@ -108,6 +118,11 @@ def _pick_prefill(
 def estimates_ms(decision: Decision) -> dict[str, float]:
     """The policy's TTFT estimates per action, in ms, as the turn log shows them."""
     return {k.value: round(v * 1e3, 3) for k, v in decision.estimates.items()}
+
+
+def check(svc: Services, turn: Turn, rendered: Rendered) -> Assessment | None:
+    """The token check of a rendered turn against its claimed record (None: nothing to check)."""
+    return _assess(svc, turn, rendered)
 
 
 def _assess(svc: Services, turn: Turn, rendered: Rendered) -> Assessment | None:
@@ -253,4 +268,103 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         estimates=estimates_ms(decision),
         load=load.log(),
         direct=True,
+    )
+
+
+def ahead_possible(svc: Services, turn: Turn) -> bool:
+    """Whether the turn may be planned from its record, so the record is worth reading before rendering:
+    the setting is on, and the policy checks no tokens or the template keeps history and the messages
+    continue an answer with text."""
+    if not svc.settings.render_ahead or turn.conversation is None:
+        return False
+    if not svc.policy.checks_tokens:
+        return True
+    return svc.catalog.template.cls is TemplateClass.PRESERVES and continuation(turn.messages) is not None
+
+
+def _proves_history(svc: Services, turn: Turn, rec: ConversationRecord, cand: Candidate | None) -> bool:
+    """What the record says of the prompt before any render: the template keeps history, the client echoed
+    the last answer as D produced it, and the history before it digests as stored."""
+    if cand is None or svc.catalog.template.cls is not TemplateClass.PRESERVES or rec.history_digest is None:
+        return False
+    echoed = cand.echoed
+    if echoed.answer_digest != rec.answer_digest or (
+        rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest
+    ):
+        return False
+    return history_digest(turn.body, turn.messages[: cand.answer_at]) == rec.history_digest
+
+
+def ahead(svc: Services, turn: Turn, claim: Claim) -> Plan | None:
+    """The pull or recompute plan for a turn whose record proves its history (or whose policy checks no
+    tokens), made before any render; None when the turn must be rendered and planned first: the record does
+    not prove it, the policy would go decode-local, or P likely caches the conversation and would pull ahead
+    (its salted request could not use that cache)."""
+    rec = claim.record
+    if rec is None or turn.conversation is None or not svc.settings.render_ahead:
+        return None
+    d = svc.router.pick("decode", prefer=rec.decode_url)
+    view = EngineView(d.routable, d.epoch) if d is not None and d.url == rec.decode_url else None
+    if record_unusable(claim, tenant=turn.conversation.tenant, now=time.time(), decode=view) is not None:
+        return None
+    checks = svc.policy.checks_tokens
+    cand = continuation(turn.messages)
+    if checks and not _proves_history(svc, turn, rec, cand):
+        return None
+    bs = svc.settings.block_size
+    if cand is not None:
+        prompt_tokens = rec.num_tokens + cand.new_tokens(rec.bytes_per_token)
+    else:  # an unchecked policy's turn that is not text: sized as P will see it, at least D's sequence
+        prompt_tokens = max(size_guess(turn.messages), rec.num_tokens + 1)
+    costs = svc.estimator.params()
+    prefill = _pick_prefill(svc, rec, prompt_tokens, costs)
+    pressed = d is not None and not room_for_local(svc, d)
+    load = load_facts(prefill, d, time.monotonic())
+    f = facts(
+        rec,
+        prompt_tokens=prompt_tokens,
+        matched=rec.num_tokens,
+        prefill=prefill,
+        decode=d,
+        decode_holds=d is not None and not pressed,
+        block_size=bs,
+        load=load,
+    )
+    decision = svc.policy.decide(f, costs)
+    if decision.action is Action.DECODE_LOCAL:
+        return None  # the direct path's, or rendered and planned
+    pull = decision.action is Action.PULL and rec.handle is not None
+    if pull and checks and f.prefill_cached_tokens > 0:
+        return None
+    reason = Reason.FULL_MATCH
+    if decision.reason is not None:
+        reason = decision.reason
+    elif pressed and decision.action is Action.RECOMPUTE:
+        reason = Reason.DECODE_BUSY
+    elif rec.handle is None and decision.action is Action.RECOMPUTE:
+        reason = unpinned_reason(rec)
+    same_p = prefill is not None and prefill.url == rec.prefill_url
+    decided = Plan(
+        decision.action if pull else Action.RECOMPUTE,
+        reason,
+        prefill_url=prefill.url if prefill else None,
+        decode_url=d.url if d else None,
+        estimates=estimates_ms(decision),
+        load=load.log(),
+        expected_cached=f.prefill_cached_tokens,
+        ahead=Ahead.CHECKED if pull and checks else Ahead.SKIPPED,
+    )
+    if not pull:  # nothing of D's reused: no check needed; P frees the handle on the way
+        send = HandleUse.release(rec.handle) if rec.handle is not None else None
+        return replace(decided, send=send, expect_hits=(rec.prompt_tokens // bs) * bs if same_p else 0)
+    assert rec.handle is not None
+    pulled = pulled_tokens(costs, f)
+    return replace(
+        decided,
+        send=HandleUse(rec.handle, rec.num_tokens),
+        pull_tokens=pulled,
+        expected_cached=f.prefill_cached_tokens + pulled,
+        # the unchecked baseline believes the handle covers the prompt, as vLLM's proxy does
+        assessment=None if checks else Assessment(rec, rec.num_tokens, True, Reason.FULL_MATCH, True),
+        expect_hits=(rec.prompt_tokens // bs) * bs if same_p and not checks else 0,
     )

@@ -1,11 +1,11 @@
 """PREFILL: run the prompt on a prefill engine and get what D needs to continue it.
 
-With token ids from RENDER, P gets exactly those ids; otherwise the client's request, as plain P/D
-sends it. A failed pull (P answers 5xx: expired handle, restarted D, broken link), or one that stalls
-past the first-token deadline (renewed while P is busy: ``turn.deadline``), falls back
-(``TurnRun.fall_back``) and is tried again on the same P without the handle; an unreachable or failing
-P is replaced by the next healthy one (a single P whose connection failed is tried once more). While
-it runs, the prefill counts in P's queue at its estimated work (``queued_work``).
+With token ids from RENDER, P gets exactly those ids; otherwise the client's request, as plain P/D sends it
+(salted, for a pull sent ahead of the token check: ``turn.ahead``). A failed pull (P answers 5xx: expired
+handle, restarted D, broken link), or one that stalls past the first-token deadline (renewed while P is
+busy: ``turn.deadline``), falls back (``TurnRun.fall_back``) and is tried again on the same P without the
+handle; an unreachable or failing P is replaced by the next healthy one (a single P whose connection failed
+is tried once more). While it runs, the prefill counts in P's queue at its estimated work (``queued_work``).
 Transition: PREFILL → DECODE.
 """
 
@@ -19,6 +19,7 @@ from turnkv.gateway.turn.deadline import Deadline
 from turnkv.gateway.turn.direct import size_guess
 from turnkv.gateway.turn.results import Fallback, Prefilled
 from turnkv.gateway.turn.run import TurnRun
+from turnkv.gateway.turn.salt import salted
 from turnkv.reuse.cost import prefill_s, transfer_s
 
 
@@ -48,13 +49,16 @@ async def run(run: TurnRun) -> Prefilled:
             break
         send = run.plan.send
         t = svc.settings.timeouts
-        call = PrefillCall(turn.path, turn.body, run.rendered.prompt_ids, send, t.prefill_s)
+        # a pull ahead of the token check is salted apart in P's cache (``ahead``)
+        body = salted(turn.body, turn.request_id) if run.plan.pulls_ahead else turn.body
+        call = PrefillCall(turn.path, body, run.rendered.prompt_ids, send, t.prefill_s)
         t0 = time.perf_counter()
         run.journal.handle_spent = run.journal.handle_spent or send is not None
         try:
             with fleet.busy(inst.url, work_s, work_tokens):
+                sent, run.on_prefill_sent = run.on_prefill_sent, None
                 result = await run.until_aborted(
-                    svc.engine.prefill(inst.url, call, turn.meta), Deadline.prefill(t, inst.url)
+                    svc.engine.prefill(inst.url, call, turn.meta), Deadline.prefill(t, inst.url), then=sent
                 )
         except UpstreamError as exc:
             last = exc

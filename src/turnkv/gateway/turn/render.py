@@ -4,11 +4,13 @@ Both run at once. The engine's own render (or a render service) is the authority
 render the client caused to fail is the client's error; a render the engine failed (or a store that
 failed, or was too busy to answer: ``store_busy``) only costs this turn its reuse.
 Where the template keeps history, the record is read first, and a turn the planner sends to D as
-decode-local without a render (``plan.direct``) skips it; so does a first turn (no assistant message)
-with no stored record: there is nothing of D's to check it against.
-Transition: RENDER → PLAN, or → PREFILL with the client's messages (no conversation, or degraded),
-or → DECODE (decode-local without a render); a render that failed the turn says so (``failure``) with
-the record it claimed, which the driver puts back.
+decode-local without a render (``plan.direct``) skips it; so does a first turn (no assistant message) with
+no stored record: there is nothing of D's to check it against. A pull or recompute turn the record proves is
+planned from it (``plan.ahead``) and goes to P at once; its render, when a pull needs checking, runs
+beside P's leg (``checked``, started by ``turn.ahead``).
+Transition: RENDER → PLAN, or → PREFILL with the client's messages (no conversation, or degraded), or →
+DECODE (decode-local without a render), or → AHEAD (P first, the render beside it); a render that failed the
+turn says so (``failure``) with the record it claimed, which the driver puts back.
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ async def run(svc: Services, turn: Turn) -> Rendered:
     rendered: list[int] | BaseException
     first = last_assistant(turn.messages) is None
     cand = None if first else direct.candidate(svc, turn)
-    if first or cand is not None:
+    early = not first and plan.ahead_possible(svc, turn)
+    if first or cand is not None or early:
         # the record first: a decode-local turn it allows needs no render at all, nor does a
-        # conversation's first turn when nothing is stored (nothing of D's to check it against)
+        # conversation's first turn when nothing is stored (nothing of D's to check it against); a pull or
+        # recompute turn it proves goes to P at once, its render (if any) beside P's leg
         claim, why = await _claim(svc, turn)
         if claim is not None and cand is not None:
             local = plan.direct(svc, turn, claim, cand)
@@ -83,6 +87,16 @@ async def run(svc: Services, turn: Turn) -> Rendered:
             # P and D render the messages themselves, as in plain P/D
             reason = Reason.NO_RECORD if claim is not None else why
             return Rendered(Next.PREFILL, reason, claim=claim, claimed=_claimed(claim))
+        planned = plan.ahead(svc, turn, claim) if early and claim is not None else None
+        if planned is not None:
+            return Rendered(
+                Next.AHEAD,
+                planned.reason,
+                claim=claim,
+                claimed=_claimed(claim),
+                seconds=time.perf_counter() - t0,
+                direct=planned,
+            )
         try:
             rendered = await _render(svc, turn)
         except Exception as exc:  # judged below, as when both run side by side
@@ -92,7 +106,23 @@ async def run(svc: Services, turn: Turn) -> Rendered:
         if isinstance(claimed, BaseException):
             raise claimed
         claim, why = claimed
-    seconds = time.perf_counter() - t0
+    return _judged(svc, rendered, claim, why, time.perf_counter() - t0)
+
+
+async def checked(svc: Services, turn: Turn, claim: Claim) -> Rendered:
+    """The render of a turn already sent to P ahead of it, judged as any render (``turn.ahead`` checks it)."""
+    t0 = time.perf_counter()
+    rendered: list[int] | BaseException
+    try:
+        rendered = await _render(svc, turn)
+    except Exception as exc:
+        rendered = exc
+    return _judged(svc, rendered, claim, Reason.NO_SESSION, time.perf_counter() - t0)
+
+
+def _judged(
+    svc: Services, rendered: list[int] | BaseException, claim: Claim | None, why: Reason, seconds: float
+) -> Rendered:
     failed = Rendered(Next.PLAN, Reason.RENDER_FAILED, claim=claim, claimed=_claimed(claim), seconds=seconds)
     if isinstance(rendered, ClientError) or (
         isinstance(rendered, UpstreamStatus) and 400 <= rendered.upstream_status < 500

@@ -24,6 +24,8 @@ def headers(run: TurnRun) -> dict[str, str]:
     }
     if plan.direct:
         h["x-turnkv-direct"] = "true"  # decode-local without a render call (turn/direct.py)
+    if plan.ahead is not None:
+        h["x-turnkv-ahead"] = plan.ahead.value  # sent to P before its render returned (turn/ahead.py)
     divergence = _divergence(run)
     if divergence is not None:
         h["x-turnkv-divergence"] = divergence  # why D's KV did not match, whatever the turn then did
@@ -106,6 +108,7 @@ def account(run: TurnRun, capture: Capture) -> None:
         estimates_ms=dict(plan.estimates) or None,
         load=dict(plan.load) or None,
         direct=plan.direct or None,
+        ahead=plan.ahead.value if plan.ahead is not None else None,
         divergence=_divergence(run),
         conversation_source=conv.source if conv else None,
     )

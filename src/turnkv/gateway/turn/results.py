@@ -27,6 +27,14 @@ class Next(enum.Enum):
     PLAN = "plan"  # rendered: check the tokens and decide
     PREFILL = "prefill"  # plain P/D with the client's messages (no conversation, or nothing to check against)
     DECODE = "decode"  # decode-local without a render (``Rendered.direct`` holds the plan)
+    AHEAD = "ahead"  # pull or recompute planned from the record (``Rendered.direct``), P sent the messages
+
+
+class Ahead(enum.StrEnum):
+    """How a turn planned from the record (``turn.ahead``) stands to the render."""
+
+    CHECKED = "checked"  # P pulls before the token check; the render runs beside P's leg and gates D
+    SKIPPED = "skipped"  # nothing of D's KV is reused unchecked (recompute), or the policy checks no tokens
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,7 @@ class Rendered:
     claim: Claim | None = None  # None: not claimed (no conversation) or the store failed
     claimed: bool = False  # the store holds this turn's in-flight marker
     seconds: float = 0.0  # render and claim, side by side
-    direct: Plan | None = None
+    direct: Plan | None = None  # the plan made without waiting for a render (decode-local or ahead)
     failure: BaseException | None = None  # the turn cannot go on: the client gets this error
 
     @property
@@ -64,6 +72,13 @@ class Plan:
     assessment: Assessment | None = None
     direct: bool = False  # decode-local without a render
     expect_hits: int = 0  # tokens P should find in its prefix cache (for the cache-factor measurement)
+    ahead: Ahead | None = None  # planned from the record, P sent the messages before the render returned
+
+    @property
+    def pulls_ahead(self) -> bool:
+        """P pulls D's blocks with the messages, sent before the token check ran (its request is salted
+        apart; D starts only once the check has proved them)."""
+        return self.ahead is Ahead.CHECKED and self.send is not None and self.send.tokens > 0
 
     @property
     def decode_local(self) -> bool:
@@ -86,6 +101,7 @@ class Fallback(enum.Enum):
     DECODE_FAILED = ("decode", "decode_failed")  # D failed before its first token
     DECODE_DEADLINE = ("decode", "first_token_deadline")  # D missed its first-token deadline
     DECODE_LOCAL_FAILED = ("decode", "decode_local_failed")  # the D holding the conversation failed
+    RENDER_MISMATCH = ("prefill", "render_mismatch")  # the check did not prove what P pulled ahead of it
 
     @property
     def leg(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -71,6 +71,8 @@ class TurnRun:
     aborted: str | None = None  # why the gateway ended the turn early ("shutdown")
     ticket: Ticket | None = None  # its reservation on a decode engine's KV (gateway.kv_admission)
     _calls: set[asyncio.Future[Any]] = field(default_factory=set)  # what ``until_aborted`` waits on now
+    # told once P's next request has gone out (``ahead`` starts the render after it)
+    on_prefill_sent: Callable[[], object] | None = None
 
     @property
     def stateful(self) -> bool:
@@ -130,13 +132,18 @@ class TurnRun:
             raise ShuttingDown("the gateway is shutting down; send the turn again")
 
     async def until_aborted(
-        self, call: Awaitable[T], deadline: Deadline | None = None, *, started: float | None = None
+        self,
+        call: Awaitable[T],
+        deadline: Deadline | None = None,
+        *,
+        started: float | None = None,
+        then: Callable[[], object] | None = None,
     ) -> T:
         """``call``, unless the turn is aborted (``ShuttingDown``) or ``deadline`` passes first, counted from
         ``started`` (a loop time; default now) and renewed while the engine is busy (``FirstTokenDeadline``).
         A call given up on, for whatever reason (this turn cancelled too), is cancelled and waited for
         before this returns, so that nothing else reads what it was reading (an answer it opened is
-        closed)."""
+        closed). ``then`` is called once the call has taken its first step (a request it sends is out)."""
         if self.aborted is not None:
             if inspect.iscoroutine(call):
                 call.close()
@@ -147,6 +154,8 @@ class TurnRun:
         # one task per call: an abort cancels it (no second task waiting for the abort beside it)
         task = asyncio.ensure_future(call)
         self._calls.add(task)
+        if then is not None:
+            loop.call_soon(then)  # after the task's first step: the ready queue runs in order
         try:
             while True:
                 timeout = None if until is None else max(0.0, until - loop.time())

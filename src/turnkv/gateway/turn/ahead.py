@@ -1,0 +1,122 @@
+"""AHEAD: a pull or recompute turn sent to P before its render returns; the token check still gates D.
+
+On a pull or recompute turn the render call (the engine's ``/v1/chat/completions/render``) sat on the
+critical path: render, then the token check, then P's request. Two ways to take it off were weighed:
+
+* overlap it with what must happen before P's request anyway (the claim, picking P, connecting): that
+  work takes well under a millisecond where the render takes milliseconds (7.6 ms median at 16k on
+  vLLM), so the render would still lead P's request by almost all of its time;
+* plan from the record and send P the prompt as messages, as plain P/D (and vLLM's multi-turn proxy) do:
+  P renders it itself, and the gateway's render runs beside P's leg, only for the token check, which
+  must pass before D starts. This one is taken (``plan.ahead`` decides, this module runs the leg); the
+  render is then hidden behind P's prefill and pull, which take longer.
+
+Only where the record already proves the history (``plan.ahead``): the template keeps history, the
+client echoed the last answer as D produced it, the history before it digests as stored, and the
+record is usable. Then:
+
+* **recompute** (the policy would pull nothing): nothing of D's KV is reused, so nothing needs checking;
+  no render at all (``skipped``); P gets D's handle only to release it, and D the messages.
+* **pull** (``checked``): P pulls D's whole sequence with the messages, before the check. vLLM (and the
+  simulator) cache pulled blocks under the pulling request's token hashes, whatever they were computed
+  from, so a pull the check then rejects would leave wrong KV in P's prefix cache for any later request
+  with those tokens. P's request therefore carries a cache salt of its own (``turn.salt``, per turn):
+  its blocks are cached where no other request looks. That also keeps P's cache out of this turn, so a
+  turn whose P likely caches the conversation is rendered first as before. When the check proves at
+  least what P pulled and P counted the prompt the render gave, D continues from P's KV, given the
+  messages as P was (both engines' own rendering, as in plain P/D); otherwise P's leg is cancelled, or
+  its result dropped, and the turn falls back (``Fallback.RENDER_MISMATCH``) to plain P/D with the
+  rendered ids, unsalted, nothing reused. D never starts on a prefix the check did not prove. The render
+  goes to the render authority (a P unless ``render`` names a service) once P's request is out: P's API
+  server takes requests in order, and its own render of the messages, which its prefill waits for, must
+  not queue behind ours.
+* a policy that checks no tokens (the ``vllm-multiturn`` and unchecked baselines) is never rendered
+  once its record is usable: as vLLM's proxy, it pulls the previous handle with the messages.
+
+Decode-local turns are the direct path's (``turn.direct``); turns the record does not prove are
+rendered first and planned (``turn.render``, ``turn.plan``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import anyio
+
+from turnkv.gateway.turn import plan, prefill, render
+from turnkv.gateway.turn.results import Fallback, Plan, Prefilled, Rendered
+from turnkv.gateway.turn.run import STOP_WAIT_S, TurnRun
+from turnkv.reuse.assess import Reason
+from turnkv.reuse.cost import Action
+
+
+async def _stop(leg: asyncio.Future[Prefilled]) -> None:
+    """Cancel P's leg and wait (bounded) until it has let go of P's request."""
+    if not leg.done():
+        leg.cancel()
+        with anyio.move_on_after(2 * STOP_WAIT_S, shield=True):
+            await asyncio.wait({leg})
+    if leg.done() and not leg.cancelled():
+        leg.exception()  # retrieved: its outcome no longer matters
+
+
+def _proved(run: TurnRun, checked: Rendered, done: Prefilled | None) -> bool:
+    """Whether the check proves the prefix P pulls, and P (if it has answered) counted the rendered prompt;
+    the plan keeps what the check found either way."""
+    send, ids = run.plan.send, checked.prompt_ids
+    a = plan.check(run.svc, run.turn, checked)
+    if a is not None:
+        reason = a.reason if run.plan.reason is Reason.FULL_MATCH else run.plan.reason  # the policy's own stands
+        run.plan = dataclasses.replace(run.plan, assessment=a, reason=reason)
+    if send is None or ids is None or a is None or a.tokens < send.tokens:
+        return False
+    return done is None or done.result.prompt_tokens is None or done.result.prompt_tokens == len(ids)
+
+
+async def _after_p_request(run: TurnRun, leg: asyncio.Future[Prefilled]) -> None:
+    """Wait until P's request has gone out (or P's leg ended first): P's API server handles the requests
+    it gets in order, and its own render of the messages must not queue behind the gateway's."""
+    sent = asyncio.Event()
+    run.on_prefill_sent = sent.set
+    waiter: asyncio.Future[Any] = asyncio.ensure_future(sent.wait())
+    first: set[asyncio.Future[Any]] = {leg, waiter}
+    try:
+        await run.until_aborted(asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED))
+    finally:
+        run.on_prefill_sent = None
+        waiter.cancel()
+
+
+async def prefill_checked(run: TurnRun) -> Prefilled:
+    """P's leg of an ahead turn: a checked pull runs beside its render, and returns only once the token
+    check proved what P pulled; otherwise the turn falls back to plain P/D with the rendered ids."""
+    claim = run.rendered.claim
+    if claim is None or not run.plan.pulls_ahead:
+        return await prefill.run(run)
+    leg = asyncio.ensure_future(prefill.run(run))
+    pending: asyncio.Future[Rendered] | None = None
+    try:
+        await _after_p_request(run, leg)
+        pending = asyncio.ensure_future(render.checked(run.svc, run.turn, claim))
+        checked = await run.until_aborted(pending)
+        run.rendered = checked
+        if checked.failure is not None:  # the messages themselves are wrong: the client hears why
+            await _stop(leg)
+            run.plan = Plan(Action.RECOMPUTE, checked.reason)
+            raise checked.failure
+        if not run.plan.pulls_ahead:  # P's pull failed meanwhile: its leg went on without the handle
+            return await leg
+        if _proved(run, checked, None):
+            done = await leg
+            if not run.plan.pulls_ahead or _proved(run, checked, done):
+                return done
+        await _stop(leg)
+        if run.plan.pulls_ahead:  # what P pulled was not proved: none of it is used
+            run.fall_back(Fallback.RENDER_MISMATCH)
+        return await prefill.run(run)
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+        await _stop(leg)
