@@ -219,6 +219,27 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
     return decided
 
 
+def _decide_unrendered(
+    svc: Services, rec: ConversationRecord, prompt_tokens: int, d: InstanceView | None, *, decode_holds: bool
+) -> tuple[InstanceView | None, LoadFacts, TurnFacts, Decision]:
+    """The policy's decision for a turn planned from its record, its size estimated: the P it would use,
+    the engines' load, and the facts the policy was told."""
+    costs = svc.estimator.params()
+    prefill = _pick_prefill(svc, rec, prompt_tokens, costs)
+    load = load_facts(prefill, d, time.monotonic())
+    f = facts(
+        rec,
+        prompt_tokens=prompt_tokens,
+        matched=rec.num_tokens,
+        prefill=prefill,
+        decode=d,
+        decode_holds=decode_holds,
+        block_size=svc.settings.block_size,
+        load=load,
+    )
+    return prefill, load, f, svc.policy.decide(f, costs)
+
+
 def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | None:
     """The decode-local plan for a turn that continues its last answer with text only, made without a
     render (its size estimated from the new messages' bytes); None when the record or the policy does
@@ -241,22 +262,8 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
     history = turn.messages[: cand.answer_at]
     if rec.history_digest is None or history_digest(turn.body, history) != rec.history_digest:
         return None  # the history before the answer changed (compacted, tools, options): render and check
-    bs = svc.settings.block_size
     prompt_tokens = rec.num_tokens + cand.new_tokens(rec.bytes_per_token)
-    costs = svc.estimator.params()
-    prefill = _pick_prefill(svc, rec, prompt_tokens, costs)
-    load = load_facts(prefill, d, time.monotonic())
-    f = facts(
-        rec,
-        prompt_tokens=prompt_tokens,
-        matched=rec.num_tokens,
-        prefill=prefill,
-        decode=d,
-        decode_holds=True,
-        block_size=bs,
-        load=load,
-    )
-    decision = svc.policy.decide(f, costs)
+    prefill, load, f, decision = _decide_unrendered(svc, rec, prompt_tokens, d, decode_holds=True)
     if decision.action is not Action.DECODE_LOCAL:
         return None
     return Plan(
@@ -316,21 +323,10 @@ def ahead(svc: Services, turn: Turn, claim: Claim) -> Plan | None:
         prompt_tokens = rec.num_tokens + cand.new_tokens(rec.bytes_per_token)
     else:  # an unchecked policy's turn that is not text: sized as P will see it, at least D's sequence
         prompt_tokens = max(size_guess(turn.messages), rec.num_tokens + 1)
-    costs = svc.estimator.params()
-    prefill = _pick_prefill(svc, rec, prompt_tokens, costs)
     pressed = d is not None and not room_for_local(svc, d)
-    load = load_facts(prefill, d, time.monotonic())
-    f = facts(
-        rec,
-        prompt_tokens=prompt_tokens,
-        matched=rec.num_tokens,
-        prefill=prefill,
-        decode=d,
-        decode_holds=d is not None and not pressed,
-        block_size=bs,
-        load=load,
+    prefill, load, f, decision = _decide_unrendered(
+        svc, rec, prompt_tokens, d, decode_holds=d is not None and not pressed
     )
-    decision = svc.policy.decide(f, costs)
     if decision.action is Action.DECODE_LOCAL:
         return None  # the direct path's, or rendered and planned
     pull = decision.action is Action.PULL and rec.handle is not None
@@ -358,7 +354,7 @@ def ahead(svc: Services, turn: Turn, claim: Claim) -> Plan | None:
         send = HandleUse.release(rec.handle) if rec.handle is not None else None
         return replace(decided, send=send, expect_hits=(rec.prompt_tokens // bs) * bs if same_p else 0)
     assert rec.handle is not None
-    pulled = pulled_tokens(costs, f)
+    pulled = pulled_tokens(svc.estimator.params(), f)
     return replace(
         decided,
         send=HandleUse(rec.handle, rec.num_tokens),
