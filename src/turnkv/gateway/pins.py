@@ -90,12 +90,6 @@ class PinKeeper:
         if tokens < before:
             self.on_change(url)
 
-    def room_for_local(self, inst: InstanceView) -> bool:
-        """Whether D can take a decode-local turn: its KV is not nearly full and nothing waits on it. A
-        D short of blocks has evicted the freed blocks of idle conversations first, so a decode-local
-        turn would likely recompute the whole history there, and wait for blocks besides."""
-        return inst.kv_usage < self._dm.pressure_kv_usage and inst.waiting == 0
-
     def under_pressure(self, inst: InstanceView) -> bool:
         """D's cache is nearly full, or requests wait on D while stored pins hold more than the low watermark."""
         if inst.kv_usage >= self._dm.pressure_kv_usage:
