@@ -339,10 +339,16 @@ async def test_a_decode_engine_short_of_kv_or_queued_longer_than_p_takes_no_deco
 
 
 @pytest.mark.parametrize("direct", [True, False])
-async def test_a_decode_engine_queued_less_than_p_still_takes_the_turn_decode_local(direct: bool) -> None:
+@pytest.mark.parametrize("local_queue", ["weigh", "refuse"])
+async def test_a_decode_engine_queued_less_than_p_still_takes_the_turn_decode_local(
+    direct: bool, local_queue: str
+) -> None:
     # issue 11: requests wait on D (20 ms each, as its queue-time histogram says), but P has others'
-    # prefills queued (4 of 300 ms): the turn would wait longer at P, so D takes it
-    async with gateway(policy={"name": "decode-local"}, decode_local_direct=direct) as gw:
+    # prefills queued (4 of 300 ms): the turn would wait longer at P, so D takes it. With
+    # decode_memory.local_queue: refuse (as before), any request waiting on D refuses it.
+    async with gateway(
+        policy={"name": "decode-local"}, decode_local_direct=direct, decode_memory={"local_queue": local_queue}
+    ) as gw:
         chat = await conversation(gw)
         gw.engine[D0].waiting, gw.engine[D0].queue_ms = 3, 20.0
         gw.engine[P0].waiting, gw.engine[P0].prefill_ms = 4, 300.0
@@ -351,6 +357,9 @@ async def test_a_decode_engine_queued_less_than_p_still_takes_the_turn_decode_lo
             lambda: view(gw, D0).queue_wait_ms is not None and view(gw, P0).prefill_request_ms is not None,
         )
         a = await chat.say("go on")
+        if local_queue == "refuse":
+            assert (a.action, a.reason) == ("recompute", "decode_queue")
+            return
         assert (a.outcome, a.action, a.reason) == ("decode_local", "decode_local", "decode_local")
         room = gw.turns[-1]["load"]["decode_room"]
         assert room["state"] == "queued" and 0 < room["decode_queue_ms"] < room["prefill_queue_ms"]

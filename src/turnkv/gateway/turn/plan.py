@@ -39,13 +39,15 @@ from turnkv.state.record import ConversationRecord
 
 def room(svc: Services, decode: InstanceView, load: LoadFacts) -> DecodeRoom:
     """Whether ``decode`` has room for a decode-local turn (``reuse.room``): its KV usage, the turns the
-    gateway holds for room on it (``kv_admission``: D's queue all the same), its queue against P's."""
+    gateway holds for room on it (``kv_admission``: D's queue all the same), its queue against P's (with
+    ``decode_memory.local_queue: refuse``, against none: any request waiting on D refuses the turn)."""
+    dm = svc.settings.decode_memory
     return decode_room(
         kv_usage=decode.kv_usage,
-        pressure_kv_usage=svc.settings.decode_memory.pressure_kv_usage,
+        pressure_kv_usage=dm.pressure_kv_usage,
         held=svc.admission.queued(decode.url),
         decode_queue_ms=load.decode_queue_ms,
-        prefill_queue_ms=load.prefill_queue_ms,
+        prefill_queue_ms=load.prefill_queue_ms if dm.local_queue == "weigh" else 0.0,
     )
 
 
