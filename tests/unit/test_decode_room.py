@@ -117,9 +117,20 @@ def test_ds_queue_delays_a_decode_local_turn_fully_and_a_turn_through_p_only_by_
     assert short[Action.DECODE_LOCAL] == pytest.approx(base[Action.DECODE_LOCAL] + 0.050)
     assert short[Action.PULL] == pytest.approx(base[Action.PULL])
     assert long[Action.DECODE_LOCAL] == pytest.approx(base[Action.DECODE_LOCAL] + 1.0)
-    # through P, the turn reaches D after its P leg (queue, hop, transfer, prefill) and waits the rest
-    assert base[Action.PULL] < long[Action.PULL] < base[Action.PULL] + 1.0
-    assert long[Action.PULL] - long[Action.DECODE_LOCAL] < base[Action.PULL] - base[Action.DECODE_LOCAL]
+    # through P, the turn waits P's queue (100 ms), and then what is left of D's
+    assert long[Action.PULL] == pytest.approx(base[Action.PULL] + 0.9)
+    assert long[Action.RECOMPUTE] == pytest.approx(base[Action.RECOMPUTE] + 0.9)
+
+
+def test_a_long_d_queue_does_not_make_a_pull_and_a_recompute_tie() -> None:
+    # P lacks the history: recomputing it costs P ~0.2 s more than pulling it. Both wait out a 5 s D
+    # queue, but the estimates keep the difference (a tie would go to the recompute, at P's expense)
+    f = dataclasses.replace(later_turn(p_queue_ms=0.0, d_queue_ms=5000.0), prefill_cached_tokens=0)
+    est = estimate(COSTS, f)
+    assert est[Action.RECOMPUTE] - est[Action.PULL] > 0.1
+    assert build_policy("adaptive", {}).decide(dataclasses.replace(f, decode_local_possible=False), COSTS).action is (
+        Action.PULL
+    )
 
 
 def test_adaptive_takes_decode_local_behind_a_short_d_queue_and_says_decode_queue_when_ds_queue_turns_it() -> None:

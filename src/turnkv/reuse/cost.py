@@ -107,9 +107,11 @@ def pulled_tokens(p: CostParams, f: TurnFacts) -> int:
 
 def estimate(p: CostParams, f: TurnFacts, block_size: int = 16) -> dict[Action, float]:
     """Estimated TTFT of each possible action, in seconds: at idle engines, plus P's and D's queues where
-    the facts say them. A decode-local turn waits D's whole queue; a turn through P reaches D only after
-    its P leg, and waits there only for what is left of D's queue by then (the requests waiting on D now
-    are scheduled meanwhile; those arriving later are not counted on either side)."""
+    the facts say them. A decode-local turn waits D's whole queue; a turn through P waits P's queue
+    first, and then only for what is left of D's queue (the requests waiting on D now are scheduled
+    meanwhile; those arriving later are not counted on either side). What is left is counted from P's
+    queue alone, the same for a pull and a recompute: were it counted from the end of each one's P leg,
+    a D queue longer than both would make them tie, and the tie go to the recompute that costs P more."""
     L = f.prompt_tokens
     queue = (f.prefill_queue_ms or 0.0) / 1e3
     dqueue = (f.decode_queue_ms or 0.0) / 1e3
@@ -118,14 +120,12 @@ def estimate(p: CostParams, f: TurnFacts, block_size: int = 16) -> dict[Action, 
     # after P, D pulls what its own prefix cache lacks and recomputes the last prompt token
     p_to_d = transfer_s(p, L - hitd, block_size, push=True) + p.hop_s + p.prefill_floor_s
 
-    def via_p(before_d: float) -> float:
-        return before_d + max(0.0, dqueue - before_d) + p_to_d
-
-    out = {Action.RECOMPUTE: via_p(queue + p.hop_s + prefill_s(p, L - hitp, hitp))}
+    queue += max(0.0, dqueue - queue)  # D's queue left once P's is waited: a turn through P waits that too
+    out = {Action.RECOMPUTE: queue + p.hop_s + prefill_s(p, L - hitp, hitp) + p_to_d}
     if f.reusable_tokens > 0:
         pulled = pulled_tokens(p, f)
         have = hitp + pulled
-        out[Action.PULL] = via_p(queue + p.hop_s + transfer_s(p, pulled, block_size) + prefill_s(p, L - have, have))
+        out[Action.PULL] = queue + p.hop_s + transfer_s(p, pulled, block_size) + prefill_s(p, L - have, have) + p_to_d
     if f.decode_local_possible:
         out[Action.DECODE_LOCAL] = dqueue + p.hop_s + prefill_s(p, L - hitd, hitd)
         if p.decode_chunk_tokens > 0:  # spread over steps, each as long as D's decode step at least
