@@ -26,7 +26,7 @@ tokens a step: each step then grows by little (within the tokens a step computes
 the chunk's attention), and the turn's first token comes a few steps later. Where D's KV is crowded
 (``decode_cache_max_usage``), its prefix cache has likely evicted the conversation: decode-local is
 then costed as prefilling the whole prompt on D. Requests waiting on D (``decode_queue_ms``) delay a
-decode-local turn by D's whole queue, a turn through P only by what is left of it once P is done
+decode-local turn by D's whole queue, a turn through P only by what is left of it once P's queue is waited
 (``reuse.cost.estimate``): where that alone turns the choice to P, the reason is ``decode_queue``.
 """
 
