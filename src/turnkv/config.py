@@ -75,7 +75,16 @@ class DecodeMemory(BaseModel):
         "them, as plain P/D leaves them; past it the oldest, and under pressure all, are released (a 1-token "
         "request to a prefill engine each); 0: release each at once",
     )
-    pressure_kv_usage: float = Field(0.9, gt=0, le=1.01, description="D's KV usage at which pins are released")
+    pressure_kv_usage: float = Field(
+        0.9, gt=0, le=1.01, description="D's KV usage at which pins are released (and no turn runs decode-local)"
+    )
+    local_queue: str = Field(
+        "weigh",
+        pattern="^(weigh|refuse)$",
+        description="requests waiting on a decode engine: weigh (its queue against P's: decode-local only when "
+        "D's is not the longer, reuse.room) or refuse (any request waiting on D refuses decode-local, as before "
+        "issue 11's change)",
+    )
     pressure_keep_share: float = Field(
         0.1, ge=0, le=1, description="under pressure, pins are released down to this share of capacity"
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from turnkv.bench.records import RunResult
-from turnkv.bench.scenarios.goodput import CONFIGS, WORKLOAD
+from turnkv.bench.scenarios.goodput import DEFAULT_CONFIGS, WORKLOAD
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def sweep_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_every_configuration_answered_every_turn(sweep_out: Path) -> None:
     run = RunResult.read(sweep_out / "results.json")
-    assert [c.name for c in run.configs] == [f"1p1d-{c}-r2" for c in CONFIGS]
+    assert [c.name for c in run.configs] == [f"1p1d-{c}-r2" for c in DEFAULT_CONFIGS]
     for c in run.configs:
         assert len(c.requests) == CONVERSATIONS * WORKLOAD.turns, c.name
         assert all(r.ok and r.completion_tokens == WORKLOAD.answer_tokens for r in c.requests), c.name

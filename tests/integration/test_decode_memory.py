@@ -348,6 +348,29 @@ def test_no_decode_local_turn_on_a_decode_engine_short_of_kv(procs: list[launch.
     assert turn.correct and turn.reason == "decode_busy" and turn.headers["x-turnkv-action"] == "recompute"
 
 
+def test_no_decode_local_turn_on_a_decode_engine_queued_longer_than_the_idle_prefill_engine(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    # issue 11: D's KV pressure out of the way (1.01) and no decode admission, so only D's queue counts:
+    # long answers fill D and one of them waits for blocks, while P is idle. D's queue is the longer one:
+    # the turn goes through P (and waits for D's blocks there all the same), and says decode_queue.
+    c = _realtime_cluster(
+        procs,
+        tmp_path,
+        policy="decode-local",
+        TURNKV_DECODE_MEMORY__ADMIT_SHARE="0",
+        TURNKV_DECODE_MEMORY__PRESSURE_KV_USAGE="1.01",
+    )
+    with Dialogue(c, session="a", stream=True) as d:
+        assert d.step().correct
+        hogs = _hog(c, 3, 1000)
+        wait_for(lambda: _gateway_sees(c, lambda e: e["waiting"] >= 1), what="the gateway seeing requests wait on D")
+        turn = d.step()  # served once a long answer ends and frees its blocks
+        _unhog(hogs)
+    assert turn.correct and turn.reason == "decode_queue" and turn.headers["x-turnkv-action"] == "recompute"
+    assert c.turn_events(2)[-1]["load"]["decode_room"]["state"] == "queue_longer"
+
+
 def test_a_busy_decode_engine_is_waited_for_past_the_first_token_deadline(
     procs: list[launch.Running], tmp_path: Path
 ) -> None:

@@ -176,6 +176,30 @@ async def test_an_unhealthy_decode_engine_is_left_for_another() -> None:
         assert gw.turns[-1]["decode"] != holder
 
 
+@pytest.mark.parametrize("routing", ["load-affinity", "affinity"])
+async def test_a_conversation_whose_decode_engine_is_queued_moves_to_the_other(routing: str) -> None:
+    # issue 11: with load-affinity, a D on which requests wait (here 400 ms, as its queue-time histogram
+    # says) over 100 ms longer than on the other loses the conversation: the turn pulls the old D's blocks
+    # through P and decodes on the other D, and says why. Plain affinity does not look at D's queue.
+    engine = FakeEngine([P0], [D0, D1])
+    async with gateway(engine, decode=[D0, D1], routing=routing) as gw:
+        chat = await conversation(gw)
+        holder = gw.turns[-1]["decode"]
+        other = D1 if holder == D0 else D0
+        engine[holder].waiting, engine[holder].queue_ms = 6, 400.0
+        await gw.wait_for("the fleet to see the queue", lambda: view(gw, holder).queue_wait_ms is not None)
+        a = await chat.say("go on")
+        if routing == "affinity":
+            assert gw.turns[-1]["decode"] == holder and a.reason == "full_match"
+            return
+        assert (a.outcome, a.action, a.reason) == ("full", "pull", "decode_moved")
+        assert gw.turns[-1]["decode"] == other and engine[holder].released == [] and engine[holder].pins == {}
+        assert gw.metric("turnkv_reuse_decisions_total", outcome="full", action="pull", reason="decode_moved") == 1
+        engine[holder].waiting = 0
+        a = await chat.say("and then?")  # the conversation lives on the other D now
+        assert gw.turns[-1]["decode"] == other and (a.outcome, a.reason) == ("full", "full_match")
+
+
 async def test_an_edited_history_is_refused() -> None:
     async with gateway() as gw:
         chat = await conversation(gw, 2)
@@ -285,24 +309,64 @@ async def test_decode_local_that_would_slow_the_streams_on_d_past_the_itl_budget
 
 
 @pytest.mark.parametrize("direct", [True, False])
-@pytest.mark.parametrize("load", [{"waiting": 2}, {"kv_usage": 0.95}], ids=["queue", "kv_full"])
-async def test_a_decode_engine_with_a_queue_or_short_of_kv_takes_no_decode_local_turn(
-    direct: bool, load: dict[str, float]
+@pytest.mark.parametrize(
+    ("load", "why"),
+    [({"waiting": 2}, "decode_queue"), ({"kv_usage": 0.95}, "decode_busy")],
+    ids=["queue_longer_than_ps", "kv_full"],
+)
+async def test_a_decode_engine_short_of_kv_or_queued_longer_than_p_takes_no_decode_local_turn(
+    direct: bool, load: dict[str, float], why: str
 ) -> None:
-    # its idle conversations' freed blocks are the first it evicts: a decode-local turn would compute the
-    # whole history again there, behind the queue. The turn goes through P, and says why.
+    # short of KV, its idle conversations' freed blocks are the first it evicts: a decode-local turn would
+    # compute the whole history again there. Requests waiting on D while P is idle: the turn would wait
+    # longer on D than at P. The turn goes through P, and says why.
     async with gateway(policy={"name": "decode-local"}, decode_local_direct=direct) as gw:
         chat = await conversation(gw)
         for k, v in load.items():
             setattr(gw.engine[D0], k, v)
-        await gw.wait_for("the fleet to see D's load", lambda: not gw.svc.pins.room_for_local(view(gw, D0)))
+        await gw.wait_for(
+            "the fleet to see D's load", lambda: view(gw, D0).waiting == 2 or view(gw, D0).kv_usage >= 0.95
+        )
         a = await chat.say("go on")
-        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "decode_busy")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", why)
         assert "x-turnkv-direct" not in a.headers and gw.turns[-1]["prefill"] == P0
+        assert gw.turns[-1]["load"]["decode_room"]["state"] == ("queue_longer" if why == "decode_queue" else "busy")
+        assert gw.metric("turnkv_reuse_decisions_total", outcome="none", action="recompute", reason=why) == 1
         gw.engine[D0].waiting, gw.engine[D0].kv_usage = 0, None
-        await gw.wait_for("D to have room again", lambda: gw.svc.pins.room_for_local(view(gw, D0)))
+        await gw.wait_for("D to have room again", lambda: view(gw, D0).waiting == 0 and view(gw, D0).kv_usage < 0.9)
         a = await chat.say("and now?")
         assert (a.outcome, a.action, a.reason) == ("decode_local", "decode_local", "decode_local")
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("local_queue", ["weigh", "refuse"])
+async def test_a_decode_engine_queued_less_than_p_still_takes_the_turn_decode_local(
+    direct: bool, local_queue: str
+) -> None:
+    # issue 11: requests wait on D (20 ms each, as its queue-time histogram says), but P has others'
+    # prefills queued (4 of 300 ms): the turn would wait longer at P, so D takes it. With
+    # decode_memory.local_queue: refuse (as before), any request waiting on D refuses it.
+    async with gateway(
+        policy={"name": "decode-local"}, decode_local_direct=direct, decode_memory={"local_queue": local_queue}
+    ) as gw:
+        chat = await conversation(gw)
+        gw.engine[D0].waiting, gw.engine[D0].queue_ms = 3, 20.0
+        gw.engine[P0].waiting, gw.engine[P0].prefill_ms = 4, 300.0
+        await gw.wait_for(
+            "the fleet to see both queues",
+            lambda: view(gw, D0).queue_wait_ms is not None and view(gw, P0).prefill_request_ms is not None,
+        )
+        a = await chat.say("go on")
+        if local_queue == "refuse":
+            assert (a.action, a.reason) == ("recompute", "decode_queue")
+            return
+        assert (a.outcome, a.action, a.reason) == ("decode_local", "decode_local", "decode_local")
+        room = gw.turns[-1]["load"]["decode_room"]
+        assert room["state"] == "queued" and 0 < room["decode_queue_ms"] < room["prefill_queue_ms"]
+        gw.engine[P0].waiting = 0  # P's queue gone: D's is the longer one now
+        await gw.wait_for("the fleet to see P idle", lambda: view(gw, P0).waiting == 0)
+        a = await chat.say("and now?")
+        assert (a.action, a.reason) == ("recompute", "decode_queue")
 
 
 async def test_a_pull_that_fails_is_run_again_without_the_handle() -> None:

@@ -14,7 +14,10 @@ from turnkv.bench.goodput import Slo, collapsed, geometric_rates, meets, next_ra
 from turnkv.bench.records import ConfigResult, RequestRecord
 from turnkv.bench.scenarios import goodput as suite
 from turnkv.bench.scenarios.base import Bench
+from turnkv.config import Settings
 from turnkv.reuse.policies import build_policy
+from turnkv.routing.router import build_profile
+from turnkv.routing.scorers import Affinity
 
 SLO = Slo()
 
@@ -177,7 +180,7 @@ def test_the_sweep_runs_every_configuration_per_rate_and_stops_two_rates_past_th
         done.append(result("1p1d", t["config"], t["rate"], [rec(itl=[itl] * 127)]))
     rates = sorted({float(n.rsplit("-r", 1)[1]) for n in seen})
     assert rates == [0.5, 1.0, 2.0, 3.0]
-    assert seen[: len(suite.CONFIGS)] == [suite.name("1p1d", c, 0.5) for c in suite.CONFIGS]
+    assert seen[: len(suite.DEFAULT_CONFIGS)] == [suite.name("1p1d", c, 0.5) for c in suite.DEFAULT_CONFIGS]
 
 
 def test_the_sweep_keeps_to_its_time_budget() -> None:
@@ -213,6 +216,23 @@ def test_configurations_deploy_as_described() -> None:
     seeds = {suite.bench("2p2d", c, 2.0, opts).plans[0].workload.seed for c in suite.CONFIGS}
     assert len(seeds) == 1 and suite.bench("2p2d", "plain", 4.0, opts).plans[0].workload.seed not in seeds
     assert opts.rates_for("2p2d")[0] == 2 * opts.rates_for("1p1d")[0]  # twice the engines, twice the rates
+
+
+def test_adaptive_gate_is_adaptive_before_ds_queue_was_weighed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same run can hold turnkv before and after issue 11's decode-queue change side by side
+    opts = suite.SweepOptions(topologies=("2p2d",))
+    assert "adaptive-gate" not in opts.configs  # on request only
+    gate = dict(suite.bench("2p2d", "adaptive-gate", 2.0, opts).deployment.gateway_env)
+    ad = dict(suite.bench("2p2d", "adaptive", 2.0, opts).deployment.gateway_env)
+    assert gate["TURNKV_POLICY__PARAMS"] == ad["TURNKV_POLICY__PARAMS"]
+    assert gate["TURNKV_DECODE_MEMORY__LOCAL_QUEUE"] == "refuse" and "TURNKV_DECODE_MEMORY__LOCAL_QUEUE" not in ad
+    for k in ("TURNKV_DECODE_MEMORY__LOCAL_QUEUE", "TURNKV_ROUTING_PROFILES", "TURNKV_ROUTING"):
+        monkeypatch.setenv(k, gate[k])
+    s = Settings(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"])  # the gateway accepts them
+    profile = build_profile(s.routing, s.routing_profiles)
+    affinity = [sc for _, sc in profile.scorers if isinstance(sc, Affinity)]
+    assert s.decode_memory.local_queue == "refuse" and [a.queue_slack_ms for a in affinity] == [None]
+    assert [a.queue_slack_ms for _, a in build_profile("load-affinity").scorers if isinstance(a, Affinity)] == [100.0]
 
 
 def _point(goodput_turns: int, itl: float) -> list[RequestRecord]:

@@ -37,6 +37,7 @@ from turnkv.engine.base import (
     Handle,
     HandleFacts,
     HandleProblem,
+    Histo,
     LoadSample,
     ModelCard,
     Piece,
@@ -105,6 +106,11 @@ class Instance:
     freed: asyncio.Event = field(default_factory=asyncio.Event)  # the other work is done (``free``)
     prefix_hits: int = 0
     capacity_tokens: int | None = None
+    # latencies its metrics report (None: no such histogram): each read of its metrics adds one request
+    # that waited ``queue_ms`` to be scheduled and, on P, one prefill of ``prefill_ms``
+    queue_ms: float | None = None
+    prefill_ms: float | None = None
+    reads: int = 0
     cached: set[int] = field(default_factory=set)  # hashes of the block-aligned prefixes it computed
     staged: dict[str, list[int]] = field(default_factory=dict)  # P: prompt KV prefilled for a D, by id
     pins: dict[str, Pin] = field(default_factory=dict)  # D: sequences pinned for a next turn, by id
@@ -361,6 +367,8 @@ class FakeEngine:
         cap = inst.capacity_tokens
         if inst.behind:
             inst.computed += 1  # the work they wait behind goes on
+        inst.reads += 1
+        n = inst.reads
         return LoadSample(
             epoch=inst.epoch,
             running=inst.running,
@@ -370,6 +378,8 @@ class FakeEngine:
             prefix_cache_hits=float(inst.prefix_hits),
             block_size=self.block_size,
             capacity_tokens=cap,
+            queue_time=None if inst.queue_ms is None else Histo(n * inst.queue_ms / 1e3, n),
+            prefill_time=None if inst.prefill_ms is None else Histo(n * inst.prefill_ms / 1e3, n),
         )
 
     async def models(self, base: str) -> list[ModelCard] | None:

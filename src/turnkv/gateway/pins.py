@@ -90,12 +90,6 @@ class PinKeeper:
         if tokens < before:
             self.on_change(url)
 
-    def room_for_local(self, inst: InstanceView) -> bool:
-        """Whether D can take a decode-local turn: its KV is not nearly full and nothing waits on it. A
-        D short of blocks has evicted the freed blocks of idle conversations first, so a decode-local
-        turn would likely recompute the whole history there, and wait for blocks besides."""
-        return inst.kv_usage < self._dm.pressure_kv_usage and inst.waiting == 0
-
     def crowded(self, inst: InstanceView, tokens: int) -> bool:
         """Whether a new pin of ``tokens`` would hold blocks that requests waiting on D need: they wait
         (for blocks, or behind one that does) and stored pins would pass the low watermark with it."""

@@ -210,6 +210,7 @@ async def ready(request: Request) -> Response:
                 "version": i.version,
                 "in_flight": i.in_flight,
                 "running": i.running,
+                "waiting": i.waiting,
                 "kv_cache_usage": i.kv_usage,
                 "prefix_cache_factor": round(i.cache_factor, 3),
                 **({"stream_handles": i.stream_handles} if role == "decode" else {}),

@@ -49,7 +49,9 @@ class Reason(enum.StrEnum):
     NO_HANDLE_IN_STREAM = "no_handle_in_stream"  # D's stream carried no handle (vLLM < 0.33 without the plugin)
     FIRST_TOKEN_DEADLINE = "first_token_deadline"  # an engine missed it; the turn ran another way
     DECODE_FAILED = "decode_failed"  # D failed before its first token; the turn ran again as plain P/D
-    DECODE_BUSY = "decode_busy"  # D's KV is nearly full or requests wait on it: no decode-local turn
+    DECODE_BUSY = "decode_busy"  # D's KV is nearly full, or turns wait in the gateway for room on it: not decode-local
+    DECODE_QUEUE = "decode_queue"  # requests wait on D longer than the turn would wait at P: not decode-local
+    DECODE_MOVED = "decode_moved"  # routing put the turn on another D than the one holding it (by load)
 
 
 class TemplateClass(enum.StrEnum):

@@ -79,6 +79,7 @@ class TurnFacts:
     itl_budget_ms: float | None = None  # longest ITL a stream on D may see in a step that prefills this turn
     decode_kv_usage: float | None = None  # share of D's KV its running requests and pins hold (0-1)
     prefill_queue_ms: float | None = None  # how long this turn would wait at P before its prefill starts
+    decode_queue_ms: float | None = None  # how long a request sent to D now would wait there (``reuse.load``)
 
 
 def prefill_s(p: CostParams, new: int, context: int) -> float:
@@ -105,21 +106,28 @@ def pulled_tokens(p: CostParams, f: TurnFacts) -> int:
 
 
 def estimate(p: CostParams, f: TurnFacts, block_size: int = 16) -> dict[Action, float]:
-    """Estimated TTFT of each possible action, in seconds: at idle engines, plus P's queue where the
-    facts say it."""
+    """Estimated TTFT of each possible action, in seconds: at idle engines, plus P's and D's queues where
+    the facts say them. A decode-local turn waits D's whole queue; a turn through P waits P's queue
+    first, and then only for what is left of D's queue (the requests waiting on D now are scheduled
+    meanwhile; those arriving later are not counted on either side). What is left is counted from P's
+    queue alone, the same for a pull and a recompute: were it counted from the end of each one's P leg,
+    a D queue longer than both would make them tie, and the tie go to the recompute that costs P more."""
     L = f.prompt_tokens
     queue = (f.prefill_queue_ms or 0.0) / 1e3
+    dqueue = (f.decode_queue_ms or 0.0) / 1e3
     hitp = min(f.prefill_cached_tokens, L - 1)
     hitd = min(f.decode_cached_tokens, L - 1)
     # after P, D pulls what its own prefix cache lacks and recomputes the last prompt token
     p_to_d = transfer_s(p, L - hitd, block_size, push=True) + p.hop_s + p.prefill_floor_s
+
+    queue += max(0.0, dqueue - queue)  # D's queue left once P's is waited: a turn through P waits that too
     out = {Action.RECOMPUTE: queue + p.hop_s + prefill_s(p, L - hitp, hitp) + p_to_d}
     if f.reusable_tokens > 0:
         pulled = pulled_tokens(p, f)
         have = hitp + pulled
         out[Action.PULL] = queue + p.hop_s + transfer_s(p, pulled, block_size) + prefill_s(p, L - have, have) + p_to_d
     if f.decode_local_possible:
-        out[Action.DECODE_LOCAL] = p.hop_s + prefill_s(p, L - hitd, hitd)
+        out[Action.DECODE_LOCAL] = dqueue + p.hop_s + prefill_s(p, L - hitd, hitd)
         if p.decode_chunk_tokens > 0:  # spread over steps, each as long as D's decode step at least
             running = f.decode_running if f.decode_running is not None else f.decode_busy
             _, steps = step_added_s(p, running, L - hitd, hitd)

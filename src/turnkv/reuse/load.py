@@ -1,5 +1,5 @@
 """What the engines' load means for one turn: D's step time now, the KV its running streams read each
-step, and how long the turn would wait at P before its prefill starts.
+step, how long the turn would wait at P before its prefill starts, and how long at D.
 
 Pure: snapshots of the engines in (``InstanceView``, as the fleet last read them and as this gateway
 holds them), ``LoadFacts`` out. Each fact says where it came from, or why it is missing; a missing fact
@@ -18,6 +18,10 @@ is left to the policy's own model (``reuse.cost``: D's step estimated from its b
   metrics said, beyond this gateway's own in flight when they were read) at P's recent mean prefill time
   (``vllm:request_prefill_time_seconds``). Missing when there is no P; when P has requests of others
   and no prefill-time histogram, their part is left out and the source says so.
+* ``decode_queue_ms``: how long a request sent to D now would wait to be scheduled there: 0 while D
+  reported nothing waiting at its last read; else the mean wait of the requests it scheduled between its
+  last two reads (``vllm:request_queue_time_seconds``), at least one step; without that histogram, one
+  step per waiting request (the source says so). Missing when there is no D or before its first read.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class LoadFacts:
     decode_step_ms: float | None = None
     decode_context_tokens: int | None = None
     prefill_queue_ms: float | None = None
+    decode_queue_ms: float | None = None
     # per fact: where its value came from, or "model:<why>" when the policy's model stands in for it
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -44,6 +49,7 @@ class LoadFacts:
             "decode_step_ms": None if self.decode_step_ms is None else round(self.decode_step_ms, 2),
             "decode_context_tokens": self.decode_context_tokens,
             "prefill_queue_ms": None if self.prefill_queue_ms is None else round(self.prefill_queue_ms, 1),
+            "decode_queue_ms": None if self.decode_queue_ms is None else round(self.decode_queue_ms, 1),
             "sources": dict(self.sources),
         }
 
@@ -105,14 +111,39 @@ def prefill_queue(p: InstanceView | None, now: float) -> tuple[float | None, str
     return own_s * 1e3 + others_ms, source
 
 
-def load_facts(prefill: InstanceView | None, decode: InstanceView | None, now: float) -> LoadFacts:
-    """What the policy is told of the engines' load for a turn that would use ``prefill`` and ``decode``."""
+def decode_queue(d: InstanceView | None, default_step_ms: float) -> tuple[float | None, str]:
+    """(ms a request sent to ``d`` now would wait before D schedules it, where that came from);
+    ``default_step_ms``: D's step where it measured none (the cost model's)."""
+    if d is None:
+        return None, "model:no_decode_engine"
+    if not d.scraped:
+        return None, "model:not_scraped"
+    if d.waiting <= 0:
+        return 0.0, "waiting_gauge"
+    step = d.step_ms if d.step_ms is not None else default_step_ms
+    if d.queue_wait_ms is not None:
+        return max(d.queue_wait_ms, step), "queue_time_histogram"
+    return d.waiting * step, "model:waiting_x_step"
+
+
+def load_facts(
+    prefill: InstanceView | None, decode: InstanceView | None, now: float, *, default_step_ms: float = 15.0
+) -> LoadFacts:
+    """What the policy is told of the engines' load for a turn that would use ``prefill`` and ``decode``
+    (``default_step_ms``: D's step where it measured none, for its queue)."""
     step, step_src = decode_step(decode)
     ctx, ctx_src = decode_context(decode)
     queue, queue_src = prefill_queue(prefill, now)
+    dqueue, dqueue_src = decode_queue(decode, default_step_ms)
     return LoadFacts(
         decode_step_ms=step,
         decode_context_tokens=ctx,
         prefill_queue_ms=queue,
-        sources={"decode_step_ms": step_src, "decode_context_tokens": ctx_src, "prefill_queue_ms": queue_src},
+        decode_queue_ms=dqueue,
+        sources={
+            "decode_step_ms": step_src,
+            "decode_context_tokens": ctx_src,
+            "prefill_queue_ms": queue_src,
+            "decode_queue_ms": dqueue_src,
+        },
     )

@@ -25,7 +25,9 @@ A D run with ``--long-prefill-token-threshold`` (``decode_chunk_tokens``) takes 
 tokens a step: each step then grows by little (within the tokens a step computes for free, it is only
 the chunk's attention), and the turn's first token comes a few steps later. Where D's KV is crowded
 (``decode_cache_max_usage``), its prefix cache has likely evicted the conversation: decode-local is
-then costed as prefilling the whole prompt on D.
+then costed as prefilling the whole prompt on D. Requests waiting on D (``decode_queue_ms``) delay a
+decode-local turn by D's whole queue, a turn through P only by what is left of it once P's queue is waited
+(``reuse.cost.estimate``): where that alone turns the choice to P, the reason is ``decode_queue``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ def itl_with_turn_ms(facts: TurnFacts, costs: CostParams) -> float:
         costs, running, facts.prompt_tokens - facts.decode_cached_tokens, facts.decode_cached_tokens
     )
     return step_ms + added * 1e3
+
+
+def _fastest(est: Mapping[Action, float]) -> Action:
+    """The action with the lowest estimate (recompute among equals)."""
+    return min(est, key=lambda a: (est[a], a != Action.RECOMPUTE))
 
 
 class ReusePolicy(Protocol):
@@ -159,19 +166,28 @@ class AdaptivePolicy:
             and prefill_s(costs, new, facts.decode_cached_tokens) * 1e3 <= self.p.decode_local_max_stall_ms
         )
         itl_ok = not local_ok or self.within_itl_budget(facts, costs)
-        est = estimate(costs, TurnFacts(**{**facts.__dict__, "decode_local_possible": local_ok and itl_ok}))
-        if Action.PULL in est:
-            est[Action.PULL] *= 1.0 + self.p.margin
-        best = min(est, key=lambda a: (est[a], a != Action.RECOMPUTE))
+        est = self.estimates(replace(facts, decode_local_possible=local_ok and itl_ok), costs)
+        best = _fastest(est)
         if not itl_ok:
             local = estimate(costs, TurnFacts(**{**facts.__dict__, "decode_local_possible": True}))
             if local[Action.DECODE_LOCAL] < est[best]:  # decode-local would have won: the budget said no
                 return Decision(best, Reason.ITL_BUDGET, est)
+        elif local_ok and best is not Action.DECODE_LOCAL and facts.decode_queue_ms:
+            unqueued = self.estimates(replace(facts, decode_queue_ms=0.0), costs)
+            if _fastest(unqueued) is Action.DECODE_LOCAL:  # decode-local would have won but for D's queue
+                return Decision(best, Reason.DECODE_QUEUE, est)
         if best is Action.RECOMPUTE and facts.reusable_tokens > 0:
             return Decision(best, Reason.CHEAPER_TO_RECOMPUTE, est)
         if best is Action.DECODE_LOCAL:
             return Decision(best, Reason.DECODE_LOCAL, est)
         return Decision(best, None, est)
+
+    def estimates(self, facts: TurnFacts, costs: CostParams) -> dict[Action, float]:
+        """The TTFT estimates, a pull's with the policy's margin."""
+        est = estimate(costs, facts)
+        if Action.PULL in est:
+            est[Action.PULL] *= 1.0 + self.p.margin
+        return est
 
     def kv_usage(self, facts: TurnFacts) -> float | None:
         """D's KV usage: as measured, else estimated from its running streams (each about this long)."""

@@ -8,7 +8,9 @@ routable. ``affinity`` weighs its scorer 2 against ``load``'s 1, so the conversa
 within its slack, beats any other however idle. ``load-affinity`` (issue 11, docs/bench/goodput/routing.md)
 picks P by the turn's estimated wait there (``ttft``: P's queue, then what the turn computes on it, the
 conversation's P computing only what its cache lacks: affinity as a term of the estimate), and D as
-``affinity`` does (the D holding the conversation, unless much busier). A single candidate left by the
+``affinity`` does (the D holding the conversation, unless much busier), except that a D on which requests
+wait over 100 ms longer than on another loses the conversation (issue 11: its turn goes through P, pulling
+the old D's blocks where that pays, to the other D; the turn says ``decode_moved``). A single candidate left by the
 filters is picked without scoring.
 """
 
@@ -27,8 +29,8 @@ BUILTIN: dict[str, RoutingProfile] = {
     "load-affinity": RoutingProfile(
         scorers=[
             RoutingPlugin(type="ttft", weight=3.0),
-            RoutingPlugin(type="affinity", weight=2.0, params={"roles": ["decode"]}),
-            RoutingPlugin(type="load", params={"roles": ["decode"]}),
+            RoutingPlugin(type="affinity", weight=2.0, params={"roles": ["decode"], "queue_slack_ms": 100.0}),
+            RoutingPlugin(type="load", params={"roles": ["decode"], "signal": "queued"}),
         ]
     ),
     "least-loaded": RoutingProfile(scorers=[RoutingPlugin(type="load")]),

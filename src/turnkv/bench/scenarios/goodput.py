@@ -21,7 +21,11 @@ with two of each). Configurations, side by side at each rate:
   the planner passing D's step time, its streams' KV and P's queue; with several P, the ``load-affinity``
   routing (P by the turn's estimated wait there);
 * ``adaptive-no-itl``: adaptive without an ITL budget, D as vLLM's default (turnkv before issue 11);
-* ``adaptive-pull``: adaptive with decode-local off (pull or recompute only).
+* ``adaptive-pull``: adaptive with decode-local off (pull or recompute only);
+* ``adaptive-gate`` (only when asked for): adaptive as before D's queue was weighed against P's (issue 11,
+  branch goodput3): any request waiting on D refuses a decode-local turn
+  (``decode_memory.local_queue: refuse``), and with several D, ``load-affinity`` without D's queue
+  (``LOAD_AFFINITY_BEFORE``).
 
 Engines: the simulator at ``--time-scale 1`` by default (durations slept in real time, so engine time
 dominates the gateway's and the simulator's own CPU), H200 costs (``sim/costs.py``), the ``h200-ipc``
@@ -49,7 +53,8 @@ from turnkv.bench.stats import fmt_ms, fmt_ratio
 from turnkv.bench.workload import WorkloadSpec
 
 TOPOLOGIES = {"1p1d": (1, 1), "2p2d": (2, 2)}
-CONFIGS = ("colocated", "plain", "vllm-multiturn", "adaptive", "adaptive-no-itl", "adaptive-pull")
+CONFIGS = ("colocated", "plain", "vllm-multiturn", "adaptive", "adaptive-no-itl", "adaptive-pull", "adaptive-gate")
+DEFAULT_CONFIGS = CONFIGS[:-1]  # adaptive-gate: on request, to compare with adaptive in one run
 BASELINES = ("colocated", "plain", "vllm-multiturn")  # turnkv's goodput is held against the best of them
 TURNKV = "adaptive"
 # conversations arriving per second on one P and one D; a topology with n of each gets n times these
@@ -83,6 +88,16 @@ DESCRIPTIONS = {
     "the engines' load passed (load-affinity routing with several P)",
     "adaptive-no-itl": "turnkv --policy adaptive without an ITL budget (before issue 11)",
     "adaptive-pull": "turnkv --policy adaptive with decode-local off",
+    "adaptive-gate": "adaptive as before D's queue was weighed against P's: any request waiting on D refuses "
+    "decode-local, and D's queue does not move a conversation",
+}
+# load-affinity as it was before a D's queue could move a conversation off it (adaptive-gate)
+LOAD_AFFINITY_BEFORE = {
+    "scorers": [
+        {"type": "ttft", "weight": 3.0},
+        {"type": "affinity", "weight": 2.0, "params": {"roles": ["decode"]}},
+        {"type": "load", "params": {"roles": ["decode"]}},
+    ]
 }
 
 
@@ -96,7 +111,7 @@ class SweepOptions:
     max_conversations: int | None = None
     past_collapse: int = 2
     budget_s: float = 900.0  # per topology: no new rate starts after it
-    configs: tuple[str, ...] = CONFIGS
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
     time_scale: float = 1.0
 
     def __post_init__(self) -> None:
@@ -169,6 +184,12 @@ def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
         env.append(("TURNKV_POLICY__PARAMS", json.dumps(adaptive_params(opts.slo))))
         if p > 1:
             env.append(("TURNKV_ROUTING", "load-affinity"))  # P by the turn's wait there, its cache counted
+    elif config == "adaptive-gate":
+        env.append(("TURNKV_POLICY__PARAMS", json.dumps(adaptive_params(opts.slo))))
+        env.append(("TURNKV_DECODE_MEMORY__LOCAL_QUEUE", "refuse"))
+        if p > 1:
+            env.append(("TURNKV_ROUTING_PROFILES", json.dumps({"load-affinity-before": LOAD_AFFINITY_BEFORE})))
+            env.append(("TURNKV_ROUTING", "load-affinity-before"))
     elif config == "adaptive-pull":
         env.append(("TURNKV_POLICY__PARAMS", json.dumps({"decode_local": False})))
     return Deployment(

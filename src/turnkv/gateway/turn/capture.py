@@ -23,7 +23,7 @@ from turnkv.gateway.services import Services
 from turnkv.gateway.turn import report
 from turnkv.gateway.turn.direct import bytes_per_token, history_digest
 from turnkv.gateway.turn.direct import enabled as direct_enabled
-from turnkv.gateway.turn.plan import facts, room_for_local
+from turnkv.gateway.turn.plan import facts, room, turn_load
 from turnkv.gateway.turn.results import Capture
 from turnkv.gateway.turn.run import TurnRun
 from turnkv.reuse.chain import ChainBuilder
@@ -124,16 +124,20 @@ def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> bool:
     grown = rec.prompt_tokens - (claimed.num_tokens if claimed is not None else 0)
     new = max(bs, grown if claimed is not None else rec.prompt_tokens // 8)  # the next turn's new part, guessed
     d = svc.fleet.view(rec.decode_url)
+    p = svc.fleet.view(rec.prefill_url)
+    costs = svc.estimator.params()
+    load = turn_load(p, d, costs)
     f = facts(
         rec,
         prompt_tokens=rec.num_tokens + new,
         matched=rec.num_tokens,
-        prefill=svc.fleet.view(rec.prefill_url),
+        prefill=p,
         decode=d,
-        decode_holds=d is not None and room_for_local(svc, d),
+        decode_holds=d is not None and room(svc, d, load).ok,
         block_size=bs,
+        load=load,
     )
-    return svc.policy.keeps_pin(f, svc.estimator.params())
+    return svc.policy.keeps_pin(f, costs)
 
 
 async def finish(run: TurnRun, *, ok: bool) -> Capture:

@@ -2,9 +2,12 @@
 
 The token check (``reuse.assess``) says what may be reused and why not more; the policy says whether
 pulling it pays, or whether the decode engine should prefill the turn itself. A handle that is not
-pulled goes to P to be released, so D frees its blocks at once. A decode engine short of KV or with a
-queue takes no decode-local turn (``decode_busy``): its idle conversations' freed blocks are the
-first it evicts, so the turn would compute the whole history again there, behind the queue.
+pulled goes to P to be released, so D frees its blocks at once. Whether the D holding the conversation
+has room for a decode-local turn is ``reuse.room``'s decision: not when short of KV (``decode_busy``: its
+idle conversations' freed blocks are the first it evicts, so the turn would compute the whole history
+again there), nor when requests wait on it longer than the turn would wait at P (``decode_queue``). When
+routing puts the turn on another D than the one holding the conversation (by load), the turn runs
+through P, pulling the old D's blocks where that pays, and says ``decode_moved``.
 ``direct`` is the same planner for a turn not rendered at all (``turn.direct``): its prompt's size is
 estimated, and only a decode-local decision stands; ``ahead`` for a pull or recompute turn planned before
 its render returns (``turn.ahead``): the same facts, the record's length standing for the match. ``facts``
@@ -38,16 +41,29 @@ from turnkv.reuse.assess import (
 from turnkv.reuse.cost import Action, CostParams, TurnFacts, pulled_tokens
 from turnkv.reuse.load import LoadFacts, load_facts
 from turnkv.reuse.policies import Decision
+from turnkv.reuse.room import DecodeRoom, decode_room
 from turnkv.routing.base import InstanceView
 from turnkv.state.base import Claim
 from turnkv.state.record import ConversationRecord
 
 
-def room_for_local(svc: Services, inst: InstanceView) -> bool:
-    """Whether D can take a decode-local turn: its KV is not nearly full and nothing waits for it, on D
-    (``PinKeeper.room_for_local``) or in the gateway for room on D (``kv_admission``): a queue held in
-    the gateway is D's queue all the same."""
-    return svc.pins.room_for_local(inst) and svc.admission.queued(inst.url) == 0
+def room(svc: Services, decode: InstanceView, load: LoadFacts) -> DecodeRoom:
+    """Whether ``decode`` has room for a decode-local turn (``reuse.room``): its KV usage, the turns the
+    gateway holds for room on it (``kv_admission``: D's queue all the same), its queue against P's (with
+    ``decode_memory.local_queue: refuse``, against none: any request waiting on D refuses the turn)."""
+    dm = svc.settings.decode_memory
+    return decode_room(
+        kv_usage=decode.kv_usage,
+        pressure_kv_usage=dm.pressure_kv_usage,
+        held=svc.admission.queued(decode.url),
+        decode_queue_ms=load.decode_queue_ms,
+        prefill_queue_ms=load.prefill_queue_ms if dm.local_queue == "weigh" else 0.0,
+    )
+
+
+def turn_load(prefill: InstanceView | None, decode: InstanceView | None, costs: CostParams) -> LoadFacts:
+    """The engines' load for a turn on ``prefill`` and ``decode``, now (``reuse.load``)."""
+    return load_facts(prefill, decode, time.monotonic(), default_step_ms=costs.step_base_s * 1e3)
 
 
 def likely_prefill_cached(rec: ConversationRecord | None, prefill: InstanceView | None, block_size: int) -> int:
@@ -97,6 +113,7 @@ def facts(
         decode_step_ms=load.decode_step_ms,
         decode_context_tokens=load.decode_context_tokens,
         prefill_queue_ms=load.prefill_queue_ms,
+        decode_queue_ms=load.decode_queue_ms,
     )
 
 
@@ -169,11 +186,13 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
             return replace(base, send=HandleUse.release(rec.handle))
         return base
     bs = svc.settings.block_size
+    moved = rec is not None and decode is not None and decode.url != rec.decode_url and a.releasable
     holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
-    # a D short of KV or with a queue takes no decode-local turn (``room_for_local``)
-    pressed = holds and decode is not None and not room_for_local(svc, decode)
+    load = turn_load(prefill, decode, costs)
+    # a D short of KV, or whose queue is longer than P's, takes no decode-local turn (``reuse.room``)
+    d_room = room(svc, decode, load) if holds and decode is not None else None
+    pressed = d_room is not None and not d_room.ok
     holds = holds and not pressed
-    load = load_facts(prefill, decode, time.monotonic())
     f = facts(
         rec,
         prompt_tokens=len(rendered.prompt_ids),
@@ -187,8 +206,10 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
     decision = svc.policy.decide(f, costs)
     if decision.reason is not None:
         reason = decision.reason
-    elif pressed and decision.action is Action.RECOMPUTE:
-        reason = Reason.DECODE_BUSY  # D would have taken it, but is short of KV or has a queue
+    elif pressed and d_room is not None and d_room.reason is not None and decision.action is Action.RECOMPUTE:
+        reason = d_room.reason  # D would have taken it, but is short of KV or its queue is longer than P's
+    elif moved:
+        reason = Reason.DECODE_MOVED  # routing chose another D than the conversation's, by load
     elif rec is not None and rec.handle is None and a.full and decision.action is Action.RECOMPUTE:
         reason = unpinned_reason(rec)  # D's KV matched, but its handle was given back
     same_p = rec is not None and prefill is not None and prefill.url == rec.prefill_url
@@ -198,7 +219,7 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         action=decision.action,
         reason=reason,
         estimates=estimates_ms(decision),
-        load=load.log(),
+        load={**load.log(), **({"decode_room": d_room.log()} if d_room is not None else {})},
         expected_cached=f.prefill_cached_tokens,
         expect_hits=(rec.prompt_tokens // bs) * bs if rec is not None and same_p and not local else 0,
     )
@@ -220,24 +241,26 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
 
 
 def _decide_unrendered(
-    svc: Services, rec: ConversationRecord, prompt_tokens: int, d: InstanceView | None, *, decode_holds: bool
-) -> tuple[InstanceView | None, LoadFacts, TurnFacts, Decision]:
+    svc: Services, rec: ConversationRecord, prompt_tokens: int, d: InstanceView | None
+) -> tuple[InstanceView | None, LoadFacts, DecodeRoom | None, TurnFacts, Decision]:
     """The policy's decision for a turn planned from its record, its size estimated: the P it would use,
-    the engines' load, and the facts the policy was told."""
+    the engines' load, whether the conversation's D has room for it (``reuse.room``; None: no D), and
+    the facts the policy was told."""
     costs = svc.estimator.params()
     prefill = _pick_prefill(svc, rec, prompt_tokens, costs)
-    load = load_facts(prefill, d, time.monotonic())
+    load = turn_load(prefill, d, costs)
+    d_room = room(svc, d, load) if d is not None else None
     f = facts(
         rec,
         prompt_tokens=prompt_tokens,
         matched=rec.num_tokens,
         prefill=prefill,
         decode=d,
-        decode_holds=decode_holds,
+        decode_holds=d_room is not None and d_room.ok,
         block_size=svc.settings.block_size,
         load=load,
     )
-    return prefill, load, f, svc.policy.decide(f, costs)
+    return prefill, load, d_room, f, svc.policy.decide(f, costs)
 
 
 def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | None:
@@ -252,8 +275,6 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
     view = EngineView(d.routable, d.epoch) if d is not None and d.url == rec.decode_url else None
     if d is None or record_unusable(claim, tenant=turn.conversation.tenant, now=time.time(), decode=view) is not None:
         return None
-    if not room_for_local(svc, d):
-        return None  # rendered and planned: the plan says why (decode_busy)
     echoed = cand.echoed
     if echoed.answer_digest != rec.answer_digest or (
         rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest
@@ -263,7 +284,9 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
     if rec.history_digest is None or history_digest(turn.body, history) != rec.history_digest:
         return None  # the history before the answer changed (compacted, tools, options): render and check
     prompt_tokens = rec.num_tokens + cand.new_tokens(rec.bytes_per_token)
-    prefill, load, f, decision = _decide_unrendered(svc, rec, prompt_tokens, d, decode_holds=True)
+    prefill, load, d_room, f, decision = _decide_unrendered(svc, rec, prompt_tokens, d)
+    if d_room is None or not d_room.ok:
+        return None  # rendered and planned: the plan says why (decode_busy, decode_queue)
     if decision.action is not Action.DECODE_LOCAL:
         return None
     return Plan(
@@ -273,7 +296,7 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         decode_url=rec.decode_url,
         expected_cached=f.decode_cached_tokens,
         estimates=estimates_ms(decision),
-        load=load.log(),
+        load={**load.log(), "decode_room": d_room.log()},
         direct=True,
     )
 
@@ -311,8 +334,9 @@ def ahead(svc: Services, turn: Turn, claim: Claim) -> Plan | None:
     if rec is None or turn.conversation is None or not svc.settings.render_ahead:
         return None
     d = svc.router.pick("decode", prefer=rec.decode_url)
-    view = EngineView(d.routable, d.epoch) if d is not None and d.url == rec.decode_url else None
-    if record_unusable(claim, tenant=turn.conversation.tenant, now=time.time(), decode=view) is not None:
+    if d is None or d.url != rec.decode_url:
+        return None  # routing moves the conversation off its D: rendered and planned (decode_moved)
+    if record_unusable(claim, tenant=turn.conversation.tenant, now=time.time(), decode=EngineView(d.routable, d.epoch)):
         return None
     checks = svc.policy.checks_tokens
     cand = continuation(turn.messages)
@@ -323,10 +347,10 @@ def ahead(svc: Services, turn: Turn, claim: Claim) -> Plan | None:
         prompt_tokens = rec.num_tokens + cand.new_tokens(rec.bytes_per_token)
     else:  # an unchecked policy's turn that is not text: sized as P will see it, at least D's sequence
         prompt_tokens = max(size_guess(turn.messages), rec.num_tokens + 1)
-    pressed = d is not None and not room_for_local(svc, d)
-    prefill, load, f, decision = _decide_unrendered(
-        svc, rec, prompt_tokens, d, decode_holds=d is not None and not pressed
-    )
+    prefill, load, d_room, f, decision = _decide_unrendered(svc, rec, prompt_tokens, d)
+    pressed = d_room is not None and not d_room.ok
+    if pressed:
+        return None  # D has no room: rendered and planned, where routing may move the conversation off it
     if decision.action is Action.DECODE_LOCAL:
         return None  # the direct path's, or rendered and planned
     pull = decision.action is Action.PULL and rec.handle is not None
@@ -335,8 +359,10 @@ def ahead(svc: Services, turn: Turn, claim: Claim) -> Plan | None:
     reason = Reason.FULL_MATCH
     if decision.reason is not None:
         reason = decision.reason
-    elif pressed and decision.action is Action.RECOMPUTE:
-        reason = Reason.DECODE_BUSY
+    elif pressed and d_room is not None and d_room.reason is not None and decision.action is Action.RECOMPUTE:
+        reason = d_room.reason  # D would have taken it, but is short of KV or its queue is longer than P's
+    elif d is not None and d.url != rec.decode_url:
+        reason = Reason.DECODE_MOVED  # routing chose another D than the conversation's, by load
     elif rec.handle is None and decision.action is Action.RECOMPUTE:
         reason = unpinned_reason(rec)
     same_p = prefill is not None and prefill.url == rec.prefill_url
@@ -346,7 +372,7 @@ def ahead(svc: Services, turn: Turn, claim: Claim) -> Plan | None:
         prefill_url=prefill.url if prefill else None,
         decode_url=d.url if d else None,
         estimates=estimates_ms(decision),
-        load=load.log(),
+        load={**load.log(), **({"decode_room": d_room.log()} if d_room is not None else {})},
         expected_cached=f.prefill_cached_tokens,
         ahead=Ahead.CHECKED if pull and checks else Ahead.SKIPPED,
     )
