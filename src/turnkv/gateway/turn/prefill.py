@@ -69,9 +69,10 @@ async def run(run: TurnRun) -> Prefilled:
             run.failed("prefill", inst.url, exc)
             if send is not None and isinstance(exc, (UpstreamStatus, UpstreamTimeout)):
                 # P failed or stalled on D's handle (expired, D restarted or full, link failure): again,
-                # on the same P, without it. A request given up on in P's queue told D nothing (vLLM
-                # notifies D only once it allocates one in this form): a release of its own tells D
-                if svc.settings.release_unused:
+                # on the same P, without it. A request given up on (perhaps still in P's queue) told D
+                # nothing: vLLM notifies D only once it allocates one in this form, so a release of its own
+                # tells D. One P answered did reach D, or met a handle D no longer holds
+                if timed_out and svc.settings.release_unused:
                     svc.releaser.submit(send.handle, "prefill_failed")
                 run.fall_back(Fallback.PREFILL_DEADLINE if timed_out else Fallback.PULL_FAILED)
                 url = inst.url
