@@ -424,6 +424,8 @@ async def test_a_prefill_engine_past_its_first_token_deadline_on_a_pull() -> Non
         assert (a.outcome, a.action, a.reason) == ("none", "recompute", "first_token_deadline")
         assert gw.turns[-1]["retries"] == ["prefill_first_token_deadline"]
         assert gw.metric("turnkv_first_token_deadline_misses_total", leg="prefill") == 1
+        # given up on, perhaps in P's queue: vLLM told D nothing, so the handle is released on its own
+        assert gw.metric("turnkv_handle_releases_total", why="prefill_failed") == 1
 
 
 @pytest.mark.parametrize("fault", [{"drop": 1, "drop_after": 0}, {"error": 1}])
