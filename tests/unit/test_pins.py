@@ -130,15 +130,22 @@ async def test_the_janitor_forgets_pins_of_a_restarted_engine(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize(
-    ("waiting", "pinned", "tokens", "crowded"),
-    [(0, 0, 5000, False), (2, 0, 500, False), (2, 0, 1001, True), (2, 1000, 1, True), (0, 3000, 1000, False)],
+    ("waiting", "usage", "pinned", "tokens", "crowded"),
+    [
+        (0, 0.95, 0, 5000, False),
+        (2, 0.95, 0, 500, False),
+        (2, 0.95, 0, 1001, True),
+        (2, 0.95, 1000, 1, True),
+        (2, 0.5, 1000, 1, False),  # they wait for a batch slot, not for memory
+        (0, 0.95, 3000, 1000, False),
+    ],
 )
-async def test_a_new_pin_is_refused_while_requests_wait_past_the_low_watermark(
-    rig: Rig, waiting: int, pinned: int, tokens: int, crowded: bool
+async def test_a_new_pin_is_refused_while_requests_wait_for_memory_past_the_low_watermark(
+    rig: Rig, waiting: int, usage: float, pinned: int, tokens: int, crowded: bool
 ) -> None:
     if pinned:
         await put(rig, 1, pinned)
-    rig.fleet.apply_load(D, LoadSample(waiting=waiting, capacity_tokens=10_000))
+    rig.fleet.apply_load(D, LoadSample(waiting=waiting, kv_usage=usage, capacity_tokens=10_000))
     view = rig.fleet.view(D)
     assert view is not None
     assert rig.keeper.crowded(view, tokens) is crowded  # keep share 0.1 of 10,000 tokens

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import anyio
 from starlette.applications import Starlette
@@ -214,6 +214,16 @@ async def _shut_down(svc: Services) -> None:
         await svc.releaser.drain(SHUTDOWN_RELEASE_S)
 
 
+async def _warm(store: RedisStore, connections: int, log: Any) -> None:
+    opened = await store.warm(connections, within_s=WARM_WITHIN_S)
+    log.info("store.warm", connections=opened)
+
+
+async def _stop_task(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.wait({task}, timeout=1.0)
+
+
 def create_app(
     settings: Settings,
     *,
@@ -243,10 +253,13 @@ def create_app(
             on_busy=lambda op: metrics.store_busy.labels(op).inc(),
             on_skip=lambda op: metrics.store_skipped.labels(op).inc(),
         )
-        if isinstance(backing, RedisStore) and settings.redis_warm_connections:
-            opened = await backing.warm(settings.redis_warm_connections, within_s=WARM_WITHIN_S)
-            log.info("store.warm", connections=opened)
         async with contextlib.AsyncExitStack() as stack:
+            if isinstance(backing, RedisStore) and settings.redis_warm_connections:
+                warming = asyncio.create_task(_warm(backing, settings.redis_warm_connections, log))
+                stack.push_async_callback(_stop_task, warming)
+                # serve once the pool is open, or once its deadline passed in any case: a warm-up that
+                # outlives it (seen once in ~8 runs behind a slow path) goes on in the background
+                await asyncio.wait({warming}, timeout=WARM_WITHIN_S + 1.0)
             eng = engine if engine is not None else await stack.enter_async_context(open_engine(settings))
             fleet = Fleet(settings.prefill, settings.decode, settings.block_size)
             router = Router(build_profile(settings.routing, settings.routing_profiles), fleet.views)

@@ -91,11 +91,14 @@ class PinKeeper:
             self.on_change(url)
 
     def crowded(self, inst: InstanceView, tokens: int) -> bool:
-        """Whether a new pin of ``tokens`` would hold blocks that requests waiting on D need: they wait
-        (for blocks, or behind one that does) and stored pins would pass the low watermark with it."""
+        """Whether a new pin of ``tokens`` would hold blocks that requests waiting on D need: they wait,
+        D's KV is nearly full (what they wait for is memory, not a batch slot), and stored pins would pass
+        the low watermark with it."""
         cap = self.capacity(inst.url)
         pinned = self._estimate.get(inst.url, 0) + tokens
-        return inst.waiting > 0 and cap is not None and pinned > cap * self._dm.pressure_keep_share
+        if inst.waiting <= 0 or inst.kv_usage < self._dm.pressure_kv_usage or cap is None:
+            return False
+        return pinned > cap * self._dm.pressure_keep_share
 
     def under_pressure(self, inst: InstanceView) -> bool:
         """D's cache is nearly full, or requests wait on D while stored pins hold more than the low watermark."""
