@@ -349,8 +349,6 @@ def ahead(svc: Services, turn: Turn, claim: Claim) -> Plan | None:
         prompt_tokens = max(size_guess(turn.messages), rec.num_tokens + 1)
     prefill, load, d_room, f, decision = _decide_unrendered(svc, rec, prompt_tokens, d)
     pressed = d_room is not None and not d_room.ok
-    if pressed:
-        return None  # D has no room: rendered and planned, where routing may move the conversation off it
     if decision.action is Action.DECODE_LOCAL:
         return None  # the direct path's, or rendered and planned
     pull = decision.action is Action.PULL and rec.handle is not None
