@@ -15,6 +15,7 @@ from turnkv.reuse.policies import build_policy
 from turnkv.reuse.room import RoomState, decode_room
 from turnkv.routing import InstanceView
 
+from .test_load_facts import later_turn as load_facts_turn
 from .test_load_facts import metrics, read
 
 P, D = "http://p0", "http://d0"
@@ -94,20 +95,8 @@ COSTS = CostParams(link_bytes_per_s=20e9, push_bytes_per_s=300e9, decode_chunk_t
 
 
 def later_turn(*, p_queue_ms: float, d_queue_ms: float | None) -> TurnFacts:
-    """A later turn of an 8k-token conversation: 328 new tokens, D holding the rest, P the last prompt."""
-    return TurnFacts(
-        prompt_tokens=8656,
-        reusable_tokens=8328,
-        prefill_cached_tokens=8320,
-        decode_cached_tokens=8320,
-        decode_local_possible=True,
-        decode_busy=8,
-        decode_running=8,
-        decode_context_tokens=8 * 8500,
-        decode_step_ms=12.0,
-        prefill_queue_ms=p_queue_ms,
-        decode_queue_ms=d_queue_ms,
-    )
+    """``test_load_facts``' later turn of an 8k-token conversation, with D's queue."""
+    return dataclasses.replace(load_facts_turn(p_queue_ms), decode_queue_ms=d_queue_ms)
 
 
 def test_ds_queue_delays_a_decode_local_turn_fully_and_a_turn_through_p_only_by_what_is_left_of_it() -> None:

@@ -24,7 +24,7 @@ from turnkv.gateway.answer import last_assistant
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn import direct, plan
 from turnkv.gateway.turn.request import Turn
-from turnkv.gateway.turn.results import Next, Rendered
+from turnkv.gateway.turn.results import Next, Plan, Rendered
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.chain import ChainBuilder
 from turnkv.state.base import Claim, ClaimStatus
@@ -75,28 +75,14 @@ async def run(svc: Services, turn: Turn) -> Rendered:
         if claim is not None and cand is not None:
             local = plan.direct(svc, turn, claim, cand)
             if local is not None:
-                return Rendered(
-                    Next.DECODE,
-                    local.reason,
-                    claim=claim,
-                    claimed=_claimed(claim),
-                    seconds=time.perf_counter() - t0,
-                    direct=local,
-                )
+                return _from_record(Next.DECODE, local, claim, t0)
         if first and (claim is None or claim.status is ClaimStatus.MISSING):
             # P and D render the messages themselves, as in plain P/D
             reason = Reason.NO_RECORD if claim is not None else why
             return Rendered(Next.PREFILL, reason, claim=claim, claimed=_claimed(claim))
         planned = plan.ahead(svc, turn, claim) if early and claim is not None else None
         if planned is not None:
-            return Rendered(
-                Next.AHEAD,
-                planned.reason,
-                claim=claim,
-                claimed=_claimed(claim),
-                seconds=time.perf_counter() - t0,
-                direct=planned,
-            )
+            return _from_record(Next.AHEAD, planned, claim, t0)
         try:
             rendered = await _render(svc, turn)
         except Exception as exc:  # judged below, as when both run side by side
@@ -107,6 +93,13 @@ async def run(svc: Services, turn: Turn) -> Rendered:
             raise claimed
         claim, why = claimed
     return _judged(svc, rendered, claim, why, time.perf_counter() - t0)
+
+
+def _from_record(nxt: Next, planned: Plan, claim: Claim | None, t0: float) -> Rendered:
+    """A turn planned from its record without a render: decode-local (``plan.direct``) or ahead of it."""
+    return Rendered(
+        nxt, planned.reason, claim=claim, claimed=_claimed(claim), seconds=time.perf_counter() - t0, direct=planned
+    )
 
 
 async def checked(svc: Services, turn: Turn, claim: Claim) -> Rendered:
