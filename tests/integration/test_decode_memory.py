@@ -168,10 +168,13 @@ def test_a_turn_p_prefilled_goes_to_d_after_its_overflow_wait(procs: list[launch
 def test_a_decode_local_turn_that_waits_past_the_admission_deadline_gets_a_503(
     procs: list[launch.Running], tmp_path: Path
 ) -> None:
-    c = _realtime_cluster(procs, tmp_path, policy="adaptive", TURNKV_DECODE_MEMORY__ADMISSION_WAIT_S="0.5")
+    # decode-local by policy, and only once the gateway sees nothing waiting on D: adaptive's choice (and
+    # the room rule's, from D's and P's queues as last read) once sent this turn through P under CI's load
+    c = _realtime_cluster(procs, tmp_path, policy="decode-local", TURNKV_DECODE_MEMORY__ADMISSION_WAIT_S="0.5")
     with Dialogue(c, session="c", stream=True, max_tokens=400) as conv:
         assert conv.step().correct
-        http, resp, _lines = _holder(c)  # no turn waits: the next turn may go decode-local, and not fit
+        http, resp, _lines = _holder(c)  # no turn waits: the next turn goes decode-local, and does not fit
+        wait_for(lambda: _gateway_sees(c, lambda e: e["waiting"] == 0), what="the gateway seeing nothing wait on D")
         with pytest.raises(openai.APIStatusError) as err:
             conv.step()
         resp.close()
