@@ -8,19 +8,27 @@ the order given (``--modes``):
   (or served from P's prefix cache); the gateway gives D's unused handle back at once;
 * ``adaptive``: turnkv's adaptive policy (``X-Session-ID``);
 * ``adaptive-pull``: the same with decode-local off (``policy.params.decode_local: false``);
+* ``vllm-multiturn``: the gateway as vLLM's multi-turn proxy (policy ``vllm-multiturn``: every later turn
+  hands P the previous handle, unchecked, and P pulls it; never decode-local), a baseline for issue 11;
 * ``colocated``: straight to D, no gateway: D prefills and decodes each turn itself;
 * ``pd-direct`` (not in the default list): the client runs vLLM's P/D handshake itself. With
   ``bidirectional_kv_xfer`` on, D then pins every turn's blocks for ``decoder_kv_blocks_ttl`` and
   nothing releases them: it fills D for 8 minutes and spoils every later mode. Run it last, if at all.
 
-Per mode, one gateway (a fresh one per mode, the same for both waves) and two waves of the same
-workload (``turnkv bench``'s load generator, imported): N conversations started at once, each its own
-system prompt (a seed per part, mode and wave, so no prefix is shared with an earlier wave or mode),
-``--turns`` turns of ``--user-tokens`` new words and ``--answer-tokens`` answer tokens
-(``ignore_eos``), an exponential think time of mean ``--think-time-s``; wave 2 starts the moment wave 1
-ends. Words are ones that are one token each on the engine's tokenizer, and answers are restricted to
-them (``allowed_token_ids``) so that each answer re-tokenizes exactly, as a real model's mostly does.
-Every request has a client deadline (``--request-timeout-s``): a miss is counted as hung.
+Per mode, one gateway (a fresh one per mode, the same for all its waves) and ``--waves`` waves (two by
+default) of the same workload (``turnkv bench``'s load generator, imported): N conversations started at
+once, each its own system prompt (a seed per part, mode and wave, so no prefix is shared with an earlier
+wave or mode), ``--turns`` turns of ``--user-tokens`` new words and ``--answer-tokens`` answer tokens
+(``ignore_eos``), an exponential think time of mean ``--think-time-s``; each wave starts the moment the
+one before it ended. Words are ones that are one token each on the engine's tokenizer, and answers are
+restricted to them (``allowed_token_ids``) so that each answer re-tokenizes exactly, as a real model's
+mostly does. Every request has a client deadline (``--request-timeout-s``): a miss is counted as hung.
+
+A sweep (issue 11's goodput on the GPU): ``--conversations 8,16,32`` runs the waves at each count in
+turn, smallest first, within each mode (one gateway for them all). Each wave also says its goodput as
+``vllm bench serve --goodput`` counts it for a closed loop: the turns that met both SLOs
+(``--slo-ttft-ms``, ``--slo-tpot-ms``; ``turnkv.bench.goodput``) per second of the wave's wall time,
+the share that met them (attainment), and TPOT p50/p99.
 
 Meanwhile a thread reads D's, P's and the gateway's /metrics every ``--sample-s`` (D's KV usage,
 running and waiting requests; the gateway's pinned bytes, budget and capacity), at most one sample
@@ -64,6 +72,7 @@ if devlib.backend() == "vllm":  # aiohttp: the device image has it; vLLM's wheel
     sys.path += [devlib.GATEWAY_SITE, devlib.VLLM_SITE]
 
 from turnkv.bench.client import Target
+from turnkv.bench.goodput import Slo, point_stats
 from turnkv.bench.records import RequestRecord
 from turnkv.bench.runner import run_load
 from turnkv.bench.stats import percentile
@@ -71,6 +80,7 @@ from turnkv.bench.workload import Conversation, WorkloadSpec
 
 GATEWAY_PORT = 8902
 DEFAULT_MODES = "plain,adaptive,adaptive-pull,colocated"
+SWEEP_MODES = "plain,vllm-multiturn,adaptive,adaptive-pull,colocated"
 D_SERIES = {
     "d_kv": "vllm:kv_cache_usage_perc",
     "d_run": "vllm:num_requests_running",
@@ -108,6 +118,7 @@ MODES = {
     "plain": Mode("plain", gateway=True, session=False),
     "adaptive": Mode("adaptive", gateway=True, session=True),
     "adaptive-pull": Mode("adaptive-pull", gateway=True, session=True, params=(("decode_local", False),)),
+    "vllm-multiturn": Mode("vllm-multiturn", gateway=True, session=True, policy="vllm-multiturn"),
     "colocated": Mode("colocated", gateway=False, session=False),
     "pd-direct": Mode("pd-direct", gateway=False, session=False),
 }
@@ -316,6 +327,21 @@ def deadline_miss(r: RequestRecord) -> bool:
     return r.error is not None and "Timeout" in r.error.split(":", 1)[0]
 
 
+def goodput(records: list[RequestRecord], spec: WorkloadSpec, slo: Slo, wall_s: float) -> dict[str, Any]:
+    """The wave's goodput (``vllm bench serve --goodput``'s count for a closed loop): turns that met both
+    SLOs per second of the wave's wall time; attainment over the turns sent; TPOT percentiles."""
+    st = point_stats(records, rate=0.0, conversations=spec.conversations, slo=slo)
+    good = round(st.attainment * st.turns) if st.turns else 0
+    return {
+        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+        "good_turns": good,
+        "goodput_per_s": round(good / wall_s, 3) if wall_s > 0 else None,
+        "attainment": None if math.isnan(st.attainment) else round(st.attainment, 4),
+        "throughput_per_s": round(sum(1 for r in records if r.ok) / wall_s, 3) if wall_s > 0 else None,
+        "tpot_ms": {"p50": _ms(st.tpot_p50), "p99": _ms(st.tpot_p99)},
+    }
+
+
 def wave_summary(
     records: list[RequestRecord], convs: list[Conversation], spec: WorkloadSpec, *, cut: bool, offset_s: float
 ) -> tuple[dict[str, Any], list[list[Any]]]:
@@ -340,6 +366,7 @@ def wave_summary(
     )
     errors = Counter((r.error or "")[:120] for r in records if not r.ok)
     summary = {
+        "conversations": spec.conversations,
         "requests_expected": spec.conversations * spec.turns,
         "sent": sent,
         "answered": len(records),
@@ -505,20 +532,21 @@ def run_mode(
         max_samples = int(max(end - t0, 1.0) / a.sample_s) + 10
         sampler = stack.enter_context(Sampler(d, p, gw, t0, a.sample_s, max_samples))
         counters = [gateway_counters(gw)] if gw else []
-        for wave in (1, 2):
+        plan = [n for n in a.levels for _ in range(a.waves)]
+        for wave, n in enumerate(plan, start=1):
             now = time.perf_counter()
             if now >= end - 5:
                 out["waves"].append({"wave": wave, "skipped": "time budget"})
                 break
             spec = WorkloadSpec(
-                conversations=a.conversations,
+                conversations=n,
                 turns=a.turns,
                 system_tokens=a.system_tokens,
                 user_tokens=a.user_tokens,
                 answer_tokens=a.answer_tokens,
                 think_time_s=a.think_time_s,
                 rate=0,
-                concurrency=a.conversations,
+                concurrency=n,
                 session_header=mode.session,
                 model=devlib.MODEL_NAME,
                 seed=seed_for(a.label, mode.name, wave),
@@ -530,6 +558,7 @@ def run_mode(
             records, convs, cut = run_wave(spec, target, vocab, allowed, end)
             w1 = time.perf_counter()
             summary, wave_rows = wave_summary(records, convs, spec, cut=cut, offset_s=w0 - t0)
+            summary["goodput"] = goodput(records, spec, Slo(a.slo_ttft_ms, a.slo_tpot_ms), w1 - w0)
             after = {"p": devlib.metrics(p), "d": devlib.metrics(d)}
             summary.update(
                 wave=wave,
@@ -549,11 +578,12 @@ def run_mode(
             rows.extend(wave_rows[: max(0, MAX_REQUEST_ROWS - len(rows))])
             t = summary["ttft_ms"]
             devlib.log(
-                f"{a.label} {mode.name} wave {wave}: {summary['answered']}/{summary['requests_expected']} "
+                f"{a.label} {mode.name} wave {wave} ({n} conv): {summary['answered']}/{summary['requests_expected']} "
                 f"answered, {summary['hung']} hung, {summary['failed']} failed, {summary['not_sent']} not "
                 f"sent{' (CUT)' if cut else ''}; TTFT p50/p99 ms turn 1 {t['turn 1']['p50']}/"
                 f"{t['turn 1']['p99']}, later {t['later turns']['p50']}/{t['later turns']['p99']}; ITL "
-                f"p50/p99 {summary['itl_ms']['p50']}/{summary['itl_ms']['p99']}; {w1 - w0:.1f} s"
+                f"p50/p99 {summary['itl_ms']['p50']}/{summary['itl_ms']['p99']}; goodput "
+                f"{summary['goodput']['goodput_per_s']}/s ({summary['goodput']['attainment']}); {w1 - w0:.1f} s"
             )
             res["modes"][-1] = {**out, "timeline": timeline(list(sampler.samples))}
             write(res, a.label)
@@ -576,7 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--p-cache", choices=["on", "off"], default="on")
     ap.add_argument("--size", default="8b", choices=["8b", "1b"])
     ap.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, in order, of {', '.join(MODES)}")
-    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument(
+        "--conversations", default="32", help="conversations at once; a comma-separated list sweeps them in turn"
+    )
+    ap.add_argument("--waves", type=int, default=2, help="waves per conversation count")
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput's TTFT SLO (vLLM's ttft:2000)")
+    ap.add_argument("--slo-tpot-ms", type=float, default=30.0, help="goodput's TPOT SLO (vLLM's tpot:30)")
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--system-tokens", type=int, default=8192)
     ap.add_argument("--user-tokens", type=int, default=200)
@@ -612,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-d-blocks", type=int, default=0, help="simulator only: D's --num-gpu-blocks")
     ap.add_argument("--sim-time-scale", type=float, default=1.0, help="simulator only")
     a = ap.parse_args(argv)
+    a.levels = sorted(int(x) for x in str(a.conversations).split(",") if x)
+    if not a.levels or min(a.levels) < 1 or a.waves < 1:
+        ap.error("--conversations needs counts >= 1 and --waves >= 1")
     t_start = time.perf_counter()
     end = t_start + a.time_budget_s
     modes = [MODES[m] for m in a.modes.split(",") if m]
@@ -642,18 +680,22 @@ def main(argv: list[str] | None = None) -> int:
         res["requests"] = {}
         ratio: list[float] = []  # measured / estimated, per finished wave
         for mode in modes:
-            est1 = estimate_wave_s(
-                a.conversations,
-                a.turns,
-                a.system_tokens,
-                a.user_tokens,
-                a.answer_tokens,
-                a.think_time_s,
-                mode=mode.name,
-                p_cache=a.p_cache == "on",
-            )
+            est = [
+                estimate_wave_s(
+                    n,
+                    a.turns,
+                    a.system_tokens,
+                    a.user_tokens,
+                    a.answer_tokens,
+                    a.think_time_s,
+                    mode=mode.name,
+                    p_cache=a.p_cache == "on",
+                )
+                for n in a.levels
+                for _ in range(a.waves)
+            ]
             scale = (sum(ratio) / len(ratio)) if ratio else 1.0
-            need = 2 * est1 * scale + (15.0 if mode.gateway else 5.0)
+            need = sum(est) * scale + (15.0 if mode.gateway else 5.0)
             left = end - time.perf_counter()
             if need > left:
                 res["skipped"].append({"mode": mode.name, "needed_s": round(need, 1), "left_s": round(left, 1)})
@@ -663,9 +705,13 @@ def main(argv: list[str] | None = None) -> int:
             res["modes"].append({"mode": mode.name})
             rows = res["requests"][mode.name] = []
             m = run_mode(a, mode, p, d, vocab, allowed, end, res, rows)
-            m.update(estimate_wave_s=round(est1, 1), d_restarted_before=restarted)
+            m.update(estimate_wave_s=[round(e, 1) for e in est], d_restarted_before=restarted)
             res["modes"][-1] = m
-            ratio += [w["wall_s"] / est1 for w in m["waves"] if "wall_s" in w and not w.get("cut") and est1 > 0]
+            ratio += [
+                w["wall_s"] / e
+                for w, e in zip(m["waves"], est, strict=False)
+                if "wall_s" in w and not w.get("cut") and e > 0
+            ]
             write(res, a.label)
     except Exception as exc:  # the file is written whatever happens
         res["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
@@ -688,10 +734,12 @@ def brief(res: dict[str, Any]) -> dict[str, Any]:
         for w in m.get("waves", []):
             if "ttft_ms" in w:
                 t = w["ttft_ms"]
-                out[f"{m['mode']} wave {w['wave']}"] = {
+                out[f"{m['mode']} wave {w['wave']} ({w.get('conversations')} conv)"] = {
                     **{k: w[k] for k in ("answered", "hung", "failed", "not_sent", "cut")},
                     "ttft_p99_turn1": t["turn 1"]["p99"],
                     "ttft_p99_later": t["later turns"]["p99"],
+                    "itl_p99": w["itl_ms"]["p99"],
+                    "goodput": w.get("goodput", {}).get("goodput_per_s"),
                 }
     return out
 

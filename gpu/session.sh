@@ -13,13 +13,16 @@
 #                            2 waves, P cache on; plain, adaptive, adaptive-pull, colocated         ~9.5 min
 #   bash gpu/session.sh L2   the same with 64 conversations x 3 turns                               ~7-9.5 min
 #   bash gpu/session.sh L3   P restarted without prefix caching, 32 x 4 turns; stops both           ~8 min
-# (L1-L3: gpu/load.py; TURNKV_LOAD_ARGS adds flags to its command line, e.g. smaller sizes on the simulator)
+#   bash gpu/session.sh G1   setup, 8b pair, goodput sweep (issue 11): 8, 16, 32 conversations x 3 turns,
+#                            one wave each; plain, vllm-multiturn, adaptive, adaptive-pull, colocated   ~9.5 min
+#   bash gpu/session.sh G2   the same engines, 64 conversations x 3 turns; stops both                   ~8 min
+# (L1-L3, G1-G2: gpu/load.py; TURNKV_LOAD_ARGS adds flags to its command line, e.g. smaller sizes on the simulator)
 # Every step has its own time limit so the call ends well inside the tool's 10 minutes and the
 # results (and engine logs) are always packed into $OUT. Engines started here outlive the call
 # (process sessions of their own) until a later part stops them or the machine goes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2 or L3}"
+part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1 or G2}"
 : "${OUT:=${TURNKV_GPU_STATE:-/root/gpu-state}/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -107,6 +110,17 @@ case "$part" in
     # nothing in load.py runs past its budget but stopping a gateway (<= 40 s) and writing its JSON
     step "load_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
     [ "$part" = L3 ] && python3 gpu/engines.py down
+    ;;
+  G1|G2)  # issue 11's goodput on the GPU: a sweep of conversations at once, one wave per count and mode
+    load=(python3 gpu/load.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --p-cache on --turns 3 --waves 1
+          --modes plain,vllm-multiturn,adaptive,adaptive-pull,colocated)
+    case "$part" in
+      G1) if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }; fi
+          load+=(--label G1_8-32 --conversations 8,16,32) ;;
+      G2) load+=(--label G2_64 --conversations 64) ;;
+    esac
+    step "goodput_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
+    [ "$part" = G2 ] && python3 gpu/engines.py down
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
