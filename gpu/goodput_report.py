@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""The H200 goodput sweep's report (issue 11), from the JSON files ``gpu/load.py`` wrote in parts G1-G2.
+
+usage: python gpu/goodput_report.py [load_G*.json ...] [--out docs/gpu-h200-goodput]
+
+Per number of conversations at once and per mode: goodput (turns within both SLOs per second of the
+wave) and attainment, TTFT p50 / p99 of first and of later turns, ITL p99 and TPOT p99; then the issue's
+ratios: turnkv adaptive against the best baseline (colocated, plain P/D, vLLM's multi-turn proxy policy)
+and its ITL p99 against plain P/D's. Writes ``report.md`` and ``goodput.png`` (goodput, later turns'
+TTFT p99 and ITL p99 against conversations, a line per mode) into OUT and prints the table rows. A file
+from the simulator (``backend: sim``) is labelled as such: it says the scripts work, nothing about the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from turnkv.bench.report import md_table
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "docs" / "gpu-h200-goodput"
+BASELINES = ("colocated", "plain", "vllm-multiturn")
+OURS = "adaptive"
+
+
+def _f(x: Any, digits: int = 0) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:,.{digits}f}"
+
+
+def points(results: Sequence[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
+    """conversations -> mode -> the wave's summary (the last wave of that count, if several)."""
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for res in results:
+        for m in res.get("modes", []):
+            for w in m.get("waves", []):
+                if "goodput" in w:
+                    out.setdefault(int(w["conversations"]), {})[m["mode"]] = w
+    return dict(sorted(out.items()))
+
+
+def _good(w: dict[str, Any] | None) -> float | None:
+    return None if w is None else w["goodput"].get("goodput_per_s")
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def rows(pts: dict[int, dict[str, dict[str, Any]]], modes: Sequence[str]) -> tuple[list[str], list[list[str]]]:
+    head = ["conversations", "mode", "answered", "goodput /s (attainment)", "TTFT p50 / p99 turn 1 ms"]
+    head += ["TTFT p50 / p99 later ms", "ITL p50 / p99 ms", "TPOT p99 ms"]
+    body = []
+    for n, by_mode in pts.items():
+        for mode in modes:
+            w = by_mode.get(mode)
+            if w is None:
+                continue
+            g, t = w["goodput"], w["ttft_ms"]
+            body.append(
+                [
+                    str(n),
+                    mode,
+                    f"{w['ok']}/{w['requests_expected']}" + (" (cut)" if w.get("cut") else ""),
+                    f"{_f(g.get('goodput_per_s'), 2)} ({_f(100 * (g.get('attainment') or 0))}%)",
+                    f"{_f(t['turn 1']['p50'])} / {_f(t['turn 1']['p99'])}",
+                    f"{_f(t['later turns']['p50'])} / {_f(t['later turns']['p99'])}",
+                    f"{_f(w['itl_ms']['p50'], 1)} / {_f(w['itl_ms']['p99'], 1)}",
+                    _f(g["tpot_ms"].get("p99"), 1),
+                ]
+            )
+    return head, body
+
+
+def targets(pts: dict[int, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]]:
+    head = ["conversations", "best baseline", "adaptive / best baseline (goodput)", "adaptive / plain (goodput)"]
+    head += ["adaptive / plain (ITL p99)", "adaptive-pull / plain (ITL p99)"]
+    body = []
+    for n, by_mode in pts.items():
+        base = {m: _good(by_mode.get(m)) for m in BASELINES if by_mode.get(m) is not None}
+        best = max(base, key=lambda m: base[m] or 0.0) if base else None
+        ours = _good(by_mode.get(OURS))
+        itl = {m: by_mode[m]["itl_ms"]["p99"] for m in by_mode}
+        body.append(
+            [
+                str(n),
+                f"{best} ({_f(base[best], 2)}/s)" if best else "-",
+                _ratio(ours, base.get(best) if best else None),
+                _ratio(ours, base.get("plain")),
+                _ratio(itl.get(OURS), itl.get("plain")),
+                _ratio(itl.get("adaptive-pull"), itl.get("plain")),
+            ]
+        )
+    return head, body
+
+
+def plot(pts: dict[int, dict[str, dict[str, Any]]], modes: Sequence[str], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = (
+        ("goodput, turns/s within the SLOs", lambda w: w["goodput"].get("goodput_per_s")),
+        ("TTFT p99 of later turns, ms", lambda w: w["ttft_ms"]["later turns"]["p99"]),
+        ("ITL p99, ms", lambda w: w["itl_ms"]["p99"]),
+    )
+    for ax, (name, get) in zip(axes, panels, strict=True):
+        for mode in modes:
+            xs = [n for n in pts if mode in pts[n]]
+            ys = [get(pts[n][mode]) for n in xs]
+            ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("conversations at once")
+        ax.set_title(name, fontsize=9)
+        if name.startswith(("TTFT", "ITL")):
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+INTRO = """# Goodput on one H200: a sweep of conversations at once (issue 11)
+
+vLLM 0.26.0 + NIXL, the kit's Qwen3-8B-shaped model with dummy weights, P (:8100) and D (:8200, with the
+turnkv plugin) sharing one H200 at 0.42 of its memory each, `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` on both, P's
+prefix cache on. Per count of conversations at once (a closed loop: each conversation sends its next turn
+after the answer and a think time) and per mode, one wave (`gpu/load.py`, `gpu/session.sh G1-G2`): *plain*
+is vLLM's P/D through a turnkv gateway without conversation ids, *vllm-multiturn* the gateway as vLLM's
+multi-turn proxy policy (pulls the previous handle, unchecked), *adaptive* turnkv as shipped,
+*adaptive-pull* the same without decode-local, *colocated* each turn straight to D (one engine prefilling
+and decoding; P idle). Goodput: turns within TTFT 2,000 ms and TPOT 30 ms per second of the wave's wall
+time (`vllm bench serve --goodput ttft:2000 tpot:30`'s count). P and D share the GPU: a prefill on P
+slows D's steps too (the GPU's compute is shared), which the disaggregated modes pay and colocated does
+not, and colocated has the whole GPU's compute for one engine. Generated by `python gpu/goodput_report.py`.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("inputs", nargs="*", type=Path)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    a = ap.parse_args(argv)
+    inputs = a.inputs or sorted(a.out.glob("load_G*.json"))
+    results = [json.loads(p.read_text()) for p in inputs]
+    a.out.mkdir(parents=True, exist_ok=True)
+    pts = points(results)
+    modes = list(dict.fromkeys(m["mode"] for res in results for m in res.get("modes", [])))
+    sim = any(res.get("backend") == "sim" for res in results)
+    title = "goodput sweep" + (" (SIMULATOR: says the scripts work, nothing about the GPU)" if sim else ", one H200")
+    parts = [INTRO]
+    if sim:
+        parts.append("\n**SIMULATOR RUN**: these numbers say the scripts work, nothing about the GPU.\n")
+    for res in results:
+        a_ = res.get("args", {})
+        parts.append(
+            f"\nPart {res.get('label')}: {a_.get('conversations')} conversations at once, {a_.get('turns')} turns, "
+            f"{a_.get('system_tokens')}-token system prompt, {a_.get('user_tokens')}-token user turns, "
+            f"{a_.get('answer_tokens')}-token answers, started {res.get('started')}, {res.get('seconds')} s; "
+            f"skipped: {res.get('skipped') or 'none'}; error: {res.get('error') or 'none'}.\n"
+        )
+    head, body = rows(pts, modes)
+    parts += ["\n## Per count and mode\n", md_table(head, body)]
+    thead, tbody = targets(pts)
+    parts += ["\n## The issue's ratios\n", md_table(thead, tbody)]
+    if pts:
+        plot(pts, modes, title, a.out / "goodput.png")
+        parts.append("\n![goodput, TTFT p99, ITL p99 against conversations](goodput.png)\n")
+    (a.out / "report.md").write_text("\n".join(parts))
+    print(md_table(head, body))
+    print(md_table(thead, tbody))
+    print(f"report: {a.out / 'report.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
