@@ -37,13 +37,55 @@ def _f(x: Any, digits: int = 0) -> str:
     return f"{x:,.{digits}f}"
 
 
-def points(results: Sequence[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
-    """conversations -> mode -> the wave's summary (the last wave of that count, if several)."""
+def parse_slo(text: str) -> tuple[float, float]:
+    """``2000:30`` -> (TTFT ms, TPOT ms)."""
+    ttft, tpot = text.split(":")
+    return float(ttft), float(tpot)
+
+
+def slo_name(slo: tuple[float, float]) -> str:
+    return f"ttft:{slo[0]:g} tpot:{slo[1]:g}"
+
+
+def goodput_at(
+    rows: Sequence[Sequence[Any]], wave: dict[str, Any], answer_tokens: int, slo: tuple[float, float]
+) -> dict[str, Any]:
+    """The wave's goodput at another SLO, from its request rows ([wave, start s, turn, TTFT ms,
+    latency ms, status]; the answers are ``answer_tokens`` long, ``ignore_eos``): TPOT is (latency -
+    TTFT) / (tokens - 1), as ``turnkv.bench.goodput`` computes it."""
+    mine = [r for r in rows if r[0] == wave["wave"]]
+    good = [
+        r
+        for r in mine
+        if r[5] == 0
+        and r[3] is not None
+        and r[4] is not None
+        and r[3] <= slo[0]
+        and (r[4] - r[3]) / max(1, answer_tokens - 1) <= slo[1]
+    ]
+    later = [r for r in mine if r[2] > 1]
+    wall = wave.get("wall_s") or 0.0
+    return {
+        "goodput_per_s": len(good) / wall if wall > 0 else None,
+        "attainment": len(good) / len(mine) if mine else None,
+        "later_attainment": sum(1 for r in good if r[2] > 1) / len(later) if later else None,
+    }
+
+
+def points(
+    results: Sequence[dict[str, Any]], slo: tuple[float, float] | None = None
+) -> dict[int, dict[str, dict[str, Any]]]:
+    """conversations -> mode -> the wave's summary (the last wave of that count, if several), its
+    ``goodput`` recomputed at ``slo`` where given."""
     out: dict[int, dict[str, dict[str, Any]]] = {}
     for res in results:
+        answer = int(res.get("args", {}).get("answer_tokens", 128))
         for m in res.get("modes", []):
+            rows = res.get("requests", {}).get(m["mode"], [])
             for w in m.get("waves", []):
                 if "goodput" in w:
+                    if slo is not None:
+                        w = {**w, "goodput": {**w["goodput"], **goodput_at(rows, w, answer, slo)}}
                     out.setdefault(int(w["conversations"]), {})[m["mode"]] = w
     return dict(sorted(out.items()))
 
@@ -59,7 +101,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def rows(pts: dict[int, dict[str, dict[str, Any]]], modes: Sequence[str]) -> tuple[list[str], list[list[str]]]:
-    head = ["conversations", "mode", "answered", "goodput /s (attainment)", "TTFT p50 / p99 turn 1 ms"]
+    head = ["conversations", "mode", "answered", "goodput /s (attainment; later turns)", "TTFT p50 / p99 turn 1 ms"]
     head += ["TTFT p50 / p99 later ms", "ITL p50 / p99 ms", "TPOT p99 ms"]
     body = []
     for n, by_mode in pts.items():
@@ -73,7 +115,8 @@ def rows(pts: dict[int, dict[str, dict[str, Any]]], modes: Sequence[str]) -> tup
                     str(n),
                     mode,
                     f"{w['ok']}/{w['requests_expected']}" + (" (cut)" if w.get("cut") else ""),
-                    f"{_f(g.get('goodput_per_s'), 2)} ({_f(100 * (g.get('attainment') or 0))}%)",
+                    f"{_f(g.get('goodput_per_s'), 2)} ({_f(100 * (g.get('attainment') or 0))}%; "
+                    f"{_f(100 * (g.get('later_attainment') or 0))}%)",
                     f"{_f(t['turn 1']['p50'])} / {_f(t['turn 1']['p99'])}",
                     f"{_f(t['later turns']['p50'])} / {_f(t['later turns']['p99'])}",
                     f"{_f(w['itl_ms']['p50'], 1)} / {_f(w['itl_ms']['p99'], 1)}",
@@ -154,11 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="*", type=Path)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument(
+        "--slo",
+        action="append",
+        type=parse_slo,
+        help="TTFT_MS:TPOT_MS, one table per SLO (default: vLLM's 2000:30, and 2000:60)",
+    )
     a = ap.parse_args(argv)
+    slos = a.slo or [(2000.0, 30.0), (2000.0, 60.0)]
     inputs = a.inputs or sorted(a.out.glob("load_G*.json"))
     results = [json.loads(p.read_text()) for p in inputs]
     a.out.mkdir(parents=True, exist_ok=True)
-    pts = points(results)
+    pts = points(results, slos[0])
     modes = list(dict.fromkeys(m["mode"] for res in results for m in res.get("modes", [])))
     sim = any(res.get("backend") == "sim" for res in results)
     title = "goodput sweep" + (" (SIMULATOR: says the scripts work, nothing about the GPU)" if sim else ", one H200")
@@ -173,16 +223,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{a_.get('answer_tokens')}-token answers, started {res.get('started')}, {res.get('seconds')} s; "
             f"skipped: {res.get('skipped') or 'none'}; error: {res.get('error') or 'none'}.\n"
         )
-    head, body = rows(pts, modes)
-    parts += ["\n## Per count and mode\n", md_table(head, body)]
-    thead, tbody = targets(pts)
-    parts += ["\n## The issue's ratios\n", md_table(thead, tbody)]
-    if pts:
-        plot(pts, modes, title, a.out / "goodput.png")
-        parts.append("\n![goodput, TTFT p99, ITL p99 against conversations](goodput.png)\n")
+    for i, slo in enumerate(slos):
+        pts = points(results, slo)
+        head, body = rows(pts, modes)
+        parts += [f"\n## Per count and mode, goodput at {slo_name(slo)}\n", md_table(head, body)]
+        thead, tbody = targets(pts)
+        parts += [f"\n## The issue's ratios at {slo_name(slo)}\n", md_table(thead, tbody)]
+        if pts:
+            name = "goodput.png" if i == 0 else f"goodput_tpot{slo[1]:g}.png"
+            plot(pts, modes, f"{title}; goodput at {slo_name(slo)}", a.out / name)
+            parts.append(f"\n![goodput, TTFT p99, ITL p99 against conversations]({name})\n")
+        print(f"goodput at {slo_name(slo)}")
+        print(md_table(head, body))
+        print(md_table(thead, tbody))
     (a.out / "report.md").write_text("\n".join(parts))
-    print(md_table(head, body))
-    print(md_table(thead, tbody))
     print(f"report: {a.out / 'report.md'}", file=sys.stderr)
     return 0
 
