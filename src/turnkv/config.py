@@ -180,6 +180,14 @@ class Limits(BaseModel):
         "connection's first byte of its next request) until the request's headers "
         "are complete; past it the connection is closed",
     )
+    keep_alive_s: float = Field(
+        75.0,
+        gt=0,
+        description="how long an idle kept-alive client connection stays open. Longer than clients keep "
+        "idle connections in their own pools (aiohttp 15 s, httpx and the openai SDK 5 s): a client that "
+        "reuses one never sends its request on a connection the gateway is closing at that moment "
+        "(uvicorn's own 5 s did that to one request in hundreds, a reset or disconnect at the client)",
+    )
     body_timeout_s: float = Field(
         30.0,
         gt=0,
@@ -414,6 +422,12 @@ class Settings(BaseSettings):
     )
     store_breaker: StoreBreaker = Field(default_factory=StoreBreaker)
     max_connections: int = Field(1024, ge=1)
+    engine_keep_alive_s: float = Field(
+        4.0,
+        gt=0,
+        description="an idle connection to an engine is reused only within this. Below vLLM's own keep-alive "
+        "(VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a connection the engine is closing is never sent a request",
+    )
     template_audit: bool = True
     log_level: str = "info"
     log_json: bool = True

@@ -86,7 +86,7 @@ def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning", *, ed
     if edge is not None:
         from turnkv.gateway.connections import edge_protocol
 
-        extra = {"http": edge_protocol(edge), "ws": "none"}
+        extra = {"http": edge_protocol(edge), "ws": "none", "timeout_keep_alive": edge.keep_alive_s}
     drain: Drain | None = getattr(getattr(app, "state", None), "drain", None)
     delay_s = float(getattr(app.state, "shutdown_delay_s", 0.0)) if drain is not None else 0.0
     graceful = delay_s + drain.drain_s + GRACE_S if drain is not None else GRACE_S

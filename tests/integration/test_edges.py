@@ -244,3 +244,41 @@ def test_a_place_in_flight_is_free_once_the_client_has_its_last_byte(
     assert len(outcomes) == clients * 9 and outcomes.count("full") == clients * 3 * 2
     assert metric(c.gateway.url, "turnkv_rejected_requests_total", reason="server_overloaded") == 0
     no_tracebacks(c)
+
+
+def _one_response(sock: socket.socket) -> bytes:
+    """Read one whole HTTP/1.1 response with a Content-Length (bounded by the socket's timeout)."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        piece = sock.recv(4096)
+        assert piece, "the gateway closed the connection before answering"
+        got += piece
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    while len(body) < length:
+        piece = sock.recv(4096)
+        assert piece, "the gateway closed the connection mid-answer"
+        body += piece
+    return head
+
+
+def test_an_idle_kept_alive_connection_outlives_the_clients_own_pools(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    # Clients keep idle connections in their pools for 5-15 s (httpx and the openai SDK 5, aiohttp 15) and
+    # reuse them; a server that closes sooner, or at the same moment, gets a request on a closing connection
+    # now and then (a reset at the client). The gateway keeps an idle one longer than uvicorn's own 5 s.
+    c = start_cluster(procs, tmp_path)
+    host, port = c.gateway.url.removeprefix("http://").split(":")
+    request = b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        assert _one_response(sock).startswith(b"HTTP/1.1 200 ")
+        sock.settimeout(7.0)  # idle for longer than uvicorn's default keep-alive: nothing may arrive, not even EOF
+        with pytest.raises(TimeoutError):
+            sock.recv(1)
+        sock.settimeout(10)
+        sock.sendall(request)  # the same connection, reused
+        assert _one_response(sock).startswith(b"HTTP/1.1 200 ")

@@ -73,7 +73,9 @@ async def run_load(
     slots = asyncio.Semaphore(spec.concurrency)
     start = time.perf_counter()
     deadline = start + spec.duration_s
-    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=60)
+    # idle connections reused within 4 s only: below vLLM's (and the simulator's) 5 s keep-alive, so a
+    # run straight against an engine never sends on a connection the engine is closing
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=4)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         client = TurnClient(session, target, spec.request_timeout_s)
 

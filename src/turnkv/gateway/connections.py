@@ -4,14 +4,14 @@ how many connections may be open (in all and from one address), and the open-fil
 uvicorn has no header timeout: a client that sends its headers a byte at a time keeps its connection, and a
 file descriptor, as long as it likes. ``edge_protocol`` subclasses uvicorn's HTTP protocol (httptools, else
 h11) with a timer that runs from a connection's start, and from the first byte of a kept-alive connection's
-next request, until that request's headers are complete (uvicorn has started its request cycle). When it
-fires the connection is closed, after a 408 where part of a request had arrived. (An idle kept-alive
-connection is uvicorn's own keep-alive timeout's.) A client that stops reading its answer is dropped once
-the send buffer has stayed full for ``send_timeout_s`` (the app then sees a disconnect, and a streamed turn
-ends as for any client that left). A connection over a cap is answered 503 and closed as soon as it is
-accepted, before it costs more than its descriptor for a moment. The body's deadline is the
-app's (``requests.read_json``), which can answer it in OpenAI's shape. uvicorn's ``limit_concurrency`` is not
-used: it answers in plain text, and only once a request's headers have arrived.
+next request, until that request's headers are complete (uvicorn has started its request cycle). When it fires
+the connection is closed, after a 408 where part of a request had arrived. (An idle kept-alive connection is
+uvicorn's own keep-alive timeout's, set from ``limits.keep_alive_s``.) A client that stops reading its answer
+is dropped once the send buffer has stayed full for ``send_timeout_s`` (the app then sees a disconnect, and a
+streamed turn ends as for any client that left). A connection over a cap is answered 503 and closed as soon as
+it is accepted, before it costs more than its descriptor for a moment. The body's deadline is the app's
+(``requests.read_json``), which can answer it in OpenAI's shape. uvicorn's ``limit_concurrency`` is not used:
+it answers in plain text, and only once a request's headers have arrived.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class EdgeLimits:
     max_per_ip: int | None
     retry_after_s: int
     send_timeout_s: float = 60.0
+    keep_alive_s: float = 75.0  # an idle kept-alive connection's life (uvicorn's timeout_keep_alive)
 
 
 def raise_fd_limit() -> int:
@@ -66,7 +67,9 @@ def edge_limits(settings: Settings) -> EdgeLimits:
         log.warning(
             "connections.cap_lowered configured=%s cap=%s open_file_limit=%s", lim.max_client_connections, cap, nofile
         )
-    return EdgeLimits(lim.header_timeout_s, cap, lim.max_connections_per_ip, lim.retry_after_s, lim.send_timeout_s)
+    return EdgeLimits(
+        lim.header_timeout_s, cap, lim.max_connections_per_ip, lim.retry_after_s, lim.send_timeout_s, lim.keep_alive_s
+    )
 
 
 def raw_error(status: int, reason: str, message: str, code: str, retry_after_s: int | None = None) -> bytes:

@@ -233,6 +233,8 @@ class VllmEngine:
 @contextlib.asynccontextmanager
 async def vllm_engine(settings: Settings) -> AsyncIterator[VllmEngine]:
     """A ``VllmEngine`` with its own aiohttp session (one per process, closed on exit)."""
-    connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0, keepalive_timeout=30)
+    connector = aiohttp.TCPConnector(
+        limit=settings.max_connections, limit_per_host=0, keepalive_timeout=settings.engine_keep_alive_s
+    )
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         yield VllmEngine(Upstream(session, settings.timeouts, settings.upstream_api_key), settings.block_size)
