@@ -12,7 +12,7 @@ like ``always-reuse-unchecked`` it is wrong on templates that strip reasoning or
 
     policy:
       name: adaptive
-      params: {decode_local: true, decode_local_max_stall_ms: 150, itl_budget_ms: 30, margin: 0.0}
+      params: {decode_local: true, decode_local_max_stall_ms: 150, itl_budget_ms: 30, itl_headroom: 0.1, margin: 0.0}
 
 Decode-local is bounded by what it costs the streams already running on that D: while D prefills
 the turn, their next tokens wait. Above ``decode_local_max_stall_ms`` of estimated prefill (or above
@@ -20,7 +20,11 @@ the turn, their next tokens wait. Above ``decode_local_max_stall_ms`` of estimat
 ``itl_budget_ms`` fact, else the ``itl_budget_ms`` parameter; set it to the TPOT SLO), decode-local is
 also refused when D's step time now plus what the turn's prefill adds to a step (chunked: each step
 that carries a chunk is that much longer for every running stream) would exceed the budget while any
-stream runs there: the reason is then ``itl_budget``. TTFT is never bought with the ITL of others.
+stream runs there: the reason is then ``itl_budget``. Relative to D's own step, ``itl_headroom`` (on by
+default, 0.10) refuses a decode-local turn whose prefill would lengthen D's step by more than that share of
+D's step without it (measured, else estimated), with the chunks of the other decode-local turns this gateway
+has prefilling on that D (``TurnFacts.decode_prefills``) in the same step: the reason is ``itl_headroom``.
+TTFT is never bought with the ITL of others.
 A D run with ``--long-prefill-token-threshold`` (``decode_chunk_tokens``) takes a turn's prefill a few
 tokens a step: each step then grows by little (within the tokens a step computes for free, it is only
 the chunk's attention), and the turn's first token comes a few steps later. Where D's KV is crowded
@@ -28,6 +32,13 @@ the chunk's attention), and the turn's first token comes a few steps later. Wher
 then costed as prefilling the whole prompt on D. Requests waiting on D (``decode_queue_ms``) delay a
 decode-local turn by D's whole queue, a turn through P only by what is left of it once P's queue is waited
 (``reuse.cost.estimate``): where that alone turns the choice to P, the reason is ``decode_queue``.
+
+``keeps_pin`` says whether a turn's new handle stays pinned for the next turn (``Keep``): ``pull`` where a
+next turn like this one would pull it; ``hedge`` where it would not (D would take it, or P's cache hold the
+history) but a pull beats P recomputing the history should D not take the turn and P's cache have lost it
+(``keep_hedge``, on by default: under load both happen, and without the handle the turn recomputes the whole
+history on P); else ``not_needed``. What hedges hold is bounded by D's pin budget and the crowded rule
+(``gateway.pins``).
 """
 
 from __future__ import annotations
