@@ -272,10 +272,6 @@ class AdaptivePolicy:
             return Reason.ITL_HEADROOM
         return None
 
-    def within_itl_budget(self, facts: TurnFacts, costs: CostParams) -> bool:
-        """Whether D's running streams stay within their ITL while D prefills this turn (``itl_refusal``)."""
-        return self.itl_refusal(facts, costs) is None
-
     def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> Keep:
         # a pull on a next turn like this one: keep. Otherwise D would likely take it (decode-local, from
         # its own prefix cache) or P recompute it from its cache; but under load D may not have room then,
