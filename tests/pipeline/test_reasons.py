@@ -470,3 +470,21 @@ def test_every_reason_is_covered() -> None:
     source = inspect.getsource(sys.modules[__name__])
     missing = [r.value for r in Reason if f'"{r.value}"' not in source and r is not Reason.CORRUPT_RECORD]
     assert not missing
+
+
+async def test_decode_local_turns_prefilling_on_d_are_counted_until_their_first_token() -> None:
+    # three conversations' decode-local turns wait on D for their first token: a fourth turn planned meanwhile
+    # is told that three prefills share D's steps with it (issue 11: the ITL check counts their chunks)
+    async with gateway(policy={"name": "decode-local"}) as gw:
+        chats = [await conversation(gw, stream=True, session=f"c{i}") for i in range(4)]
+        gw.engine.faults(D0, busy=3)  # the next three streams' first outputs wait behind D's other work
+        waiting = [asyncio.create_task(c.say("go on")) for c in chats[:3]]
+        await gw.wait_for("three decode-local prefills on D", lambda: view(gw, D0).local_prefills == 3)
+        assert view(gw, D0).local_prefill_tokens > 0
+        a = await chats[3].say("and you?")
+        assert a.action == "decode_local" and gw.turns[-1]["load"]["decode_prefills"] == 3
+        gw.engine.free(D0)
+        answers = await asyncio.wait_for(asyncio.gather(*waiting), 10)
+        assert [x.action for x in answers] == ["decode_local"] * 3 and all(x.error is None for x in answers)
+        await gw.wait_for("no prefill left on D", lambda: view(gw, D0).local_prefills == 0)
+        assert view(gw, D0).local_prefill_tokens == 0
