@@ -218,3 +218,21 @@ async def test_headers_and_log_of_a_stateless_turn_with_basic_headers() -> None:
         assert ours(a.headers) == BASIC
         assert a.headers["x-turnkv-conversation"] == "none"
         assert set(gw.turns[-1]) == LOGGED - {"conversation", "conversation_source"}
+
+
+@pytest.mark.parametrize(("hedge", "capture"), [(True, "stored_hedge"), (False, "stored_not_needed")])
+async def test_a_handle_is_kept_as_a_hedge_where_a_pull_beats_p_recomputing_the_history(
+    hedge: bool, capture: str
+) -> None:
+    """D is idle and would take the next turn itself, P's cache holds the history: no pull is expected. But
+    should D not have room then and P's cache have lost the history, pulling the long history over a fast
+    link beats recomputing it on P: the handle stays pinned, and the capture says why (issue 11)."""
+    policy = {"name": "adaptive", "params": {"keep_hedge": hedge}}
+    async with gateway(policy=policy, costs={"link_gbps": 300.0}) as gw:
+        a = await Chat(gw, session="c1").say(" ".join(f"word{i}" for i in range(3000)))  # a long history
+        assert a.status == 200, a.body
+        assert gw.turns[-1]["capture"] == capture
+        assert gw.metric("turnkv_handle_captures_total", result=capture) == 1
+        # the store counts a kept handle against D's pin budget; a dropped one is not the conversation's
+        d = gw.svc.fleet.view(D0)
+        assert d is not None and (d.pinned_tokens > 0) is hedge

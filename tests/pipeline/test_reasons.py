@@ -308,6 +308,26 @@ async def test_decode_local_that_would_slow_the_streams_on_d_past_the_itl_budget
         assert a.action != "decode_local" and a.reason == "itl_budget"
 
 
+@pytest.mark.parametrize(("headroom", "reason"), [(0.10, "itl_headroom"), (None, "decode_local")])
+async def test_decode_local_that_would_lengthen_ds_step_past_its_headroom_goes_through_p(
+    headroom: float | None, reason: str
+) -> None:
+    # D runs streams and would prefill a 600-word turn in one step (no --long-prefill-token-threshold): that
+    # step would be far more than 10% longer than D's step alone, though no absolute budget is set (issue 11).
+    # A short turn adds only its attention, well within: it stays decode-local either way.
+    async with gateway(policy={"name": "adaptive", "params": {"itl_headroom": headroom}}) as gw:
+        chat = await conversation(gw)
+        gw.engine[D0].running = 8
+        await gw.wait_for("the fleet to see D's streams", lambda: view(gw, D0).busy >= 8)
+        assert (await chat.say("go on")).action == "decode_local"
+        a = await chat.say(" ".join(f"word{i}" for i in range(600)))
+        gw.engine[D0].running = 0
+        assert a.reason == reason and (a.action == "decode_local") is (headroom is None)
+        refused = gw.metric("turnkv_reuse_decisions_total", outcome=a.outcome, action=a.action, reason="itl_headroom")
+        assert refused == (1 if headroom else 0)
+        assert gw.turns[-1]["load"]["decode_prefills"] == 0  # no other decode-local turn prefilling on D
+
+
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize(
     ("load", "why"),
@@ -450,3 +470,21 @@ def test_every_reason_is_covered() -> None:
     source = inspect.getsource(sys.modules[__name__])
     missing = [r.value for r in Reason if f'"{r.value}"' not in source and r is not Reason.CORRUPT_RECORD]
     assert not missing
+
+
+async def test_decode_local_turns_prefilling_on_d_are_counted_until_their_first_token() -> None:
+    # three conversations' decode-local turns wait on D for their first token: a fourth turn planned meanwhile
+    # is told that three prefills share D's steps with it (issue 11: the ITL check counts their chunks)
+    async with gateway(policy={"name": "decode-local"}) as gw:
+        chats = [await conversation(gw, stream=True, session=f"c{i}") for i in range(4)]
+        gw.engine.faults(D0, busy=3)  # the next three streams' first outputs wait behind D's other work
+        waiting = [asyncio.create_task(c.say("go on")) for c in chats[:3]]
+        await gw.wait_for("three decode-local prefills on D", lambda: view(gw, D0).local_prefills == 3)
+        assert view(gw, D0).local_prefill_tokens > 0
+        a = await chats[3].say("and you?")
+        assert a.action == "decode_local" and gw.turns[-1]["load"]["decode_prefills"] == 3
+        gw.engine.free(D0)
+        answers = await asyncio.wait_for(asyncio.gather(*waiting), 10)
+        assert [x.action for x in answers] == ["decode_local"] * 3 and all(x.error is None for x in answers)
+        await gw.wait_for("no prefill left on D", lambda: view(gw, D0).local_prefills == 0)
+        assert view(gw, D0).local_prefill_tokens == 0

@@ -178,3 +178,22 @@ def test_a_suspension_that_ran_out_is_seen_by_the_next_snapshot(monkeypatch: pyt
     while time.monotonic() < deadline and not view(f).routable:  # the clock, not a change, lifts it
         time.sleep(0.01)
     assert view(f).routable
+
+
+def test_decode_local_prefills_count_until_their_first_token() -> None:
+    f = Fleet(["http://p"], ["http://d"])
+    a = f.hold("http://d", local_prefill=328)
+    b = f.hold("http://d", local_prefill=64)
+    c = f.hold("http://d")  # a P/D turn: D prefills nothing of it
+    before = f.view("http://d")
+    assert before is not None and (before.local_prefills, before.local_prefill_tokens, before.in_flight) == (2, 392, 3)
+    a.prefilled()  # its first token came: its chunks no longer share D's steps
+    a.prefilled()
+    v = f.view("http://d")
+    assert v is not None and (v.local_prefills, v.local_prefill_tokens, v.in_flight) == (1, 64, 3)
+    assert (before.local_prefills, before.local_prefill_tokens) == (2, 392)  # the old snapshot stands
+    b.release()  # ended before its first token
+    c.release()
+    a.release()
+    v = f.view("http://d")
+    assert v is not None and (v.local_prefills, v.local_prefill_tokens, v.in_flight) == (0, 0, 0)

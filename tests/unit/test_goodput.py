@@ -14,10 +14,7 @@ from turnkv.bench.goodput import Slo, collapsed, geometric_rates, meets, next_ra
 from turnkv.bench.records import ConfigResult, RequestRecord
 from turnkv.bench.scenarios import goodput as suite
 from turnkv.bench.scenarios.base import Bench
-from turnkv.config import Settings
-from turnkv.reuse.policies import build_policy
-from turnkv.routing.router import build_profile
-from turnkv.routing.scorers import Affinity
+from turnkv.reuse.policies import AdaptivePolicy, build_policy
 
 SLO = Slo()
 
@@ -218,21 +215,19 @@ def test_configurations_deploy_as_described() -> None:
     assert opts.rates_for("2p2d")[0] == 2 * opts.rates_for("1p1d")[0]  # twice the engines, twice the rates
 
 
-def test_adaptive_gate_is_adaptive_before_ds_queue_was_weighed(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the same run can hold turnkv before and after issue 11's decode-queue change side by side
+def test_adaptive_before_is_adaptive_without_the_headroom_and_the_hedge() -> None:
+    # the same run can hold turnkv before and after branch goodput4 side by side
     opts = suite.SweepOptions(topologies=("2p2d",))
-    assert "adaptive-gate" not in opts.configs  # on request only
-    gate = dict(suite.bench("2p2d", "adaptive-gate", 2.0, opts).deployment.gateway_env)
+    assert "adaptive-before" not in opts.configs  # on request only
+    before = dict(suite.bench("2p2d", "adaptive-before", 2.0, opts).deployment.gateway_env)
     ad = dict(suite.bench("2p2d", "adaptive", 2.0, opts).deployment.gateway_env)
-    assert gate["TURNKV_POLICY__PARAMS"] == ad["TURNKV_POLICY__PARAMS"]
-    assert gate["TURNKV_DECODE_MEMORY__LOCAL_QUEUE"] == "refuse" and "TURNKV_DECODE_MEMORY__LOCAL_QUEUE" not in ad
-    for k in ("TURNKV_DECODE_MEMORY__LOCAL_QUEUE", "TURNKV_ROUTING_PROFILES", "TURNKV_ROUTING"):
-        monkeypatch.setenv(k, gate[k])
-    s = Settings(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"])  # the gateway accepts them
-    profile = build_profile(s.routing, s.routing_profiles)
-    affinity = [sc for _, sc in profile.scorers if isinstance(sc, Affinity)]
-    assert s.decode_memory.local_queue == "refuse" and [a.queue_slack_ms for a in affinity] == [None]
-    assert [a.queue_slack_ms for _, a in build_profile("load-affinity").scorers if isinstance(a, Affinity)] == [100.0]
+    b, a = json.loads(before["TURNKV_POLICY__PARAMS"]), json.loads(ad["TURNKV_POLICY__PARAMS"])
+    assert b == {**a, "itl_headroom": None, "keep_hedge": False}
+    assert before["TURNKV_ROUTING"] == ad["TURNKV_ROUTING"] == "load-affinity"
+    old, new = build_policy("adaptive", b), build_policy("adaptive", a)  # the gateway accepts them
+    assert isinstance(old, AdaptivePolicy) and isinstance(new, AdaptivePolicy)
+    assert (old.p.itl_headroom, old.p.keep_hedge) == (None, False)
+    assert (new.p.itl_headroom, new.p.keep_hedge) == (0.10, True)
 
 
 def _point(goodput_turns: int, itl: float) -> list[RequestRecord]:

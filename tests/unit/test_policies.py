@@ -18,7 +18,7 @@ from turnkv.reuse.cost import (
     step_added_s,
     transfer_s,
 )
-from turnkv.reuse.policies import POLICY_NAMES, build_policy, itl_with_turn_ms
+from turnkv.reuse.policies import POLICY_NAMES, Keep, build_policy, itl_with_turn_ms
 
 HOST = CostParams()  # 0.43 GB/s, the project's H200 host as measured
 RDMA = CostParams(link_fixed_s=0.005, link_bytes_per_s=45e9)
@@ -147,25 +147,52 @@ def test_bad_policy_config_fails_at_start(name: str, params: dict[str, object]) 
 
 
 @pytest.mark.parametrize(
-    ("name", "params", "costs", "f", "keeps"),
+    ("name", "params", "costs", "f", "keep"),
     [
-        # a pull never pays over the host's TCP link: a handle is not worth its pinned bytes
-        ("adaptive", {"decode_local": False}, HOST, facts(16_000, 15_800, local=True, d_cached=15_792), False),
+        # a pull never pays over the host's TCP link, even with P's cache lost: not worth its pinned bytes
+        (
+            "adaptive",
+            {"decode_local": False},
+            HOST,
+            facts(16_000, 15_800, local=True, d_cached=15_792),
+            Keep.NOT_NEEDED,
+        ),
         # it pays over RDMA with P's cache cold, while D is too busy for decode-local
-        ("adaptive", {}, RDMA, facts(16_000, 15_800, local=True, d_cached=15_792, busy=100), True),
-        # D will most likely take the next turn itself, from its own prefix cache: no pin needed
-        ("adaptive", {}, RDMA, facts(16_000, 15_800, local=True, d_cached=15_792), False),
-        ("always-pull", {}, HOST, facts(16_000, 15_800), True),
-        ("always-reuse-unchecked", {}, HOST, facts(16_000, 15_800), True),
-        ("vllm-multiturn", {}, HOST, facts(16_000, 15_800), True),
-        ("never-pull", {}, NVLINK, facts(16_000, 15_800), False),
-        ("decode-local", {}, NVLINK, facts(16_000, 15_800, local=True), False),
+        ("adaptive", {}, RDMA, facts(16_000, 15_800, local=True, d_cached=15_792, busy=100), Keep.PULL),
+        # D will most likely take the next turn itself, from its own prefix cache; should it not (under load
+        # it may have no room), pulling beats P recomputing the history: kept as a hedge
+        ("adaptive", {}, RDMA, facts(16_000, 15_800, local=True, d_cached=15_792), Keep.HEDGE),
+        # before the hedge: dropped
+        (
+            "adaptive",
+            {"keep_hedge": False},
+            RDMA,
+            facts(16_000, 15_800, local=True, d_cached=15_792),
+            Keep.NOT_NEEDED,
+        ),
+        # P's cache holds all but the answer: recomputing that beats a pull (a tie below the threshold)...
+        ("adaptive", {"keep_hedge": False}, RDMA, facts(16_000, 15_800, p_cached=15_792), Keep.NOT_NEEDED),
+        # ...but should P's cache lose the history, the pull beats recomputing 16k tokens: a hedge
+        ("adaptive", {}, RDMA, facts(16_000, 15_800, p_cached=15_792), Keep.HEDGE),
+        ("always-pull", {}, HOST, facts(16_000, 15_800), Keep.PULL),
+        ("always-reuse-unchecked", {}, HOST, facts(16_000, 15_800), Keep.PULL),
+        ("vllm-multiturn", {}, HOST, facts(16_000, 15_800), Keep.PULL),
+        ("never-pull", {}, NVLINK, facts(16_000, 15_800), Keep.NOT_NEEDED),
+        ("decode-local", {}, NVLINK, facts(16_000, 15_800, local=True), Keep.NOT_NEEDED),
     ],
 )
-def test_a_handle_is_kept_pinned_only_where_a_pull_would_use_it(
-    name: str, params: dict[str, object], costs: CostParams, f: TurnFacts, keeps: bool
+def test_a_handle_is_kept_pinned_only_where_a_pull_could_use_it(
+    name: str, params: dict[str, object], costs: CostParams, f: TurnFacts, keep: Keep
 ) -> None:
-    assert build_policy(name, params).keeps_pin(f, costs) is keeps
+    got = build_policy(name, params).keeps_pin(f, costs)
+    assert got is keep and got.kept is (keep is not Keep.NOT_NEEDED)
+
+
+def test_the_hedge_is_not_kept_where_recompute_wins_anyway() -> None:
+    # a short history over NVLink-class links: P recomputes 300 tokens faster than any pull, cache or not
+    f = facts(400, 300, p_cached=288)
+    assert build_policy("adaptive").keeps_pin(f, NVLINK) is Keep.NOT_NEEDED
+    assert build_policy("adaptive").keeps_pin(facts(400, 300), NVLINK) is Keep.NOT_NEEDED
 
 
 # -- the ITL budget: decode-local only while D's running streams stay within it -------------------------
@@ -225,7 +252,7 @@ def test_what_a_chunk_adds_to_a_step() -> None:
 @pytest.mark.parametrize(
     ("params", "f", "action", "reason"),
     [
-        # no budget anywhere: today's behaviour, whatever D runs
+        # no budget anywhere (and no headroom): decode-local whatever D runs
         ({}, turn(60, busy=60), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
         # a budget, but nothing runs on D: nobody waits
         ({"itl_budget_ms": 30}, turn(0), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
@@ -251,7 +278,7 @@ def test_what_a_chunk_adds_to_a_step() -> None:
 def test_adaptive_keeps_decode_local_within_the_itl_budget(
     params: dict[str, object], f: TurnFacts, action: Action, reason: Reason
 ) -> None:
-    d = build_policy("adaptive", params).decide(f, HOST)
+    d = build_policy("adaptive", {**params, "itl_headroom": None}).decide(f, HOST)  # the budget alone
     assert (d.action, d.reason) == (action, reason)
 
 
@@ -275,7 +302,8 @@ def test_the_itl_estimate_is_the_step_now_plus_the_chunk() -> None:
 def test_new_turn_facts_default_to_todays_behaviour() -> None:
     f = facts(16400, 16000, local=True, d_cached=16000, busy=60)
     assert (f.decode_running, f.decode_context_tokens, f.decode_step_ms, f.itl_budget_ms) == (None, None, None, None)
-    assert build_policy("adaptive").decide(f, HOST).action is Action.DECODE_LOCAL
+    assert (f.decode_prefills, f.decode_prefill_tokens) == (0, 0)
+    assert build_policy("adaptive", {"itl_headroom": None}).decide(f, HOST).action is Action.DECODE_LOCAL
     assert build_policy("adaptive", {"itl_budget_ms": 30}).decide(f, HOST).reason is Reason.ITL_BUDGET
 
 
@@ -313,7 +341,7 @@ def test_thin_chunks_change_nothing_without_the_setting() -> None:
 @pytest.mark.parametrize(
     ("params", "f", "local"),
     [
-        # no usage known, or no limit: D's cache is taken to hold the conversation (today's behaviour)
+        # no usage known, or no limit: D's cache is taken to hold the conversation
         ({}, turn(30, busy=30), True),
         ({"decode_cache_max_usage": 0.75}, turn(30, busy=30), True),
         # D's running streams and pins hold 90% of its KV: the conversation's blocks are likely gone
@@ -327,7 +355,7 @@ def test_thin_chunks_change_nothing_without_the_setting() -> None:
 def test_a_crowded_d_is_taken_to_have_lost_the_conversation(
     params: dict[str, object], f: TurnFacts, local: bool
 ) -> None:
-    d = build_policy("adaptive", params).decide(f, HOST)
+    d = build_policy("adaptive", {**params, "itl_headroom": None}).decide(f, HOST)  # D's cache alone
     assert (d.action is Action.DECODE_LOCAL) is local
     if not local:
         assert d.reason is Reason.CHEAPER_TO_RECOMPUTE  # the whole prompt on D loses to P
@@ -345,3 +373,77 @@ def test_ps_queue_counts_against_the_paths_through_p() -> None:
     est, est_q = estimate(NVLINK, f), estimate(NVLINK, queued)
     assert est_q[Action.RECOMPUTE] == pytest.approx(est[Action.RECOMPUTE] + 0.1)
     assert est_q[Action.PULL] == pytest.approx(est[Action.PULL] + 0.1)
+
+
+# -- the ITL headroom: a decode-local turn's prefill lengthens D's step by at most a share of it ---------
+
+
+@pytest.mark.parametrize(
+    ("params", "costs", "f", "action", "reason"),
+    [
+        # nothing runs on D: nobody's ITL to keep
+        ({}, HOST, turn(0), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
+        # D as vLLM runs it by default: 328 tokens in one step beside 10 streams add ~8 ms to a ~12 ms step
+        ({}, HOST, turn(10, busy=10), Action.RECOMPUTE, Reason.ITL_HEADROOM),
+        # without the headroom (before it): taken
+        ({"itl_headroom": None}, HOST, turn(10, busy=10), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
+        # ... and with a generous one
+        ({"itl_headroom": 1.0}, HOST, turn(10, busy=10), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
+        # D taking 64 tokens a step: beside 40 streams a chunk adds its attention only (~0.7 ms of ~27 ms)
+        ({}, THIN, turn(40, busy=40), Action.DECODE_LOCAL, Reason.DECODE_LOCAL),
+        # ... but six other decode-local turns prefilling on D put 384 more tokens into the same step
+        (
+            {},
+            THIN,
+            replace(turn(40, busy=40), decode_prefills=6, decode_prefill_tokens=6 * 328),
+            Action.RECOMPUTE,
+            Reason.ITL_HEADROOM,
+        ),
+        # one other, nearly done (10 tokens left): still within
+        (
+            {},
+            THIN,
+            replace(turn(40, busy=40), decode_prefills=1, decode_prefill_tokens=10),
+            Action.DECODE_LOCAL,
+            Reason.DECODE_LOCAL,
+        ),
+        # past the absolute budget too: the budget's reason
+        ({"itl_budget_ms": 20}, HOST, turn(10, busy=10), Action.RECOMPUTE, Reason.ITL_BUDGET),
+    ],
+)
+def test_adaptive_keeps_ds_step_within_its_headroom(
+    params: dict[str, object], costs: CostParams, f: TurnFacts, action: Action, reason: Reason
+) -> None:
+    d = build_policy("adaptive", params).decide(f, costs)
+    assert (d.action, d.reason) == (action, reason)
+
+
+def test_the_headroom_is_relative_to_ds_own_step() -> None:
+    # the same chunks pass beside a D whose step is ten times what they add, and not beside a faster one
+    f = replace(turn(40, busy=40), decode_prefills=1, decode_prefill_tokens=64)
+    added = step_added_s(THIN, 40, 328, EIGHT_K, 1, 64)[0] * 1e3
+    policy = build_policy("adaptive")
+    slow = replace(f, decode_step_ms=added / 0.10 + 0.5)
+    fast = replace(f, decode_step_ms=added / 0.10 - 0.5)
+    assert policy.decide(slow, THIN).action is Action.DECODE_LOCAL
+    assert policy.decide(fast, THIN).reason is Reason.ITL_HEADROOM
+
+
+def test_other_prefills_on_d_share_the_step() -> None:
+    alone, steps = step_added_s(THIN, 40, 328, EIGHT_K)
+    both, steps2 = step_added_s(THIN, 40, 328, EIGHT_K, 2, 1000)
+    # two more chunks of 64: their compute past the free tokens (40 + 64 + 128 - 128 = 104) and attention
+    want = THIN.prefill_per_token_s * (40 + 64 + 128 - THIN.step_free_tokens) + THIN.prefill_attn_s * (
+        64 * (EIGHT_K + 4 * 64 + 32) + 128 * (EIGHT_K + 32)
+    )
+    assert both == pytest.approx(want) and both > alone and steps2 == steps == 6
+    # what is left of them bounds their share: 10 tokens, not two chunks
+    assert step_added_s(THIN, 40, 328, EIGHT_K, 2, 10)[0] < both
+    # an unchunked D: the others' tokens as they are, the turn's chunk what the budget leaves
+    assert step_added_s(HOST, 30, 328, EIGHT_K, 1, 200)[0] > step_added_s(HOST, 30, 328, EIGHT_K)[0]
+
+
+@pytest.mark.parametrize("bad", [-0.1, "x"])
+def test_a_bad_headroom_fails_at_start(bad: object) -> None:
+    with pytest.raises(ConfigError):
+        build_policy("adaptive", {"itl_headroom": bad})

@@ -66,6 +66,8 @@ class _Engine:
     prefill_request_ms: float | None = None
     # this gateway's requests in flight there that carry estimated work: slot id -> (sent at, seconds, tokens)
     queued: dict[int, tuple[float, float, int]] = field(default_factory=dict, repr=False)
+    # this gateway's decode-local turns there whose first token has not come: slot id -> tokens to prefill
+    prefilling: dict[int, int] = field(default_factory=dict, repr=False)
     histos: dict[str, Histo] = field(default_factory=dict, repr=False)  # latency histograms, as last read
     work: float | None = field(default=None, repr=False)  # its tokens computed, as last read
     hits: float | None = field(default=None, repr=False)
@@ -110,6 +112,8 @@ class _Engine:
             queued_prefill_tokens=sum(t for _, _, t in q),
             queued_since=min((t0 for t0, _, _ in q), default=0.0),
             in_flight_scraped=self.in_flight_scraped,
+            local_prefills=len(self.prefilling),
+            local_prefill_tokens=sum(self.prefilling.values()),
         )
         object.__setattr__(self, "_view", v)
         return v
@@ -121,18 +125,27 @@ class Slot:
 
     _ids = itertools.count()
 
-    def __init__(self, engine: _Engine, work_s: float = 0.0, tokens: int = 0) -> None:
+    def __init__(self, engine: _Engine, work_s: float = 0.0, tokens: int = 0, local_prefill: int = 0) -> None:
         self._engine = engine
         self._held = True
         self._id = next(Slot._ids)
         if work_s > 0 or tokens > 0:
             engine.queued[self._id] = (time.monotonic(), max(work_s, 0.0), max(tokens, 0))
+        if local_prefill > 0:
+            engine.prefilling = {**engine.prefilling, self._id: local_prefill}
         engine.in_flight += 1  # also tells the engine's snapshot that it changed
+
+    def prefilled(self) -> None:
+        """A decode-local turn's first token came: D has done its prefill (its chunks no longer share D's
+        steps)."""
+        if self._id in self._engine.prefilling:
+            self._engine.prefilling = {k: v for k, v in self._engine.prefilling.items() if k != self._id}
 
     def release(self) -> None:
         if self._held:
             self._held = False
             self._engine.queued.pop(self._id, None)
+            self.prefilled()
             self._engine.in_flight -= 1
 
 
@@ -162,10 +175,12 @@ class Fleet:
         return len(self._roles.get(role, ()))
 
     # -- what turns report -----------------------------------------------------------------------
-    def hold(self, url: str, work_s: float = 0.0, tokens: int = 0) -> Slot:
+    def hold(self, url: str, work_s: float = 0.0, tokens: int = 0, *, local_prefill: int = 0) -> Slot:
         """Count a request in flight on ``url`` until the slot is released; a prefill says the work it was
-        estimated at (seconds of P, new tokens): what a next turn would queue behind."""
-        return Slot(self._engines[url], work_s, tokens)
+        estimated at (seconds of P, new tokens): what a next turn would queue behind; a decode-local turn
+        the tokens D prefills for it (``local_prefill``), counted until its first token
+        (``Slot.prefilled``): what a next decode-local turn's chunks share D's steps with."""
+        return Slot(self._engines[url], work_s, tokens, local_prefill)
 
     @contextlib.contextmanager
     def busy(self, url: str, work_s: float = 0.0, tokens: int = 0) -> Iterator[None]:

@@ -44,6 +44,8 @@ class Reason(enum.StrEnum):
     CHEAPER_TO_RECOMPUTE = "cheaper_to_recompute"
     DECODE_LOCAL = "decode_local"
     ITL_BUDGET = "itl_budget"  # decode-local would have been fastest, but would push D's ITL past the budget
+    # ... but its prefill (with the other decode-local prefills on D) would lengthen D's step past the headroom
+    ITL_HEADROOM = "itl_headroom"
     PULL_FAILED = "pull_failed"
     PIN_RELEASED = "pin_released"  # the stored handle was given back (budget, pressure, not worth its bytes)
     NO_HANDLE_IN_STREAM = "no_handle_in_stream"  # D's stream carried no handle (vLLM < 0.33 without the plugin)

@@ -80,6 +80,10 @@ class TurnFacts:
     decode_kv_usage: float | None = None  # share of D's KV its running requests and pins hold (0-1)
     prefill_queue_ms: float | None = None  # how long this turn would wait at P before its prefill starts
     decode_queue_ms: float | None = None  # how long a request sent to D now would wait there (``reuse.load``)
+    # other decode-local turns this gateway has prefilling on that D now (sent, no first token yet), and
+    # their new tokens: their chunks share D's steps with this turn's
+    decode_prefills: int = 0
+    decode_prefill_tokens: int = 0
 
 
 def prefill_s(p: CostParams, new: int, context: int) -> float:
@@ -149,21 +153,29 @@ def decode_step_s(p: CostParams, running: int, context: int) -> float:
     )
 
 
-def step_added_s(p: CostParams, running: int, new: int, context: int) -> tuple[float, int]:
+def step_added_s(
+    p: CostParams, running: int, new: int, context: int, others: int = 0, others_tokens: int = 0
+) -> tuple[float, int]:
     """(seconds the longest step grows by, steps it spans) when D prefills ``new`` tokens over
     ``context`` beside ``running`` decode streams: the prefill goes in chunks of what the token budget
-    leaves after the streams' tokens, each adding its compute past the free tokens and its attention."""
+    leaves after the streams' tokens, each adding its compute past the free tokens and its attention.
+    ``others`` prefills already running on D (``others_tokens`` new tokens in all) share the steps: each
+    puts a chunk (at most ``decode_chunk_tokens``) over the same context into the step first, so the
+    growth is then theirs and this turn's together, over D's decode step alone."""
     if new <= 0:
         return 0.0, 0
-    chunk = max(1, p.max_num_batched_tokens - max(running, 0))
+    left = max(1, p.max_num_batched_tokens - max(running, 0))
+    per = p.decode_chunk_tokens if p.decode_chunk_tokens > 0 else left
+    o = min(max(others_tokens, 0), max(others, 0) * per, left - 1)  # the other prefills' tokens in a step
+    chunk = max(1, left - o)
     if p.decode_chunk_tokens > 0:
         chunk = min(chunk, p.decode_chunk_tokens)
     busy = max(0, running - p.step_free_tokens)
+    o_attn = o * (context + min(o, per) / 2)
 
     def extra(n: int, c: int) -> float:
-        return p.prefill_per_token_s * (max(0, running + n - p.step_free_tokens) - busy) + p.prefill_attn_s * n * (
-            c + n / 2
-        )
+        compute = max(0, running + n + o - p.step_free_tokens) - busy
+        return p.prefill_per_token_s * compute + p.prefill_attn_s * (n * (c + n / 2) + o_attn)
 
     full, rest = divmod(new, chunk)
     # a chunk costs more the more context precedes it: the worst is the last full one or the remainder

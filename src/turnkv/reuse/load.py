@@ -18,6 +18,8 @@ is left to the policy's own model (``reuse.cost``: D's step estimated from its b
   metrics said, beyond this gateway's own in flight when they were read) at P's recent mean prefill time
   (``vllm:request_prefill_time_seconds``). Missing when there is no P; when P has requests of others
   and no prefill-time histogram, their part is left out and the source says so.
+* ``decode_prefills``: the decode-local turns this gateway has sent to D whose first token has not come
+  (and their tokens): their prefill chunks share D's steps with a next decode-local turn's (issue 11).
 * ``decode_queue_ms``: how long a request sent to D now would wait to be scheduled there: 0 while D
   reported nothing waiting at its last read; else the mean wait of the requests it scheduled between its
   last two reads (``vllm:request_queue_time_seconds``), at least one step; without that histogram, one
@@ -40,6 +42,8 @@ class LoadFacts:
     decode_context_tokens: int | None = None
     prefill_queue_ms: float | None = None
     decode_queue_ms: float | None = None
+    decode_prefills: int = 0  # this gateway's decode-local turns prefilling on D now (no first token yet)
+    decode_prefill_tokens: int = 0  # ... the tokens they prefill, all together
     # per fact: where its value came from, or "model:<why>" when the policy's model stands in for it
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -50,6 +54,7 @@ class LoadFacts:
             "decode_context_tokens": self.decode_context_tokens,
             "prefill_queue_ms": None if self.prefill_queue_ms is None else round(self.prefill_queue_ms, 1),
             "decode_queue_ms": None if self.decode_queue_ms is None else round(self.decode_queue_ms, 1),
+            "decode_prefills": self.decode_prefills,
             "sources": dict(self.sources),
         }
 
@@ -140,6 +145,8 @@ def load_facts(
         decode_context_tokens=ctx,
         prefill_queue_ms=queue,
         decode_queue_ms=dqueue,
+        decode_prefills=decode.local_prefills if decode is not None else 0,
+        decode_prefill_tokens=decode.local_prefill_tokens if decode is not None else 0,
         sources={
             "decode_step_ms": step_src,
             "decode_context_tokens": ctx_src,

@@ -12,7 +12,7 @@ like ``always-reuse-unchecked`` it is wrong on templates that strip reasoning or
 
     policy:
       name: adaptive
-      params: {decode_local: true, decode_local_max_stall_ms: 150, itl_budget_ms: 30, margin: 0.0}
+      params: {decode_local: true, decode_local_max_stall_ms: 150, itl_budget_ms: 30, itl_headroom: 0.1, margin: 0.0}
 
 Decode-local is bounded by what it costs the streams already running on that D: while D prefills
 the turn, their next tokens wait. Above ``decode_local_max_stall_ms`` of estimated prefill (or above
@@ -20,7 +20,11 @@ the turn, their next tokens wait. Above ``decode_local_max_stall_ms`` of estimat
 ``itl_budget_ms`` fact, else the ``itl_budget_ms`` parameter; set it to the TPOT SLO), decode-local is
 also refused when D's step time now plus what the turn's prefill adds to a step (chunked: each step
 that carries a chunk is that much longer for every running stream) would exceed the budget while any
-stream runs there: the reason is then ``itl_budget``. TTFT is never bought with the ITL of others.
+stream runs there: the reason is then ``itl_budget``. Relative to D's own step, ``itl_headroom`` (on by
+default, 0.10) refuses a decode-local turn whose prefill would lengthen D's step by more than that share of
+D's step without it (measured, else estimated), with the chunks of the other decode-local turns this gateway
+has prefilling on that D (``TurnFacts.decode_prefills``) in the same step: the reason is ``itl_headroom``.
+TTFT is never bought with the ITL of others.
 A D run with ``--long-prefill-token-threshold`` (``decode_chunk_tokens``) takes a turn's prefill a few
 tokens a step: each step then grows by little (within the tokens a step computes for free, it is only
 the chunk's attention), and the turn's first token comes a few steps later. Where D's KV is crowded
@@ -28,10 +32,18 @@ the chunk's attention), and the turn's first token comes a few steps later. Wher
 then costed as prefilling the whole prompt on D. Requests waiting on D (``decode_queue_ms``) delay a
 decode-local turn by D's whole queue, a turn through P only by what is left of it once P's queue is waited
 (``reuse.cost.estimate``): where that alone turns the choice to P, the reason is ``decode_queue``.
+
+``keeps_pin`` says whether a turn's new handle stays pinned for the next turn (``Keep``): ``pull`` where a
+next turn like this one would pull it; ``hedge`` where it would not (D would take it, or P's cache hold the
+history) but a pull beats P recomputing the history should D not take the turn and P's cache have lost it
+(``keep_hedge``, on by default: under load both happen, and without the handle the turn recomputes the whole
+history on P); else ``not_needed``. What hedges hold is bounded by D's pin budget and the crowded rule
+(``gateway.pins``).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -52,6 +64,20 @@ from turnkv.reuse.cost import (
 )
 
 
+class Keep(enum.StrEnum):
+    """Whether a turn's new handle stays pinned for the next turn, and why (CAPTURE logs and counts it)."""
+
+    PULL = "pull"  # the policy would pull it on a next turn like this one
+    # it would not now (D would take the turn, or P's cache would hold the history), but should D not take
+    # the next turn and P's cache have lost the history, pulling it beats P recomputing it all
+    HEDGE = "hedge"
+    NOT_NEEDED = "not_needed"  # recomputing on P is as fast either way: no pull would use it
+
+    @property
+    def kept(self) -> bool:
+        return self is not Keep.NOT_NEEDED
+
+
 @dataclass(frozen=True)
 class Decision:
     action: Action
@@ -59,17 +85,36 @@ class Decision:
     estimates: Mapping[Action, float] = field(default_factory=dict)
 
 
-def itl_with_turn_ms(facts: TurnFacts, costs: CostParams) -> float:
-    """The ITL D's running streams would see in the longest step that also prefills this turn (ms): D's
-    step time now (measured, else estimated from its batch and their context, else this prompt's length
-    per stream) plus what the turn's chunk adds to that step."""
+def decode_step_now_ms(facts: TurnFacts, costs: CostParams) -> float:
+    """D's step time now, without this turn (ms): as measured, else estimated from its batch and their
+    context, else from this prompt's length per stream."""
+    if facts.decode_step_ms is not None:
+        return facts.decode_step_ms
     running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
     context = facts.decode_context_tokens if facts.decode_context_tokens is not None else running * facts.prompt_tokens
-    step_ms = facts.decode_step_ms if facts.decode_step_ms is not None else decode_step_s(costs, running, context) * 1e3
+    return decode_step_s(costs, running, context) * 1e3
+
+
+def step_added_ms(facts: TurnFacts, costs: CostParams) -> float:
+    """What the longest step that prefills this turn adds to D's step (ms): the turn's chunk, and those of
+    the other decode-local turns prefilling on D now (``TurnFacts.decode_prefills``) in the same step."""
+    running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
     added, _ = step_added_s(
-        costs, running, facts.prompt_tokens - facts.decode_cached_tokens, facts.decode_cached_tokens
+        costs,
+        running,
+        facts.prompt_tokens - facts.decode_cached_tokens,
+        facts.decode_cached_tokens,
+        facts.decode_prefills,
+        facts.decode_prefill_tokens,
     )
-    return step_ms + added * 1e3
+    return added * 1e3
+
+
+def itl_with_turn_ms(facts: TurnFacts, costs: CostParams) -> float:
+    """The ITL D's running streams would see in the longest step that also prefills this turn (ms): D's
+    step time now (``decode_step_now_ms``) plus what the turn's chunk, and those of the other decode-local
+    prefills on D, add to that step."""
+    return decode_step_now_ms(facts, costs) + step_added_ms(facts, costs)
 
 
 def _fastest(est: Mapping[Action, float]) -> Action:
@@ -89,8 +134,8 @@ class ReusePolicy(Protocol):
 
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision: ...
 
-    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
-        """Whether a handle is worth its pinned bytes: the policy would pull it on a next turn like
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> Keep:
+        """Whether a handle is worth its pinned bytes, and why: a pull could use it on a next turn like
         ``facts`` (a handle only a pull can use; decode-local and recompute do without it)."""
 
 
@@ -111,6 +156,19 @@ class AdaptiveParams(_Params):
         description="longest ITL D's running streams may see in a step that also prefills a decode-local "
         "turn (D's step now plus the turn's chunk); the TPOT SLO. Used when the turn's facts carry none; "
         "none: no ITL check",
+    )
+    itl_headroom: float | None = Field(
+        0.10,
+        ge=0,
+        description="how much longer than D's decode step alone (measured, else estimated) a step that also "
+        "prefills a decode-local turn may be, with the chunks of the other decode-local turns prefilling on D "
+        "counted (0.10: 10%); none: no relative check (itl_budget_ms still applies)",
+    )
+    keep_hedge: bool = Field(
+        True,
+        description="keep a turn's handle pinned also where the next turn would likely not pull it (D would "
+        "take it, or P's cache hold the history) but a pull would beat P recomputing the whole history, should "
+        "D not take it and P's cache have lost it; false: only where the policy would pull it",
     )
     decode_cache_max_usage: float | None = Field(
         None,
@@ -165,13 +223,13 @@ class AdaptivePolicy:
             and facts.decode_busy <= self.p.decode_local_max_busy
             and prefill_s(costs, new, facts.decode_cached_tokens) * 1e3 <= self.p.decode_local_max_stall_ms
         )
-        itl_ok = not local_ok or self.within_itl_budget(facts, costs)
-        est = self.estimates(replace(facts, decode_local_possible=local_ok and itl_ok), costs)
+        itl_why = self.itl_refusal(facts, costs) if local_ok else None
+        est = self.estimates(replace(facts, decode_local_possible=local_ok and itl_why is None), costs)
         best = _fastest(est)
-        if not itl_ok:
+        if itl_why is not None:
             local = estimate(costs, TurnFacts(**{**facts.__dict__, "decode_local_possible": True}))
-            if local[Action.DECODE_LOCAL] < est[best]:  # decode-local would have won: the budget said no
-                return Decision(best, Reason.ITL_BUDGET, est)
+            if local[Action.DECODE_LOCAL] < est[best]:  # decode-local would have won: the ITL check said no
+                return Decision(best, itl_why, est)
         elif local_ok and best is not Action.DECODE_LOCAL and facts.decode_queue_ms:
             unqueued = self.estimates(replace(facts, decode_queue_ms=0.0), costs)
             if _fastest(unqueued) is Action.DECODE_LOCAL:  # decode-local would have won but for D's queue
@@ -198,22 +256,39 @@ class AdaptivePolicy:
         running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
         return running * facts.prompt_tokens / self.p.decode_kv_tokens
 
-    def within_itl_budget(self, facts: TurnFacts, costs: CostParams) -> bool:
-        """Whether D's running streams stay within the ITL budget while D prefills this turn: D's step
-        time now plus the longest step the turn's chunks add to it (no budget, or no stream: yes)."""
-        budget = facts.itl_budget_ms if facts.itl_budget_ms is not None else self.p.itl_budget_ms
+    def itl_refusal(self, facts: TurnFacts, costs: CostParams) -> Reason | None:
+        """Why D's running streams would not stay within their ITL while D prefills this turn (None: they
+        would, or no stream runs there): the step that carries the turn's chunk (and those of the other
+        decode-local turns prefilling on D) past the budget (``itl_budget``), or longer than D's decode
+        step alone by more than the headroom (``itl_headroom``)."""
         running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
-        if budget is None or running <= 0:
-            return True
-        return itl_with_turn_ms(facts, costs) <= budget
+        if running <= 0:
+            return None
+        budget = facts.itl_budget_ms if facts.itl_budget_ms is not None else self.p.itl_budget_ms
+        step, added = decode_step_now_ms(facts, costs), step_added_ms(facts, costs)
+        if budget is not None and step + added > budget:
+            return Reason.ITL_BUDGET
+        if self.p.itl_headroom is not None and added > self.p.itl_headroom * step:
+            return Reason.ITL_HEADROOM
+        return None
 
-    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
-        # decode-local now: the next turn most likely too, from D's own prefix cache. Otherwise keep
-        # the pin only where a pull would beat recomputing, whatever D's load allows then.
-        if self.decide(facts, costs).action is Action.DECODE_LOCAL:
-            return False
-        no_local = TurnFacts(**{**facts.__dict__, "decode_local_possible": False})
-        return self.decide(no_local, costs).action is Action.PULL
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> Keep:
+        # a pull on a next turn like this one: keep. Otherwise D would likely take it (decode-local, from
+        # its own prefix cache) or P recompute it from its cache; but under load D may not have room then,
+        # and P's cache may have lost the history: keep it as a hedge where a pull beats P recomputing the
+        # whole history (the pin budget and the crowded rule bound what hedges hold).
+        now = self.decide(facts, costs).action
+        if now is Action.PULL:
+            return Keep.PULL
+        no_local = replace(facts, decode_local_possible=False)
+        if not self.p.keep_hedge:  # as before issue 11's hedge: none after a turn D would take itself
+            if now is Action.DECODE_LOCAL or self.decide(no_local, costs).action is not Action.PULL:
+                return Keep.NOT_NEEDED
+            return Keep.PULL
+        for f in (no_local, replace(no_local, prefill_cached_tokens=0)):
+            if self.decide(f, costs).action is Action.PULL:
+                return Keep.HEDGE
+        return Keep.NOT_NEEDED
 
 
 class FixedParams(_Params):
@@ -231,8 +306,8 @@ class AlwaysPullPolicy:
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
         return Decision(Action.PULL if facts.reusable_tokens > 0 else Action.RECOMPUTE)
 
-    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
-        return True
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> Keep:
+        return Keep.PULL
 
 
 class NeverPullPolicy:
@@ -246,8 +321,8 @@ class NeverPullPolicy:
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
         return Decision(Action.RECOMPUTE, Reason.CHEAPER_TO_RECOMPUTE if facts.reusable_tokens > 0 else None)
 
-    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
-        return False
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> Keep:
+        return Keep.NOT_NEEDED
 
 
 class DecodeLocalPolicy:
@@ -263,8 +338,8 @@ class DecodeLocalPolicy:
             return Decision(Action.DECODE_LOCAL, Reason.DECODE_LOCAL)
         return Decision(Action.RECOMPUTE)
 
-    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
-        return False
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> Keep:
+        return Keep.NOT_NEEDED
 
 
 class UncheckedPolicy:
@@ -280,8 +355,8 @@ class UncheckedPolicy:
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
         return Decision(Action.PULL if facts.reusable_tokens > 0 else Action.RECOMPUTE)
 
-    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
-        return True
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> Keep:
+        return Keep.PULL
 
 
 class VllmMultiturnPolicy:
@@ -301,8 +376,8 @@ class VllmMultiturnPolicy:
             return Decision(Action.PULL)
         return Decision(Action.RECOMPUTE)
 
-    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> bool:
-        return True  # the proxy keeps every handle until the next turn takes it (or its TTL)
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> Keep:
+        return Keep.PULL  # the proxy keeps every handle until the next turn takes it (or its TTL)
 
 
 _REGISTRY: dict[str, tuple[type[_Params], Callable[[Any], ReusePolicy]]] = {

@@ -47,6 +47,8 @@ class InstanceView:
     queued_prefill_tokens: int = 0  # ... their new tokens
     queued_since: float = 0.0  # monotonic; when the oldest of them was sent (0: none)
     in_flight_scraped: int = 0  # this gateway's requests in flight there when its metrics were last read
+    local_prefills: int = 0  # this gateway's decode-local turns prefilling there (sent, no first token yet)
+    local_prefill_tokens: int = 0  # ... the tokens they prefill, all together
 
     @property
     def busy(self) -> int:

@@ -22,10 +22,10 @@ with two of each). Configurations, side by side at each rate:
   routing (P by the turn's estimated wait there);
 * ``adaptive-no-itl``: adaptive without an ITL budget, D as vLLM's default (turnkv before issue 11);
 * ``adaptive-pull``: adaptive with decode-local off (pull or recompute only);
-* ``adaptive-gate`` (only when asked for): adaptive as before D's queue was weighed against P's (issue 11,
-  branch goodput3): any request waiting on D refuses a decode-local turn
-  (``decode_memory.local_queue: refuse``), and with several D, ``load-affinity`` without D's queue
-  (``LOAD_AFFINITY_BEFORE``).
+* ``adaptive-before`` (only when asked for): adaptive as before branch goodput4 (issue 11): no ITL
+  headroom (``itl_headroom: null``: only the 30 ms budget bounds a decode-local turn's prefill) and no
+  hedge (``keep_hedge: false``: a turn's handle is dropped where the policy expects D to take the next turn
+  or P's cache to hold the history). Both count the other decode-local prefills on D in the ITL check.
 
 Engines: the simulator at ``--time-scale 1`` by default (durations slept in real time, so engine time
 dominates the gateway's and the simulator's own CPU), H200 costs (``sim/costs.py``), the ``h200-ipc``
@@ -53,8 +53,8 @@ from turnkv.bench.stats import fmt_ms, fmt_ratio
 from turnkv.bench.workload import WorkloadSpec
 
 TOPOLOGIES = {"1p1d": (1, 1), "2p2d": (2, 2)}
-CONFIGS = ("colocated", "plain", "vllm-multiturn", "adaptive", "adaptive-no-itl", "adaptive-pull", "adaptive-gate")
-DEFAULT_CONFIGS = CONFIGS[:-1]  # adaptive-gate: on request, to compare with adaptive in one run
+CONFIGS = ("colocated", "plain", "vllm-multiturn", "adaptive", "adaptive-no-itl", "adaptive-pull", "adaptive-before")
+DEFAULT_CONFIGS = CONFIGS[:-1]  # adaptive-before: on request, to compare with adaptive in one run
 BASELINES = ("colocated", "plain", "vllm-multiturn")  # turnkv's goodput is held against the best of them
 TURNKV = "adaptive"
 # conversations arriving per second on one P and one D; a topology with n of each gets n times these
@@ -88,17 +88,11 @@ DESCRIPTIONS = {
     "the engines' load passed (load-affinity routing with several P)",
     "adaptive-no-itl": "turnkv --policy adaptive without an ITL budget (before issue 11)",
     "adaptive-pull": "turnkv --policy adaptive with decode-local off",
-    "adaptive-gate": "adaptive as before D's queue was weighed against P's: any request waiting on D refuses "
-    "decode-local, and D's queue does not move a conversation",
+    "adaptive-before": "adaptive without the ITL headroom and without keeping handles as a hedge (before "
+    "branch goodput4)",
 }
-# load-affinity as it was before a D's queue could move a conversation off it (adaptive-gate)
-LOAD_AFFINITY_BEFORE = {
-    "scorers": [
-        {"type": "ttft", "weight": 3.0},
-        {"type": "affinity", "weight": 2.0, "params": {"roles": ["decode"]}},
-        {"type": "load", "params": {"roles": ["decode"]}},
-    ]
-}
+# what adaptive-before changes in adaptive's parameters
+BEFORE_PARAMS = {"itl_headroom": None, "keep_hedge": False}
 
 
 @dataclass(frozen=True)
@@ -180,16 +174,13 @@ def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
         policy = "vllm-multiturn"
         if p > 1 or d > 1:
             env.append(("TURNKV_ROUTING", "round-robin"))  # the upstream proxy round-robins P and D
-    elif config == "adaptive":
-        env.append(("TURNKV_POLICY__PARAMS", json.dumps(adaptive_params(opts.slo))))
+    elif config in ("adaptive", "adaptive-before"):
+        params: dict[str, object] = {**adaptive_params(opts.slo)}
+        if config == "adaptive-before":
+            params.update(BEFORE_PARAMS)
+        env.append(("TURNKV_POLICY__PARAMS", json.dumps(params)))
         if p > 1:
             env.append(("TURNKV_ROUTING", "load-affinity"))  # P by the turn's wait there, its cache counted
-    elif config == "adaptive-gate":
-        env.append(("TURNKV_POLICY__PARAMS", json.dumps(adaptive_params(opts.slo))))
-        env.append(("TURNKV_DECODE_MEMORY__LOCAL_QUEUE", "refuse"))
-        if p > 1:
-            env.append(("TURNKV_ROUTING_PROFILES", json.dumps({"load-affinity-before": LOAD_AFFINITY_BEFORE})))
-            env.append(("TURNKV_ROUTING", "load-affinity-before"))
     elif config == "adaptive-pull":
         env.append(("TURNKV_POLICY__PARAMS", json.dumps({"decode_local": False})))
     return Deployment(

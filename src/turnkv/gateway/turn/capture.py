@@ -2,11 +2,12 @@
 
 D's own token ids are the authority: its prompt ids and generated ids, cut to the tokens the handle
 holds. A handle that is inconsistent with them is not stored. A handle is kept pinned only when the
-policy would pull it next turn, and only within D's pin budget (``gateway.pins``); every other handle
-of the turn is released at once: the new one when it is not kept, the claimed one when P did not take
-it (a decode-local turn supersedes it). When a turn fails before P used the claimed handle, the record
-is put back, so one failure does not cost the conversation its reuse. Ends the turn with its log
-event and metrics (``report``).
+policy would pull it next turn, or as a hedge should D not take the next turn and P's cache have lost the
+history (``stored_hedge``: a pull then beats P recomputing it all), and only within D's pin budget
+(``gateway.pins``); every other handle of the turn is released at once: the new one when it is not
+kept, the claimed one when P did not take it (a decode-local turn supersedes it). When a turn fails
+before P used the claimed handle, the record is put back, so one failure does not cost the conversation
+its reuse. Ends the turn with its log event and metrics (``report``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from turnkv.gateway.turn.plan import facts, room, turn_load
 from turnkv.gateway.turn.results import Capture
 from turnkv.gateway.turn.run import TurnRun
 from turnkv.reuse.chain import ChainBuilder
+from turnkv.reuse.policies import Keep
 from turnkv.state.record import ConversationRecord
 
 # the store keeps a record this long past its last usable moment, to tell "expired" from "none"
@@ -113,12 +115,12 @@ def _crowded(svc: Services, rec: ConversationRecord) -> bool:
     return d is not None and svc.settings.decode_memory.pin != "always" and svc.pins.crowded(d, rec.num_tokens)
 
 
-def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> bool:
-    """Whether the new handle is worth its pinned bytes until the next turn (the policy's own view of a
-    next turn like this one)."""
+def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> Keep:
+    """Whether the new handle is worth its pinned bytes until the next turn, and why (the policy's own view
+    of a next turn like this one)."""
     svc = run.svc
     if svc.settings.decode_memory.pin == "always":
-        return True
+        return Keep.PULL
     bs = svc.settings.block_size
     claimed = run.rendered.claim.record if run.rendered.claim is not None else None
     grown = rec.prompt_tokens - (claimed.num_tokens if claimed is not None else 0)
@@ -148,9 +150,12 @@ async def finish(run: TurnRun, *, ok: bool) -> Capture:
     if isinstance(rec, ConversationRecord) and rec.handle is not None and _crowded(svc, rec):
         _release(svc, rec.handle, "decode_crowded")  # its blocks go to the turns waiting on D
         rec = dataclasses.replace(rec, handle=None, unpinned="decode_crowded")
-    if isinstance(rec, ConversationRecord) and rec.handle is not None and not _keeps_pin(run, rec):
-        _leave(svc, rec.decode_url, rec.handle, rec.num_tokens, "not_needed")  # then in D's prefix cache
-        rec = dataclasses.replace(rec, handle=None, unpinned="not_needed")
+    keep = Keep.PULL
+    if isinstance(rec, ConversationRecord) and rec.handle is not None:
+        keep = _keeps_pin(run, rec)
+        if not keep.kept:
+            _leave(svc, rec.decode_url, rec.handle, rec.num_tokens, "not_needed")  # then in D's prefix cache
+            rec = dataclasses.replace(rec, handle=None, unpinned="not_needed")
     old = run.rendered.record
     spent = run.journal.handle_spent
     result: Capture
@@ -160,7 +165,10 @@ async def finish(run: TurnRun, *, ok: bool) -> Capture:
                 await svc.pins.make_room(rec.decode_url, rec.num_tokens)
             # a conversation found from its history moves on: stored under this request's digest
             await svc.store.put(conv.store_key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
-            result = Capture.STORED if rec.handle is not None else Capture.unpinned(str(rec.unpinned))
+            if rec.handle is None:
+                result = Capture.unpinned(str(rec.unpinned))
+            else:
+                result = Capture.STORED_HEDGE if keep is Keep.HEDGE else Capture.STORED
             if conv.store_key != conv.key and run.rendered.claimed:
                 await svc.store.release(conv.key, owner=run.turn.request_id)
         elif conv is not None and not spent and old is not None and old.expires_at > time.time():

@@ -101,7 +101,7 @@ async def run(run: TurnRun, prefilled: Prefilled | None) -> Opened | None:
         inst = _pick(svc.router, plan.decode_url, run.journal)
         if inst is None or (plan.decode_local and inst.url != plan.decode_url):
             break
-        slot = fleet.hold(inst.url)
+        slot = fleet.hold(inst.url, local_prefill=plan.local_new_tokens if plan.decode_local else 0)
         try:
             opened = await _open(run, inst, _call(run, inst, prefilled), slot)
         except UpstreamError as exc:

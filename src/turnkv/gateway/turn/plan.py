@@ -114,6 +114,9 @@ def facts(
         decode_context_tokens=load.decode_context_tokens,
         prefill_queue_ms=load.prefill_queue_ms,
         decode_queue_ms=load.decode_queue_ms,
+        # the decode-local turns this gateway has prefilling on that D: their chunks share its steps
+        decode_prefills=load.decode_prefills,
+        decode_prefill_tokens=load.decode_prefill_tokens,
     )
 
 
@@ -234,7 +237,12 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
             expected_cached=f.prefill_cached_tokens + pulled,
         )
     if local:  # D's own cache holds the conversation
-        return replace(decided, decode_url=rec.decode_url, expected_cached=f.decode_cached_tokens)
+        return replace(
+            decided,
+            decode_url=rec.decode_url,
+            expected_cached=f.decode_cached_tokens,
+            local_new_tokens=f.prompt_tokens - f.decode_cached_tokens,
+        )
     if rec.handle is not None and a.releasable:
         return replace(decided, send=HandleUse.release(rec.handle))  # P frees it at D on the way
     return decided
@@ -295,6 +303,7 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         prefill_url=prefill.url if prefill else None,
         decode_url=rec.decode_url,
         expected_cached=f.decode_cached_tokens,
+        local_new_tokens=f.prompt_tokens - f.decode_cached_tokens,
         estimates=estimates_ms(decision),
         load={**load.log(), "decode_room": d_room.log()},
         direct=True,

@@ -67,6 +67,7 @@ class Plan:
     send: HandleUse | None = None  # the stored handle for P: pulled (trimmed to what matches) or released
     pull_tokens: int = 0  # tokens P is expected to pull (what D has beyond P's own cache)
     expected_cached: int = 0  # prompt tokens the engines should not have to compute
+    local_new_tokens: int = 0  # decode-local: the tokens D prefills itself (its chunks share D's steps)
     estimates: Mapping[str, float] = field(default_factory=dict)  # the policy's TTFT estimates, ms
     load: Mapping[str, object] = field(default_factory=dict)  # the engines' load it was told (``reuse.load``)
     assessment: Assessment | None = None
@@ -141,7 +142,9 @@ class Opened:
 class Capture(enum.StrEnum):
     """What a turn left for the next one (the value is what logs and metrics say)."""
 
-    STORED = "stored"  # the next record, with D's new handle kept pinned
+    STORED = "stored"  # the next record, with D's new handle kept pinned (the policy would pull it)
+    # ... kept as a hedge: a pull beats P recomputing the history, should D not take the next turn
+    STORED_HEDGE = "stored_hedge"
     STORED_NOT_NEEDED = "stored_not_needed"  # ... its handle released: a pull would not pay
     STORED_DECODE_CROWDED = "stored_decode_crowded"  # ... its handle released at once: turns wait on D
     STORED_DECODE_LOCAL = "stored_decode_local"  # ... D was asked for no handle (decode-local)
@@ -179,6 +182,7 @@ class Capture(enum.StrEnum):
 _STORED = frozenset(
     {
         Capture.STORED,
+        Capture.STORED_HEDGE,
         Capture.STORED_NOT_NEEDED,
         Capture.STORED_DECODE_CROWDED,
         Capture.STORED_DECODE_LOCAL,

@@ -131,6 +131,7 @@ async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> 
                 head = None
                 stream.collected.error = {"message": f"decode stream broke: {exc.cause}"}
             if head is not None:
+                opened.slot.prefilled()  # a decode-local turn's prefill is done on D
                 svc.fleet.met_deadline(opened.url)
                 yield head
                 engine_error = stream.collected.error is not None
