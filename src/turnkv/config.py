@@ -166,6 +166,13 @@ class CostPriors(BaseModel):
     prefill_floor_ms: float = Field(10.0, ge=0)
     hop_ms: float = Field(3.0, ge=0)
     recompute_threshold: int = Field(64, ge=0, description="the engines' kv_recompute_threshold")
+    link_max_age_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="a KV transfer measurement counts this long: a direction measured slow under "
+        "contention and then unused is estimated afresh (the other direction's figure, else the prior), "
+        "so the policy pulls where that pays and measures the link again; none: until 64 newer ones",
+    )
 
 
 class Limits(BaseModel):

@@ -83,3 +83,37 @@ def test_configured_directions_stand_until_measured() -> None:
     assert (p.link_bytes_per_s, p.push_bytes_per_s, p.push_fixed_s) == (5e9, 200e9, 0.001)
     est.observe_link("prefill", 1e8, 0.02, 1)
     assert est.params().push_bytes_per_s == 200e9  # configured, so not borrowed from the pulls
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_link_measurement_older_than_its_age_no_longer_counts() -> None:
+    # pulls measured slow under contention, then none for a while: the estimate goes back to what a
+    # direction never measured gets (the other direction's), so pulls that pay are tried, and measured, again
+    clock = Clock()
+    est = CostEstimator(CostParams(), link_max_age_s=30.0, clock=clock)
+    for _ in range(5):
+        est.observe_link("decode", 45e6, 0.001 + 45e6 / 50e9, 1)  # D reads P's blocks after every P leg
+        est.observe_link("prefill", 45e6, 0.001 + 45e6 / 0.5e9, 1)  # P's pulls, contended
+    contended = est.links()["pull"].bytes_per_s
+    assert contended == pytest.approx(0.5e9, rel=0.02)
+    clock.now += 20.0
+    est.observe_link("decode", 45e6, 0.001 + 45e6 / 50e9, 1)  # the push direction goes on being measured
+    clock.now += 15.0  # the pulls are 35 s old, the last push 15 s
+    links = est.links()
+    assert links["pull"].samples == 0 and links["push"].samples == 1
+    assert links["pull"].bytes_per_s == links["push"].bytes_per_s > 10 * contended
+
+
+def test_without_an_age_a_link_measurement_stays() -> None:
+    clock = Clock()
+    est = LinkEstimator(0.001, 1e9, clock=clock)
+    est.observe(45e6, 0.001 + 45e6 / 0.5e9, 1)
+    clock.now += 1e6
+    assert est.samples == 1 and est.params() == pytest.approx((0.001, 0.5e9))

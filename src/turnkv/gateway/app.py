@@ -263,7 +263,7 @@ def create_app(
             eng = engine if engine is not None else await stack.enter_async_context(open_engine(settings))
             fleet = Fleet(settings.prefill, settings.decode, settings.block_size)
             router = Router(build_profile(settings.routing, settings.routing_profiles), fleet.views)
-            estimator = CostEstimator(cost_priors(settings))
+            estimator = CostEstimator(cost_priors(settings), link_max_age_s=settings.costs.link_max_age_s)
             fleet.on_link_sample = estimator.observe_link
             fleet.on_restart = lambda view: metrics.engine_restarts.labels(view.role).inc()
             catalog = Catalog()

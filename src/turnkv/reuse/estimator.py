@@ -6,6 +6,12 @@ weighted least-squares line through those points gives the fixed cost and the ba
 directions are kept apart: P's histograms are its pulls from D, D's are its reads of P's blocks
 after every P leg, and a link can be fast one way and slow the other. A direction never measured
 borrows the other's estimate (P may never have pulled yet); the first pull then measures it.
+A link measurement counts for ``max_age_s`` (when given): pulls measured slow while the link was
+contended make the policy stop pulling, and with no pull there is no new measurement, so without an
+age the slow figure would stand for good (seen in the goodput sweeps: a gateway that had nearly
+stopped pulling recomputed ~1M tokens more on P than one that went on). Once its measurements are
+older, a direction is estimated as if never measured, so the next turns where a pull pays pull again,
+and measure the link as it is now.
 Prefill: each prefill call the gateway makes gives (new tokens, context, seconds); a least-squares
 fit of ``hop + a*new + b*new*(context + new/2)`` gives the per-token and attention terms.
 Until enough varied points exist, the configured priors stand.
@@ -13,7 +19,9 @@ Until enough varied points exist, the configured priors stand.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from turnkv.reuse.cost import CostParams, transfer_s
@@ -21,21 +29,40 @@ from turnkv.reuse.lstsq import lstsq
 
 
 class LinkEstimator:
-    def __init__(self, prior_fixed_s: float, prior_bytes_per_s: float, window: int = 64) -> None:
+    def __init__(
+        self,
+        prior_fixed_s: float,
+        prior_bytes_per_s: float,
+        window: int = 64,
+        *,
+        max_age_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.prior = (prior_fixed_s, prior_bytes_per_s)
-        self._points: deque[tuple[float, float, float]] = deque(maxlen=window)  # (bytes, seconds, count)
+        self.max_age_s = max_age_s
+        self._clock = clock
+        # (bytes, seconds, count, when observed)
+        self._points: deque[tuple[float, float, float, float]] = deque(maxlen=window)
 
     def observe(self, mean_bytes: float, mean_seconds: float, count: float) -> None:
         if mean_bytes > 0 and mean_seconds > 0 and count > 0:
-            self._points.append((mean_bytes, mean_seconds, count))
+            self._points.append((mean_bytes, mean_seconds, count, self._clock()))
+
+    def _fresh(self) -> list[tuple[float, float, float]]:
+        """The measurements still counted (all of them without ``max_age_s``), oldest dropped for good."""
+        if self.max_age_s is not None:
+            oldest = self._clock() - self.max_age_s
+            while self._points and self._points[0][3] < oldest:
+                self._points.popleft()
+        return [(b, s, c) for b, s, c, _ in self._points]
 
     @property
     def samples(self) -> int:
-        return len(self._points)
+        return len(self._fresh())
 
     def params(self) -> tuple[float, float]:
         """(fixed seconds per transfer, bytes per second)."""
-        pts = list(self._points)
+        pts = self._fresh()
         if not pts:
             return self.prior
         sizes = [p[0] for p in pts]
@@ -87,10 +114,12 @@ class LinkEstimate:
 class CostEstimator:
     """The cost parameters a policy sees: priors refined by the link and prefill estimators."""
 
-    def __init__(self, prior: CostParams) -> None:
+    def __init__(
+        self, prior: CostParams, *, link_max_age_s: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.prior = prior
-        self.pull = LinkEstimator(*prior.link())  # D -> P, read by P
-        self.push = LinkEstimator(*prior.link(push=True))  # P -> D, read by D
+        self.pull = LinkEstimator(*prior.link(), max_age_s=link_max_age_s, clock=clock)  # D -> P, read by P
+        self.push = LinkEstimator(*prior.link(push=True), max_age_s=link_max_age_s, clock=clock)  # P -> D
         self.prefill = PrefillEstimator(prior)
 
     def observe_link(self, reader_role: str, mean_bytes: float, mean_seconds: float, count: float) -> None:
