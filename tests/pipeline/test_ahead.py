@@ -20,7 +20,9 @@ async def _second_turn_on_a_new_p(gw: Gateway) -> Chat:
     return chat
 
 
-@pytest.mark.parametrize(("check", "p_ids", "renders"), [("prefill", True, 0), ("prefill", False, 1), ("render", True, 1)])
+@pytest.mark.parametrize(
+    ("check", "p_ids", "renders"), [("prefill", True, 0), ("prefill", False, 1), ("render", True, 1)]
+)
 async def test_a_pull_ahead_is_checked_on_the_ids_p_returns_else_on_a_render(
     check: str, p_ids: bool, renders: int
 ) -> None:
