@@ -16,8 +16,13 @@ async def _second_turn_on_a_new_p(gw: Gateway) -> Chat:
     assert (await chat.say("what is the weather like")).status == 200
     home = gw.turns[-1]["prefill"]
     gw.engine.faults(home, unreachable=True)
-    await gw.wait_for("its P to be marked down", lambda: not gw.svc.fleet.view(home).healthy)
+    await gw.wait_for("its P to be marked down", lambda: not _healthy(gw, home))
     return chat
+
+
+def _healthy(gw: Gateway, url: str) -> bool:
+    view = gw.svc.fleet.view(url)
+    return view is not None and view.healthy
 
 
 @pytest.mark.parametrize(
