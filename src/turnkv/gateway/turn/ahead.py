@@ -31,9 +31,12 @@ record is usable. Then:
   - ``prefill`` (the default): the prompt ids P computed from, which P returns with its answer
     (``return_token_ids``, in every vLLM version). No render call at all: P renders the messages once, for
     its own prefill, as under vLLM's multi-turn proxy. The check (the ids' hash chain against the record)
-    then runs between P's answer and D's request: about 1.5 ms at 16k tokens, against a render call that
-    took 14-20 ms of P's CPU beside its prefill (measured on the simulator, BENCHMARKS.md §3). An engine
-    that returns no ids is rendered once P has answered.
+    then runs between P's answer and D's request (1-2 ms of gateway CPU at 16k tokens), and P's answer
+    carries the ids (about 1.5 ms more of P's CPU at 16k), where the render call cost P 8 ms of CPU at
+    16k and 21 ms at 32k beside its pull and prefill; on the simulator that CPU lands on P's leg, since it
+    renders in the event loop that runs its engine (BENCHMARKS.md §3). vLLM renders in its API server's
+    thread pool, apart from the engine core, but a render sent there beside P's own render of the same
+    messages competes with it. An engine that returns no ids is rendered once P has answered.
   - ``render``: a render call to the render authority (a P unless ``render`` names a service), sent once
     P's request is out (P's API server takes requests in order, and its own render of the messages, which
     its prefill waits for, must not queue behind ours), run beside P's leg; if the check does not prove
