@@ -7,9 +7,9 @@ critical path: render, then the token check, then P's request. Two ways to take 
   work takes well under a millisecond where the render takes milliseconds (7.6 ms median at 16k on
   vLLM), so the render would still lead P's request by almost all of its time;
 * plan from the record and send P the prompt as messages, as plain P/D (and vLLM's multi-turn proxy) do:
-  P renders it itself, and the gateway's render runs beside P's leg, only for the token check, which
-  must pass before D starts. This one is taken (``plan.ahead`` decides, this module runs the leg); the
-  render is then hidden behind P's prefill and pull, which take longer.
+  P renders it itself, and the token check, which must pass before D starts, runs on the prompt ids P
+  returns (or on a render beside P's leg: ``ahead_check`` below). This one is taken (``plan.ahead``
+  decides, this module runs the leg).
 
 Only where the record already proves the history (``plan.ahead``): the template keeps history, the
 client echoed the last answer as D produced it, the history before it digests as stored, and the
