@@ -391,6 +391,12 @@ class Settings(BaseSettings):
         "the history is the stored one, and send P the messages before the render returns; the token check "
         "still runs on the render, beside P's leg, and gates D (gateway/turn/ahead.py)",
     )
+    ahead_check: Literal["prefill", "render"] = Field(
+        "prefill",
+        description="what the token check of a pull sent to P ahead of it runs on: 'prefill': the prompt ids P "
+        "computed from, returned with P's answer (return_token_ids; no render call; checked once P answers, "
+        "before D starts); 'render': a render call sent beside P's leg (gateway/turn/ahead.py)",
+    )
     release_unused: bool = Field(
         True,
         description="release D handles nobody will use (stateless turns...) at "

@@ -1,5 +1,6 @@
 """Pull and recompute turns the record proves go to P before their render returns; the token check, run on
-the render beside P's leg, still gates D (gateway/turn/ahead.py)."""
+the prompt ids P returns (or, with ``ahead_check: render``, on a render beside P's leg), still gates D
+(gateway/turn/ahead.py)."""
 
 from __future__ import annotations
 
@@ -72,9 +73,10 @@ def _gated_cluster(
     n_prefill: int = 1,
     prefill_flags: tuple[str, ...] = (),
     sim_flags: tuple[str, ...] = (),
+    check: str = "render",
 ) -> Iterator[tuple[Cluster, RenderGate]]:
-    """A cluster (always-pull, a template that keeps history) whose render calls pass through a gate, to
-    the colocated truth engine (the same template and tokenizer as P's)."""
+    """A cluster (always-pull, a template that keeps history, the check on a render beside P's leg) whose
+    render calls pass through a gate, to the colocated truth engine (the same template and tokenizer as P's)."""
     common = ("--time-scale", "0", "--template", "keep", "--vllm-compat", "0.33", *sim_flags)
     ps = [launch.sim(f"prefill{i}", "prefill", *common, *prefill_flags, log_dir=tmp_path) for i in range(n_prefill)]
     d = launch.sim("decode0", "decode", *common, log_dir=tmp_path)
@@ -86,6 +88,7 @@ def _gated_cluster(
             "TURNKV_SCRAPE_INTERVAL_S": "0.2",
             "TURNKV_DECISION_HEADERS": "full",
             "TURNKV_RENDER": f"http://127.0.0.1:{gate.port}",
+            "TURNKV_AHEAD_CHECK": check,
         }
         urls = [p.url for p in ps]
         gw = launch.gateway("gateway", urls, [d.url], "--policy", "always-pull", log_dir=tmp_path, env=env)
@@ -171,9 +174,11 @@ def test_a_pull_the_check_rejects_falls_back(procs: list[launch.Running], tmp_pa
         procs, tmp_path, compat="0.33", sim_flags=("--retokenize-drift",), prefill_flags=("--no-prefix-caching",)
     )
     _audited(c)
+    renders = sim_state(c.prefill[0].url)["renders"]
     with Dialogue(c, max_tokens=24) as d:
         turns = [d.step() for _ in range(5)]
     assert all(t.correct for t in turns)
+    assert sim_state(c.prefill[0].url)["renders"] == renders  # the check ran on the ids P returned
     later = turns[1:]
     assert all(t.headers.get("x-turnkv-ahead") == "checked" for t in later)
     fell_back = [t for t in later if t.reason == "retokenized"]
@@ -184,13 +189,17 @@ def test_a_pull_the_check_rejects_falls_back(procs: list[launch.Running], tmp_pa
     assert metric(c.gateway.url, "turnkv_retries_total", leg="prefill", reason="render_mismatch") == len(fell_back)
 
 
-def test_a_rejected_pull_leaves_nothing_wrong_in_p_cache(procs: list[launch.Running], tmp_path: Path) -> None:
+@pytest.mark.parametrize("check", ["render", "prefill"])
+def test_a_rejected_pull_leaves_nothing_wrong_in_p_cache(
+    procs: list[launch.Running], tmp_path: Path, check: str
+) -> None:
     # P's prefix cache on. vLLM (and the simulator) cache pulled blocks under the pulling request's own
     # token hashes, whatever they were computed from: a pull the check rejects would serve the fall-back
     # on the same P wrong KV, unless it was salted apart. The conversation's P goes away after turn 1, so
     # turn 2's P caches nothing of it and pulls ahead; answers this long retokenize differently in the
-    # simulator, so the check rejects that pull. The render is held until P's pull is done and cached.
-    with _gated_cluster(procs, tmp_path, n_prefill=2, sim_flags=("--retokenize-drift",)) as (c, gate):
+    # simulator, so the check rejects that pull. A render is held until P's pull is done and cached; a
+    # check on the ids P returned comes after P's pull anyway (and renders nothing).
+    with _gated_cluster(procs, tmp_path, n_prefill=2, sim_flags=("--retokenize-drift",), check=check) as (c, gate):
         with Dialogue(c) as d, ThreadPoolExecutor(1) as pool:
             assert d.step().correct
             home = c.turn_events(1)[-1]["prefill"]
@@ -200,11 +209,13 @@ def test_a_rejected_pull_leaves_nothing_wrong_in_p_cache(procs: list[launch.Runn
                 what="P to be unhealthy",
             )
             other = next(p.url for p in c.prefill if p.url != home)
-            before = _requests(other)
-            gate.close_gate()
+            before, renders = _requests(other), sim_state(c.truth.url)["renders"]
+            if check == "render":
+                gate.close_gate()
             fut = pool.submit(d.step)
             try:
-                wait_for(lambda: gate.held >= 1 and _requests(other) > before, what="P's pull, render held")
+                if check == "render":
+                    wait_for(lambda: gate.held >= 1 and _requests(other) > before, what="P's pull, render held")
             finally:
                 gate.open_gate()
             t = fut.result(timeout=60)
@@ -212,6 +223,7 @@ def test_a_rejected_pull_leaves_nothing_wrong_in_p_cache(procs: list[launch.Runn
         assert t.headers["x-turnkv-ahead"] == "checked" and t.reason == "retokenized"
         assert t.headers["x-turnkv-action"] == "recompute"
         assert metric(c.gateway.url, "turnkv_retries_total", leg="prefill", reason="render_mismatch") == 1
+        assert sim_state(c.truth.url)["renders"] == renders + (1 if check == "render" else 0)
 
 
 def _ready(c: Cluster) -> dict[str, Any]:
@@ -223,6 +235,8 @@ def _ready(c: Cluster) -> dict[str, Any]:
 def test_many_conversations_at_once_pull_ahead_and_stay_correct(procs: list[launch.Running], tmp_path: Path) -> None:
     c = start_cluster(procs, tmp_path, compat="0.33", prefill_flags=("--no-prefix-caching",))
     _audited(c)
+    engines = [c.prefill[0].url, c.decode[0].url]
+    renders = [sim_state(u)["renders"] for u in engines]
 
     def talk(i: int) -> list[Any]:
         with Dialogue(c, session=f"conv-{i}", max_tokens=24, stream=i % 2 == 1) as d:
@@ -234,6 +248,9 @@ def test_many_conversations_at_once_pull_ahead_and_stay_correct(procs: list[laun
     assert all(t.correct for t in turns)
     later = [t for run in runs for t in run[1:]]
     assert all(t.headers.get("x-turnkv-ahead") == "checked" and t.outcome == "full" for t in later)
+    assert all(int(t.headers["x-turnkv-matched-tokens"]) > 0 for t in later)
+    # checked on the ids P returned with its answer: no render call went to any engine
+    assert [sim_state(u)["renders"] for u in engines] == renders
 
 
 @pytest.mark.parametrize(("policy", "ahead", "action"), [("never-pull", "skipped", "recompute")])

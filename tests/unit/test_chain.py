@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 import pytest
 
 from turnkv.reuse.chain import DIGEST_SIZE, ChainBuilder, agreement, chain_of
@@ -71,3 +74,14 @@ def test_a_chain_built_once_answers_the_comparison() -> None:
 def test_only_64_bit_ints_make_a_chain(bad: list[object]) -> None:
     with pytest.raises((TypeError, OverflowError)):
         ChainBuilder(BS).extend(bad)  # type: ignore[arg-type]
+
+
+def test_the_chain_is_the_documented_blake2b_chain() -> None:
+    # stored records keep only digests: the format must not change with how the chain is computed
+    prev, expected = b"\x00" * DIGEST_SIZE, b""
+    for i in range(0, len(SEQ), BS):
+        prev = hashlib.blake2b(
+            prev + array("q", SEQ[i : i + BS]).tobytes(), digest_size=DIGEST_SIZE, person=b"turnkv-chain"
+        ).digest()
+        expected += prev
+    assert chain_of(SEQ, BS) == expected

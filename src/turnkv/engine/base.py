@@ -86,6 +86,7 @@ class PrefillCall:
     prompt_ids: Sequence[int] | None
     handle: HandleUse | None
     timeout_s: float  # the whole call, a pull included
+    return_ids: bool = False  # P is to say the prompt's token ids it computed from (``PrefillResult.prompt_ids``)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class PrefillResult:
     for_decode: Handle | None  # what D needs to take P's KV over (vLLM: P's kv_transfer_params)
     cached_tokens: int | None  # prompt tokens P did not compute (its prefix cache and the pull)
     prompt_tokens: int | None  # the prompt's length as P counted it
+    prompt_ids: list[int] | None = None  # the ids P computed from, when asked (``return_ids``) and it said
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ class Faults:
     no_handle_in_stream: bool = False  # streams end without D's handle (vLLM < 0.33 without the plugin)
     no_handle: bool = False  # D answers without a handle at all
     bad_handle: str | None = None  # D's handle is broken this way (a ``HandleProblem`` value)
-    no_token_ids: bool = False  # D's answer does not say its prompt's token ids
+    no_token_ids: bool = False  # D's answer (P's, when asked) does not say its prompt's token ids
 
 
 @dataclass(frozen=True)
@@ -254,6 +254,7 @@ class FakeEngine:
             for_decode={"fake_prefill": base, "stage": stage},
             cached_tokens=max(cached, start),
             prompt_tokens=len(prompt),
+            prompt_ids=list(prompt) if call.return_ids and not p.faults.no_token_ids else None,
         )
 
     def _pin_of(self, handle: Handle) -> tuple[Instance | None, Pin | None]:

@@ -2,12 +2,13 @@
 vLLM's multi-turn proxy on the same engine path (issue 15, item 1).
 
 Decides the matrix (2k, 16k and 32k-token histories on every link preset, P's prefix cache off, so that
-every later turn pulls D's KV) and three configurations per cell, run one after another in one process:
+every later turn pulls D's KV) and the configurations per cell, run one after another in one process:
 ``vllm-multiturn`` (vLLM's multi-turn proxy as a policy: the previous handle pulled with the messages,
-nothing rendered, nothing checked), ``always-pull`` as shipped (the record proves the history: P gets the
-messages at once, the render and the token check run beside P's leg and gate D: ``gateway/turn/ahead.py``)
-and ``always-pull`` with ``TURNKV_RENDER_AHEAD=false`` (rendered and checked before P's request, as
-before). TTFT of turns 2-5 together is compared: pulled turns are the ones the render delayed.
+nothing rendered, nothing checked), ``always-pull`` as shipped (``ahead``: the record proves the history,
+P gets the messages at once and returns the prompt ids it computed from, the token check runs on them and
+gates D: ``gateway/turn/ahead.py``) and ``always-pull`` with ``TURNKV_AHEAD_CHECK=render`` (``beside``: the
+check runs on a render call sent beside P's leg, as in run 1, where the render-first path, measured there,
+was the "before"). TTFT of turns 2-5 together is compared: pulled turns are the ones the render delayed.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from turnkv.bench.scenarios.fifth_turn import DECODE_LINK, ENGINE, LINKS, WORKLO
 from turnkv.bench.stats import fmt_ms, fmt_ratio, summarize
 
 HISTORIES = (2000, 16000, 32000)
-CONFIGS = ("vllm-multiturn", "ahead", "rendered")
+CONFIGS = ("vllm-multiturn", "beside", "ahead")  # the baseline, before, after
 TARGET = 1.02  # issue 15: pull turns within 1.02x vLLM's multi-turn proxy
-_POLICY = {"vllm-multiturn": "vllm-multiturn", "ahead": "always-pull", "rendered": "always-pull"}
+_POLICY = {"vllm-multiturn": "vllm-multiturn", "ahead": "always-pull", "beside": "always-pull"}
+_ENV = {"beside": (("TURNKV_AHEAD_CHECK", "render"),)}
 
 
 def _conversations(history: int, link: str, conversations: int | None) -> int:
@@ -47,12 +49,13 @@ def _bench(history: int, link: str, config: str, conversations: int | None) -> B
         prefill_flags=("--no-prefix-caching",),
         decode_flags=("--link", d_link) if d_link else (),
         gateway_flags=("--policy", _POLICY[config]),
-        gateway_env=(("TURNKV_RENDER_AHEAD", "false"),) if config == "rendered" else (),
+        gateway_env=_ENV.get(config, ()),
     )
     what = {
         "vllm-multiturn": "turnkv --policy vllm-multiturn (vLLM's multi-turn proxy: no render, no check)",
-        "ahead": "turnkv --policy always-pull, P sent the messages before the render returns",
-        "rendered": "turnkv --policy always-pull, TURNKV_RENDER_AHEAD=false (rendered before P)",
+        "ahead": "turnkv --policy always-pull, P sent the messages at once, checked on the ids P returns",
+        "beside": "turnkv --policy always-pull, P sent the messages at once, TURNKV_AHEAD_CHECK=render "
+        "(checked on a render call beside P's leg)",
     }[config]
     desc = f"1P1D, {link} link, P prefix cache off, {what}"
     tags = {"history": history, "link": link, "config": config}
@@ -84,7 +87,7 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
     nan = (math.nan, math.nan, 0, "-")
     rows = []
     for (hist, link), by in sorted(cells.items(), key=lambda kv: (kv[0][0], LINKS.index(kv[0][1]))):
-        v, a, r = (by.get(x, nan) for x in CONFIGS)
+        v, r, a = (by.get(x, nan) for x in CONFIGS)
         after, before = _ratio(a[0], v[0]), _ratio(r[0], v[0])
         rows.append(
             [
@@ -101,16 +104,16 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
         [
             "## TTFT of turns 2-5 (ms, p50 / p90), pull turns, P's cache off",
             "",
-            "*rendered*: always-pull rendered and checked before P's request (TURNKV_RENDER_AHEAD=false); "
-            "*ahead*: always-pull with the messages sent to P at once and the check beside P's leg. Ratios use "
-            f"p50 against vllm-multiturn; target <= {TARGET:.2f}x.",
+            "*beside*: always-pull, the messages sent to P at once, checked on a render call beside P's leg "
+            "(TURNKV_AHEAD_CHECK=render); *ahead*: always-pull, the messages sent to P at once, checked on the "
+            f"prompt ids P returns. Ratios use p50 against vllm-multiturn; target <= {TARGET:.2f}x.",
             "",
             md_table(
                 [
                     "history",
                     "link",
                     "vllm-multiturn",
-                    "rendered (before)",
+                    "beside (before)",
                     "ahead (after)",
                     "before / vllm-multiturn",
                     "after / vllm-multiturn",

@@ -102,6 +102,8 @@ class VllmEngine:
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
         body["kv_transfer_params"] = params
+        if call.return_ids:
+            body["return_token_ids"] = True  # the prompt's ids come back with P's answer (every version)
         return call.path, body
 
     async def prefill(self, base: str, call: PrefillCall, meta: CallMeta) -> PrefillResult:
@@ -115,6 +117,7 @@ class VllmEngine:
             for_decode=params if isinstance(params, dict) else None,
             cached_tokens=cached if isinstance(cached, int) else None,
             prompt_tokens=prompt if isinstance(prompt, int) else None,
+            prompt_ids=_prompt_ids(data) if call.return_ids else None,
         )
 
     def _decode_request(self, call: DecodeCall) -> dict[str, Any]:
@@ -238,3 +241,14 @@ async def vllm_engine(settings: Settings) -> AsyncIterator[VllmEngine]:
     )
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         yield VllmEngine(Upstream(session, settings.timeouts, settings.upstream_api_key), settings.block_size)
+
+
+def _prompt_ids(data: Mapping[str, Any]) -> list[int] | None:
+    """The prompt ids P's answer says with ``return_token_ids``: top-level on chat, in the choice on completions
+    (None when it says none; each id is checked to be an int when the chain is built)."""
+    ids = data.get("prompt_token_ids")
+    if ids is None:
+        choices = data.get("choices")
+        if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict):
+            ids = choices[0].get("prompt_token_ids")
+    return ids if isinstance(ids, list) and ids else None

@@ -7,9 +7,9 @@ critical path: render, then the token check, then P's request. Two ways to take 
   work takes well under a millisecond where the render takes milliseconds (7.6 ms median at 16k on
   vLLM), so the render would still lead P's request by almost all of its time;
 * plan from the record and send P the prompt as messages, as plain P/D (and vLLM's multi-turn proxy) do:
-  P renders it itself, and the gateway's render runs beside P's leg, only for the token check, which
-  must pass before D starts. This one is taken (``plan.ahead`` decides, this module runs the leg); the
-  render is then hidden behind P's prefill and pull, which take longer.
+  P renders it itself, and the token check, which must pass before D starts, runs on the prompt ids P
+  returns (or on a render beside P's leg: ``ahead_check`` below). This one is taken (``plan.ahead``
+  decides, this module runs the leg).
 
 Only where the record already proves the history (``plan.ahead``): the template keeps history, the
 client echoed the last answer as D produced it, the history before it digests as stored, and the
@@ -23,13 +23,24 @@ record is usable. Then:
   with those tokens. P's request therefore carries a cache salt of its own (``turn.salt``, per turn):
   its blocks are cached where no other request looks. That also keeps P's cache out of this turn, so a
   turn whose P likely caches the conversation is rendered first as before. When the check proves at
-  least what P pulled and P counted the prompt the render gave, D continues from P's KV, given the
-  messages as P was (both engines' own rendering, as in plain P/D); otherwise P's leg is cancelled, or
-  its result dropped, and the turn falls back (``Fallback.RENDER_MISMATCH``) to plain P/D with the
-  rendered ids, unsalted, nothing reused. D never starts on a prefix the check did not prove. The render
-  goes to the render authority (a P unless ``render`` names a service) once P's request is out: P's API
-  server takes requests in order, and its own render of the messages, which its prefill waits for, must
-  not queue behind ours.
+  least what P pulled and P counted the prompt the check ran on, D continues from P's KV, given the
+  messages as P was (both engines' own rendering, as in plain P/D); otherwise the turn falls back
+  (``Fallback.RENDER_MISMATCH``) to plain P/D with the checked ids, unsalted, nothing reused. D never
+  starts on a prefix the check did not prove. What the check runs on (``ahead_check``):
+
+  - ``prefill`` (the default): the prompt ids P computed from, which P returns with its answer
+    (``return_token_ids``, in every vLLM version). No render call at all: P renders the messages once, for
+    its own prefill, as under vLLM's multi-turn proxy. The check (the ids' hash chain against the record)
+    then runs between P's answer and D's request (1-2 ms of gateway CPU at 16k tokens), and P's answer
+    carries the ids (about 1.5 ms more of P's CPU at 16k), where the render call cost P 8 ms of CPU at
+    16k and 21 ms at 32k beside its pull and prefill; on the simulator that CPU lands on P's leg, since it
+    renders in the event loop that runs its engine (BENCHMARKS.md §3). vLLM renders in its API server's
+    thread pool, apart from the engine core, but a render sent there beside P's own render of the same
+    messages competes with it. An engine that returns no ids is rendered once P has answered.
+  - ``render``: a render call to the render authority (a P unless ``render`` names a service), sent once
+    P's request is out (P's API server takes requests in order, and its own render of the messages, which
+    its prefill waits for, must not queue behind ours), run beside P's leg; if the check does not prove
+    the pull, P's leg is cancelled or its result dropped.
 * a policy that checks no tokens (the ``vllm-multiturn`` and unchecked baselines) is never rendered
   once its record is usable: as vLLM's proxy, it pulls the previous handle with the messages.
 
@@ -50,6 +61,7 @@ from turnkv.gateway.turn.results import Fallback, Plan, Prefilled, Rendered
 from turnkv.gateway.turn.run import STOP_WAIT_S, TurnRun
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
+from turnkv.state.base import Claim
 
 
 async def _stop(leg: asyncio.Future[Prefilled]) -> None:
@@ -90,11 +102,40 @@ async def _after_p_request(run: TurnRun, leg: asyncio.Future[Prefilled]) -> None
 
 
 async def prefill_checked(run: TurnRun) -> Prefilled:
-    """P's leg of an ahead turn: a checked pull runs beside its render, and returns only once the token
-    check proved what P pulled; otherwise the turn falls back to plain P/D with the rendered ids."""
+    """P's leg of an ahead turn: a checked pull returns only once the token check proved what P pulled
+    (on the ids P returned, or on a render beside P's leg: ``ahead_check``); otherwise the turn falls back
+    to plain P/D with the checked ids."""
     claim = run.rendered.claim
     if claim is None or not run.plan.pulls_ahead:
         return await prefill.run(run)
+    if run.svc.settings.ahead_check == "prefill":
+        return await _checked_on_prefill_ids(run, claim)
+    return await _checked_beside_render(run, claim)
+
+
+async def _checked_on_prefill_ids(run: TurnRun, claim: Claim) -> Prefilled:
+    """P pulls and prefills, and returns the prompt ids it computed from; the check runs on them before D
+    starts. An engine that returns none is rendered for the check once P has answered."""
+    done = await prefill.run(run)
+    if not run.plan.pulls_ahead:  # P's pull failed: its leg went on without the handle
+        return done
+    ids = done.result.prompt_ids
+    if ids is not None:
+        checked = render.from_prefill(run.svc, ids, claim)
+    else:
+        checked = await run.until_aborted(render.checked(run.svc, run.turn, claim))
+    run.rendered = checked
+    if checked.failure is not None:  # the messages themselves are wrong: the client hears why
+        run.plan = Plan(Action.RECOMPUTE, checked.reason)
+        raise checked.failure
+    if _proved(run, checked, done):
+        return done
+    run.fall_back(Fallback.RENDER_MISMATCH)  # what P pulled was not proved: none of it is used
+    return await prefill.run(run)
+
+
+async def _checked_beside_render(run: TurnRun, claim: Claim) -> Prefilled:
+    """P pulls and prefills while the render runs beside it; D waits for the check on the render's ids."""
     leg = asyncio.ensure_future(prefill.run(run))
     pending: asyncio.Future[Rendered] | None = None
     try:

@@ -1,7 +1,8 @@
 """PREFILL: run the prompt on a prefill engine and get what D needs to continue it.
 
 With token ids from RENDER, P gets exactly those ids; otherwise the client's request, as plain P/D sends it
-(salted, for a pull sent ahead of the token check: ``turn.ahead``). A failed pull (P answers 5xx: expired
+(salted, for a pull sent ahead of the token check, and asked to return the prompt ids it computed from, which
+that check runs on: ``turn.ahead``). A failed pull (P answers 5xx: expired
 handle, restarted D, broken link), or one that stalls past the first-token deadline (renewed while P is
 busy: ``turn.deadline``), falls back (``TurnRun.fall_back``) and is tried again on the same P without the
 handle; an unreachable or failing P is replaced by the next healthy one (a single P whose connection failed
@@ -49,9 +50,12 @@ async def run(run: TurnRun) -> Prefilled:
             break
         send = run.plan.send
         t = svc.settings.timeouts
-        # a pull ahead of the token check is salted apart in P's cache (``ahead``)
-        body = salted(turn.body, turn.request_id) if run.plan.pulls_ahead else turn.body
-        call = PrefillCall(turn.path, body, run.rendered.prompt_ids, send, t.prefill_s)
+        # a pull ahead of the token check is salted apart in P's cache, and checked on the ids P returns
+        # (``ahead``)
+        ahead = run.plan.pulls_ahead
+        body = salted(turn.body, turn.request_id) if ahead else turn.body
+        ids_back = ahead and svc.settings.ahead_check == "prefill"
+        call = PrefillCall(turn.path, body, run.rendered.prompt_ids, send, t.prefill_s, return_ids=ids_back)
         t0 = time.perf_counter()
         run.journal.handle_spent = run.journal.handle_spent or send is not None
         try:

@@ -6,8 +6,8 @@ failed, or was too busy to answer: ``store_busy``) only costs this turn its reus
 Where the template keeps history, the record is read first, and a turn the planner sends to D as
 decode-local without a render (``plan.direct``) skips it; so does a first turn (no assistant message) with
 no stored record: there is nothing of D's to check it against. A pull or recompute turn the record proves is
-planned from it (``plan.ahead``) and goes to P at once; its render, when a pull needs checking, runs
-beside P's leg (``checked``, started by ``turn.ahead``).
+planned from it (``plan.ahead``) and goes to P at once; a pull's token check then runs on the ids P returns
+(``from_prefill``), or on a render beside P's leg (``checked``; ``turn.ahead`` says which).
 Transition: RENDER → PLAN, or → PREFILL with the client's messages (no conversation, or degraded), or →
 DECODE (decode-local without a render), or → AHEAD (P first, the render beside it); a render that failed the
 turn says so (``failure``) with the record it claimed, which the driver puts back.
@@ -113,8 +113,22 @@ async def checked(svc: Services, turn: Turn, claim: Claim) -> Rendered:
     return _judged(svc, rendered, claim, Reason.NO_SESSION, time.perf_counter() - t0)
 
 
+def from_prefill(svc: Services, ids: list[int], claim: Claim) -> Rendered:
+    """The prompt ids P returned with its answer (``return_token_ids``), judged as a render's: P rendered the
+    messages itself, as the render call would have (``turn.ahead`` checks them before D starts)."""
+    t0 = time.perf_counter()
+    judged = _judged(svc, ids, claim, Reason.NO_SESSION, 0.0, leg="prefill")
+    return dataclasses.replace(judged, seconds=time.perf_counter() - t0)
+
+
 def _judged(
-    svc: Services, rendered: list[int] | BaseException, claim: Claim | None, why: Reason, seconds: float
+    svc: Services,
+    rendered: list[int] | BaseException,
+    claim: Claim | None,
+    why: Reason,
+    seconds: float,
+    *,
+    leg: str = "render",
 ) -> Rendered:
     failed = Rendered(Next.PLAN, Reason.RENDER_FAILED, claim=claim, claimed=_claimed(claim), seconds=seconds)
     if isinstance(rendered, ClientError) or (
@@ -130,7 +144,7 @@ def _judged(
     try:
         chain = ChainBuilder(svc.settings.block_size).extend(rendered)
     except (TypeError, OverflowError):  # ids that are not integers
-        svc.metrics.upstream_errors.labels("render", "protocol").inc()
+        svc.metrics.upstream_errors.labels(leg, "protocol").inc()
         return failed
     return Rendered(
         Next.PLAN, why, prompt_ids=rendered, chain=chain, claim=claim, claimed=_claimed(claim), seconds=seconds
