@@ -117,3 +117,27 @@ def test_without_an_age_a_link_measurement_stays() -> None:
     est.observe(45e6, 0.001 + 45e6 / 0.5e9, 1)
     clock.now += 1e6
     assert est.samples == 1 and est.params() == pytest.approx((0.001, 0.5e9))
+
+
+def test_pulls_of_one_size_take_the_bandwidth_of_the_direction_fitted_from_varied_sizes() -> None:
+    # P's pulls fetch only the last answer's blocks (P's cache holds the rest): all ~21 MB, 4.8 ms each,
+    # on a 20 GB/s link with 3.75 ms of fixed overhead. Put on the bytes, the overhead reads as ~7 GB/s, and
+    # a whole-history pull (1.25 GB) is priced at ~170 ms instead of ~66. D's reads of P's blocks come in
+    # varied sizes and fit a line: the pulls take its bandwidth and the fixed cost their own times imply.
+    est = CostEstimator(CostParams(link_fixed_s=0.002))
+    for nbytes in (3e8, 1e9, 1.25e9, 5e7):
+        est.observe_link("decode", nbytes, 0.00375 + nbytes / 20e9, 1)
+    for _ in range(5):
+        est.observe_link("prefill", 21e6, 0.00375 + 21e6 / 20e9, 1)
+    pull = est.links()["pull"]
+    assert pull.bytes_per_s == pytest.approx(20e9, rel=1e-6)
+    assert pull.fixed_s == pytest.approx(0.00375, rel=1e-6)
+    assert transfer_s(est.params(), 8500, 16) < 0.1  # a whole-history pull: ~66 ms, not ~170
+
+
+def test_pulls_of_one_size_keep_their_own_estimate_when_nothing_is_fitted() -> None:
+    est = CostEstimator(CostParams(link_fixed_s=0.002))
+    for _ in range(5):
+        est.observe_link("decode", 3e8, 0.002 + 3e8 / 100e9, 1)  # one size this way too: nothing fitted
+        est.observe_link("prefill", 21e6, 0.002 + 21e6 / 20e9, 1)
+    assert est.links()["pull"].bytes_per_s == pytest.approx(20e9, rel=1e-6)

@@ -12,6 +12,13 @@ age the slow figure would stand for good (seen in the goodput sweeps: a gateway 
 stopped pulling recomputed ~1M tokens more on P than one that went on). Once its measurements are
 older, a direction is estimated as if never measured, so the next turns where a pull pays pull again,
 and measure the link as it is now.
+A direction whose measurements all sit at about one size (pulls that fetch only the last answer's
+blocks, P's cache holding the rest) cannot tell its fixed cost from its per-byte cost: put on the
+bytes, a few milliseconds of fixed overhead made a 20 GB/s link read as 1-2.5 GB/s, and a whole-history
+pull was then priced above P recomputing it (seen in the goodput sweeps). Where the other direction's
+line is fitted from varied sizes, such a direction takes that bandwidth and the fixed cost its own
+measurements imply at it: its estimate at the size it measured is unchanged, only what it extrapolates to
+other sizes comes from a line that was actually determined.
 Prefill: each prefill call the gateway makes gives (new tokens, context, seconds); a least-squares
 fit of ``hop + a*new + b*new*(context + new/2)`` gives the per-token and attention terms.
 Until enough varied points exist, the configured priors stand.
@@ -60,16 +67,32 @@ class LinkEstimator:
     def samples(self) -> int:
         return len(self._fresh())
 
-    def params(self) -> tuple[float, float]:
-        """(fixed seconds per transfer, bytes per second)."""
+    def fitted(self) -> tuple[float, float] | None:
+        """(fixed seconds, bytes per second) from a line through measurements of varied sizes; None when
+        they are too few or all of about one size (the line is not determined)."""
         pts = self._fresh()
-        if not pts:
-            return self.prior
         sizes = [p[0] for p in pts]
         if len(pts) >= 3 and max(sizes) > 2 * min(sizes):
             fit = lstsq([([1.0, b / 1e9], s, c) for b, s, c in pts])
             if fit is not None and fit[1] > 0:
                 return max(fit[0], 0.0), 1e9 / fit[1]
+        return None
+
+    def fixed_at(self, bytes_per_s: float) -> float:
+        """The fixed cost per transfer these measurements imply at ``bytes_per_s`` (their weighted mean
+        time less the bytes' time, at least 0)."""
+        pts = self._fresh()
+        n = sum(c for _, _, c in pts)
+        return max(0.0, sum((s - b / bytes_per_s) * c for b, s, c in pts) / n) if n else self.prior[0]
+
+    def params(self) -> tuple[float, float]:
+        """(fixed seconds per transfer, bytes per second)."""
+        pts = self._fresh()
+        if not pts:
+            return self.prior
+        fit = self.fitted()
+        if fit is not None:
+            return fit
         fixed = self.prior[0]
         total_b = sum(b * c for b, _, c in pts)
         total_s = sum(max(s - fixed, 1e-6) * c for _, s, c in pts)
@@ -132,8 +155,12 @@ class CostEstimator:
         pull, push = self.pull.params(), self.push.params()
         if not self.pull.samples and self.push.samples:
             pull = push
+        elif self.pull.fitted() is None and (other := self.push.fitted()) is not None:
+            pull = (self.pull.fixed_at(other[1]), other[1])  # one size: the bandwidth of the fitted line
         if not self.push.samples and self.pull.samples and self.prior.push_bytes_per_s is None:
             push = pull  # unless the operator said what P -> D is
+        elif self.push.samples and self.push.fitted() is None and (other := self.pull.fitted()) is not None:
+            push = (self.push.fixed_at(other[1]), other[1])
         return {"pull": LinkEstimate(*pull, self.pull.samples), "push": LinkEstimate(*push, self.push.samples)}
 
     def observe_prefill(
