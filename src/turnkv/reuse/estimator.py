@@ -34,6 +34,8 @@ from dataclasses import dataclass, replace
 from turnkv.reuse.cost import CostParams, transfer_s
 from turnkv.reuse.lstsq import lstsq
 
+Point = tuple[float, float, float]  # a link measurement: mean bytes, mean seconds, transfers
+
 
 class LinkEstimator:
     def __init__(
@@ -55,7 +57,7 @@ class LinkEstimator:
         if mean_bytes > 0 and mean_seconds > 0 and count > 0:
             self._points.append((mean_bytes, mean_seconds, count, self._clock()))
 
-    def _fresh(self) -> list[tuple[float, float, float]]:
+    def fresh(self) -> list[Point]:
         """The measurements still counted (all of them without ``max_age_s``), oldest dropped for good."""
         if self.max_age_s is not None:
             oldest = self._clock() - self.max_age_s
@@ -65,38 +67,43 @@ class LinkEstimator:
 
     @property
     def samples(self) -> int:
-        return len(self._fresh())
-
-    def fitted(self) -> tuple[float, float] | None:
-        """(fixed seconds, bytes per second) from a line through measurements of varied sizes; None when
-        they are too few or all of about one size (the line is not determined)."""
-        pts = self._fresh()
-        sizes = [p[0] for p in pts]
-        if len(pts) >= 3 and max(sizes) > 2 * min(sizes):
-            fit = lstsq([([1.0, b / 1e9], s, c) for b, s, c in pts])
-            if fit is not None and fit[1] > 0:
-                return max(fit[0], 0.0), 1e9 / fit[1]
-        return None
-
-    def fixed_at(self, bytes_per_s: float) -> float:
-        """The fixed cost per transfer these measurements imply at ``bytes_per_s`` (their weighted mean
-        time less the bytes' time, at least 0)."""
-        pts = self._fresh()
-        n = sum(c for _, _, c in pts)
-        return max(0.0, sum((s - b / bytes_per_s) * c for b, s, c in pts) / n) if n else self.prior[0]
+        return len(self.fresh())
 
     def params(self) -> tuple[float, float]:
         """(fixed seconds per transfer, bytes per second)."""
-        pts = self._fresh()
+        pts = self.fresh()
+        return self.estimate(pts, fitted(pts))
+
+    def estimate(
+        self, pts: list[Point], own: tuple[float, float] | None, other: tuple[float, float] | None = None
+    ) -> tuple[float, float]:
+        """(fixed seconds, bytes per second) from ``pts`` (``fresh``) and their line (``own``, ``fitted``):
+        the prior without points; the line where it is determined; measurements of about one size with the
+        bandwidth of the ``other`` direction's line, where that is determined, and the fixed cost they imply
+        at it; else the prior's fixed cost and the bandwidth that leaves."""
         if not pts:
             return self.prior
-        fit = self.fitted()
-        if fit is not None:
-            return fit
+        if own is not None:
+            return own
+        n = sum(c for _, _, c in pts)
+        if other is not None:
+            bw = other[1]
+            return max(0.0, sum((s - b / bw) * c for b, s, c in pts) / n), bw
         fixed = self.prior[0]
         total_b = sum(b * c for b, _, c in pts)
         total_s = sum(max(s - fixed, 1e-6) * c for _, s, c in pts)
         return fixed, total_b / total_s
+
+
+def fitted(pts: list[Point]) -> tuple[float, float] | None:
+    """(fixed seconds, bytes per second) from a line through measurements of varied sizes; None when they
+    are too few or all of about one size (the line is not determined)."""
+    sizes = [p[0] for p in pts]
+    if len(pts) >= 3 and max(sizes) > 2 * min(sizes):
+        fit = lstsq([([1.0, b / 1e9], s, c) for b, s, c in pts])
+        if fit is not None and fit[1] > 0:
+            return max(fit[0], 0.0), 1e9 / fit[1]
+    return None
 
 
 class PrefillEstimator:
@@ -151,17 +158,17 @@ class CostEstimator:
         link.observe(mean_bytes, mean_seconds, count)
 
     def links(self) -> dict[str, LinkEstimate]:
-        """The estimate per direction, a direction never measured borrowing the other's."""
-        pull, push = self.pull.params(), self.push.params()
-        if not self.pull.samples and self.push.samples:
+        """The estimate per direction: a direction never measured borrows the other's, one measured at about
+        one size takes the bandwidth of the other's line (``LinkEstimator.estimate``)."""
+        pulls, pushes = self.pull.fresh(), self.push.fresh()
+        pull_line, push_line = fitted(pulls), fitted(pushes)  # each direction's points read and fitted once
+        pull = self.pull.estimate(pulls, pull_line, push_line)
+        push = self.push.estimate(pushes, push_line, pull_line)
+        if not pulls and pushes:
             pull = push
-        elif self.pull.fitted() is None and (other := self.push.fitted()) is not None:
-            pull = (self.pull.fixed_at(other[1]), other[1])  # one size: the bandwidth of the fitted line
-        if not self.push.samples and self.pull.samples and self.prior.push_bytes_per_s is None:
+        if not pushes and pulls and self.prior.push_bytes_per_s is None:
             push = pull  # unless the operator said what P -> D is
-        elif self.push.samples and self.push.fitted() is None and (other := self.pull.fitted()) is not None:
-            push = (self.push.fixed_at(other[1]), other[1])
-        return {"pull": LinkEstimate(*pull, self.pull.samples), "push": LinkEstimate(*push, self.push.samples)}
+        return {"pull": LinkEstimate(*pull, len(pulls)), "push": LinkEstimate(*push, len(pushes))}
 
     def observe_prefill(
         self, *, new_tokens: int, context_tokens: int, pulled_tokens: int, seconds: float, block_size: int
