@@ -72,7 +72,7 @@ if devlib.backend() == "vllm":  # aiohttp: the device image has it; vLLM's wheel
     sys.path += [devlib.GATEWAY_SITE, devlib.VLLM_SITE]
 
 from turnkv.bench.client import Target
-from turnkv.bench.goodput import Slo, point_stats
+from turnkv.bench.goodput import Slo, meets, point_stats
 from turnkv.bench.records import RequestRecord
 from turnkv.bench.runner import run_load
 from turnkv.bench.stats import percentile
@@ -331,7 +331,7 @@ def goodput(records: list[RequestRecord], spec: WorkloadSpec, slo: Slo, wall_s: 
     """The wave's goodput (``vllm bench serve --goodput``'s count for a closed loop): turns that met both
     SLOs per second of the wave's wall time; attainment over the turns sent; TPOT percentiles."""
     st = point_stats(records, rate=0.0, conversations=spec.conversations, slo=slo)
-    good = round(st.attainment * st.turns) if st.turns else 0
+    good = sum(1 for r in records if meets(r, slo))
     return {
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
         "good_turns": good,
