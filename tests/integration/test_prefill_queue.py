@@ -33,7 +33,16 @@ def test_a_long_queue_at_p_sends_later_turns_decode_local_and_an_idle_p_takes_th
         compat="0.33",
         policy="adaptive",
         gateway_env={
-            "TURNKV_POLICY__PARAMS": json.dumps({"decode_chunk_tokens": 2, "itl_budget_ms": 30}),
+            # the ITL checks off: they have their own tests, and whether D's streams are running when a
+            # queued turn is decided (the other two sent decode-local a moment before) is this machine's timing
+            "TURNKV_POLICY__PARAMS": json.dumps(
+                {
+                    "decode_chunk_tokens": 2,
+                    "itl_budget_ms": None,
+                    "itl_headroom": None,
+                    "decode_local_max_stall_ms": 10_000,
+                }
+            ),
             "TURNKV_COSTS__PREFILL_US_PER_TOKEN": "500",
         },
     )
