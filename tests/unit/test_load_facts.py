@@ -160,6 +160,35 @@ def test_ps_queue_is_the_gateways_prefills_in_flight_there_less_what_p_has_done_
     assert idle is not None and (idle.in_flight, prefill_queue(idle, 0.0)[0]) == (0, 0.0)
 
 
+def test_a_prefills_served_time_leaves_out_its_wait_behind_the_gateways_earlier_ones() -> None:
+    # the prefill estimator learns from these: a call's own wall time counts P's queue in (a saturated P
+    # taught it 74x its compute per token)
+    now = [0.0]
+    f = Fleet([P], [D], clock=lambda: now[0])
+    a = f.hold(P, work_s=0.25, tokens=8000)
+    b = f.hold(P, work_s=0.05, tokens=300)  # sent at once: it waits behind a
+    d = f.hold(D)  # no estimated work: nothing served is said of it
+    now[0] = 0.25
+    a.release()
+    now[0] = 0.31
+    b.release()
+    d.release()
+    assert a.served_s == pytest.approx(0.25) and b.served_s == pytest.approx(0.06) and d.served_s is None
+    now[0] = 1.0  # P idle since 0.31: all of c's time is its own
+    c = f.hold(P, work_s=0.1, tokens=2000)
+    now[0] = 1.12
+    c.release()
+    assert c.served_s == pytest.approx(0.12)
+    # out of order (a short one sent later ends first): each counts from the last end, and together they
+    # add up to the busy spell
+    e1, e2 = f.hold(P, work_s=0.3, tokens=9000), f.hold(P, work_s=0.01, tokens=100)
+    now[0] = 1.15
+    e2.release()
+    now[0] = 1.45
+    e1.release()
+    assert e2.served_s == pytest.approx(0.03) and e1.served_s == pytest.approx(0.30)
+
+
 def test_ps_other_requests_count_at_its_recent_prefill_time() -> None:
     f = Fleet([P], [D])
     read(f, P, metrics(pf_n=10, pf_s=1.0))

@@ -66,6 +66,7 @@ class _Engine:
     prefill_request_ms: float | None = None
     # this gateway's requests in flight there that carry estimated work: slot id -> (sent at, seconds, tokens)
     queued: dict[int, tuple[float, float, int]] = field(default_factory=dict, repr=False)
+    departed_at: float = 0.0  # monotonic; when the last of them ended (P takes them in order: see Slot.served_s)
     # this gateway's decode-local turns there whose first token has not come: slot id -> tokens to prefill
     prefilling: dict[int, int] = field(default_factory=dict, repr=False)
     histos: dict[str, Histo] = field(default_factory=dict, repr=False)  # latency histograms, as last read
@@ -125,12 +126,21 @@ class Slot:
 
     _ids = itertools.count()
 
-    def __init__(self, engine: _Engine, work_s: float = 0.0, tokens: int = 0, local_prefill: int = 0) -> None:
+    def __init__(
+        self,
+        engine: _Engine,
+        work_s: float = 0.0,
+        tokens: int = 0,
+        local_prefill: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._engine = engine
         self._held = True
         self._id = next(Slot._ids)
+        self._clock = clock
+        self.served_s: float | None = None  # once released, for a request that carried estimated work
         if work_s > 0 or tokens > 0:
-            engine.queued[self._id] = (time.monotonic(), max(work_s, 0.0), max(tokens, 0))
+            engine.queued[self._id] = (clock(), max(work_s, 0.0), max(tokens, 0))
         if local_prefill > 0:
             engine.prefilling = {**engine.prefilling, self._id: local_prefill}
         engine.in_flight += 1  # also tells the engine's snapshot that it changed
@@ -144,14 +154,30 @@ class Slot:
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._engine.queued.pop(self._id, None)
+            queued = self._engine.queued.pop(self._id, None)
+            if queued is not None:
+                self.served_s = self._served(queued[0])
             self.prefilled()
             self._engine.in_flight -= 1
 
+    def _served(self, sent_at: float) -> float:
+        """How long the engine worked on this request, its wait behind this gateway's earlier ones left out:
+        from when it was sent, or from when the one before it ended if that was later (a FCFS server starts
+        the next in line when the last leaves), to now. Over a busy spell these add up to the spell, however
+        long the queue: P's call time would count the queue in every request's cost (at a saturated P, the
+        prefill estimate learnt from it was 74x its compute)."""
+        e, now = self._engine, self._clock()
+        served = now - max(sent_at, e.departed_at)
+        e.departed_at = max(e.departed_at, now)
+        return served
+
 
 class Fleet:
-    def __init__(self, prefill: list[str], decode: list[str], block_size: int = 16) -> None:
+    def __init__(
+        self, prefill: list[str], decode: list[str], block_size: int = 16, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.block_size = block_size
+        self._clock = clock  # monotonic seconds
         self._engines = {u: _Engine(u, "prefill") for u in prefill} | {u: _Engine(u, "decode") for u in decode}
         self._roles = {r: [e for e in self._engines.values() if e.role == r] for r in ("prefill", "decode")}
         self.on_restart: Callable[[InstanceView], None] = lambda view: None
@@ -161,12 +187,12 @@ class Fleet:
 
     # -- snapshots ---------------------------------------------------------------------------------
     def views(self, role: str) -> tuple[InstanceView, ...]:
-        now = time.monotonic()
+        now = self._clock()
         return tuple(e.view(now) for e in self._roles.get(role, ()))
 
     def view(self, url: str | None) -> InstanceView | None:
         e = self._engines.get(url) if url else None
-        return e.view(time.monotonic()) if e is not None else None
+        return e.view(self._clock()) if e is not None else None
 
     def urls(self, role: str) -> list[str]:
         return [e.url for e in self._roles.get(role, ())]
@@ -180,13 +206,13 @@ class Fleet:
         estimated at (seconds of P, new tokens): what a next turn would queue behind; a decode-local turn
         the tokens D prefills for it (``local_prefill``), counted until its first token
         (``Slot.prefilled``): what a next decode-local turn's chunks share D's steps with."""
-        return Slot(self._engines[url], work_s, tokens, local_prefill)
+        return Slot(self._engines[url], work_s, tokens, local_prefill, self._clock)
 
     @contextlib.contextmanager
-    def busy(self, url: str, work_s: float = 0.0, tokens: int = 0) -> Iterator[None]:
+    def busy(self, url: str, work_s: float = 0.0, tokens: int = 0) -> Iterator[Slot]:
         slot = self.hold(url, work_s, tokens)
         try:
-            yield
+            yield slot
         finally:
             slot.release()
 
@@ -203,14 +229,14 @@ class Fleet:
         if e is None:
             return
         e.deadline_misses += 1
-        if e.deadline_misses >= MISSES_TO_SUSPEND and e.healthy and time.monotonic() >= e.suspended_until:
+        if e.deadline_misses >= MISSES_TO_SUSPEND and e.healthy and self._clock() >= e.suspended_until:
             log.warning(
                 "instance.suspended url=%s reason=first_token_deadline misses=%d for_s=%.0f",
                 url,
                 e.deadline_misses,
                 SUSPEND_S,
             )
-            e.suspended_until = time.monotonic() + SUSPEND_S
+            e.suspended_until = self._clock() + SUSPEND_S
             e.deadline_misses = MISSES_TO_SUSPEND - 1
 
     def met_deadline(self, url: str | None) -> None:
@@ -271,17 +297,17 @@ class Fleet:
             e.epoch = sample.epoch
             if restarted:
                 log.warning("instance.restarted url=%s", url)
-                self.on_restart(e.view(time.monotonic()))
+                self.on_restart(e.view(self._clock()))
         e.running, e.waiting, e.kv_usage = sample.running, sample.waiting, sample.kv_usage
         self._latencies(e, sample)
         e.scraped, e.in_flight_scraped = True, e.in_flight
         work = sample.tokens_computed
         if work is not None:
             if e.work is not None and work > e.work:
-                e.progressed_at = time.monotonic()  # it computed something since the last reading: busy, not stuck
+                e.progressed_at = self._clock()  # it computed something since the last reading: busy, not stuck
             e.work = work
         self._cache_factor(e, sample.prefix_cache_hits)
-        self.on_scraped(e.view(time.monotonic()))
+        self.on_scraped(e.view(self._clock()))
         cur = sample.transfers
         if cur is None:
             return

@@ -59,7 +59,7 @@ async def run(run: TurnRun) -> Prefilled:
         t0 = time.perf_counter()
         run.journal.handle_spent = run.journal.handle_spent or send is not None
         try:
-            with fleet.busy(inst.url, work_s, work_tokens):
+            with fleet.busy(inst.url, work_s, work_tokens) as slot:
                 sent, run.on_prefill_sent = run.on_prefill_sent, None
                 result = await run.until_aborted(
                     svc.engine.prefill(inst.url, call, turn.meta), Deadline.prefill(t, inst.url), then=sent
@@ -89,14 +89,15 @@ async def run(run: TurnRun) -> Prefilled:
             url = None
             continue
         fleet.met_deadline(inst.url)
-        done = Prefilled(inst.url, time.perf_counter() - t0, result)
+        done = Prefilled(inst.url, time.perf_counter() - t0, result, slot.served_s)
         _observe(run, done)
         return done
     raise last or UpstreamUnavailable("no prefill engine is available", leg="prefill")
 
 
 def _observe(run: TurnRun, done: Prefilled) -> None:
-    """P's time for what it computed, for the cost model's prefill estimate."""
+    """P's time for what it computed, for the cost model's prefill estimate: the time P served it
+    (``Slot.served_s``), not the call's, which counts P's queue in."""
     svc, plan = run.svc, run.plan
     svc.metrics.prefill_seconds.labels(plan.action.value).observe(done.seconds)
     prompt_ids, prompt_tokens = run.rendered.prompt_ids, done.result.prompt_tokens
@@ -111,6 +112,6 @@ def _observe(run: TurnRun, done: Prefilled) -> None:
         new_tokens=n - cached,
         context_tokens=cached,
         pulled_tokens=plan.pull_tokens,
-        seconds=done.seconds,
+        seconds=done.served_s if done.served_s is not None else done.seconds,
         block_size=svc.settings.block_size,
     )

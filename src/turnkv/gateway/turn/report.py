@@ -102,6 +102,8 @@ def account(run: TurnRun, capture: Capture) -> None:
         planned_ms=round(run.planned_s * 1e3, 2),
         admission_ms=round(run.journal.admission_s * 1e3, 2),
         prefill_ms=round((prefilled.seconds if prefilled else 0.0) * 1e3, 2),
+        # P's time on it, its wait behind this gateway's earlier prefills there left out (the cost model's)
+        prefill_served_ms=round(prefilled.served_s * 1e3, 2) if prefilled and prefilled.served_s is not None else None,
         ttft_ms=ttft_ms,
         capture=capture.value,
         retries=list(run.journal.retries) or None,

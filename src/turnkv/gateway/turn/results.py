@@ -116,8 +116,9 @@ class Fallback(enum.Enum):
 @dataclass(frozen=True)
 class Prefilled:
     url: str
-    seconds: float
+    seconds: float  # the call's wall time, P's queue included
     result: PrefillResult
+    served_s: float | None = None  # P's time on it, its wait behind this gateway's earlier prefills left out
 
 
 @dataclass(frozen=True)
