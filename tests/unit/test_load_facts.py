@@ -215,6 +215,21 @@ def test_ps_counts_as_old_as_its_last_read_do_not_count_this_gateways_finished_p
     assert v is not None and prefill_queue(v, 0.0) == (0.0, "gateway")
 
 
+def test_the_prefills_waiting_at_p_are_the_gateways_in_flight_and_ps_others() -> None:
+    f = Fleet([P], [D])
+    assert load_facts(f.view(P), f.view(D), 0.0).prefill_waiting == 0  # P idle, its metrics not read yet
+    ours = [f.hold(P, work_s=0.2, tokens=8000) for _ in range(2)]
+    f.hold(D, local_prefill=300)  # a decode-local turn: not at P
+    assert load_facts(f.view(P), f.view(D), 0.0).prefill_waiting == 2
+    read(f, P, metrics(running=3, waiting=2))  # ours are two of its five
+    assert load_facts(f.view(P), f.view(D), 0.0).prefill_waiting == 5
+    for s in ours:
+        s.release()
+    # P's counts are as old as their read: the three others stand until the next one
+    facts_now = load_facts(f.view(P), f.view(D), 0.0)
+    assert facts_now.prefill_waiting == 3 and facts_now.log()["prefill_waiting"] == 3
+
+
 def test_the_planners_facts_carry_the_load_and_leave_what_is_missing_to_the_model() -> None:
     f = Fleet([P], [D])
     read(f, D, metrics(running=4, usage=0.25, itl_n=100, itl_s=1.0))

@@ -447,3 +447,40 @@ def test_other_prefills_on_d_share_the_step() -> None:
 def test_a_bad_headroom_fails_at_start(bad: object) -> None:
     with pytest.raises(ConfigError):
         build_policy("adaptive", {"itl_headroom": bad})
+
+
+# -- P's queue: an action's P compute charged for the turns that will wait behind it (issue 11) ----------
+
+# a link where a whole-history pull is a little slower than P recomputing it at an idle P (~0.4 s each)
+SLOWISH = CostParams(link_fixed_s=0.005, link_bytes_per_s=3.2e9)
+
+
+def test_at_an_idle_p_the_faster_action_wins_and_nothing_is_charged() -> None:
+    f = facts(EIGHT_K, 8200)
+    est = estimate(SLOWISH, f)
+    assert est[Action.RECOMPUTE] < est[Action.PULL]  # what the case is about
+    d = build_policy("adaptive").decide(f, SLOWISH)
+    assert (d.action, d.reason, dict(d.charges)) == (Action.RECOMPUTE, Reason.CHEAPER_TO_RECOMPUTE, {})
+
+
+@pytest.mark.parametrize("waiting", [1, 4])
+def test_with_prefills_waiting_at_p_a_pull_that_spares_ps_compute_wins(waiting: int) -> None:
+    f = replace(facts(EIGHT_K, 8200), prefill_waiting=waiting)
+    d = build_policy("adaptive").decide(f, SLOWISH)
+    assert d.action is Action.PULL and d.reason is None
+    # the recompute is charged its whole history's compute per waiting prefill, the pull only its new part
+    assert d.charges[Action.RECOMPUTE] > waiting * 0.2 and d.charges[Action.PULL] < d.charges[Action.RECOMPUTE] / 20
+    assert d.estimates[Action.RECOMPUTE] < d.estimates[Action.PULL]  # the estimates stay TTFT: logged as such
+    # prefill_crowding 0: each turn minimises its own TTFT, as before
+    assert build_policy("adaptive", {"prefill_crowding": 0}).decide(f, SLOWISH).action is Action.RECOMPUTE
+
+
+def test_a_handle_is_kept_where_prefills_wait_at_p_and_dropped_at_an_idle_one() -> None:
+    # P's cache holds the history but the answer: recomputing that part beats a pull at an idle P, and a
+    # whole-history pull is no faster than P recomputing it all: no hedge either
+    f = facts(EIGHT_K, 8200, p_cached=8192)
+    policy = build_policy("adaptive")
+    assert policy.keeps_pin(f, SLOWISH) is Keep.NOT_NEEDED
+    # with prefills waiting there, P's compute is dear: should its cache have lost the history, the pull
+    # spares P 8k tokens of it
+    assert policy.keeps_pin(replace(f, prefill_waiting=3), SLOWISH) is Keep.HEDGE

@@ -111,6 +111,7 @@ class _Engine:
             prefill_request_ms=self.prefill_request_ms,
             queued_prefill_s=sum(w for _, w, _ in q),
             queued_prefill_tokens=sum(t for _, _, t in q),
+            queued_prefills=len(q),
             queued_since=min((t0 for t0, _, _ in q), default=0.0),
             in_flight_scraped=self.in_flight_scraped,
             local_prefills=len(self.prefilling),

@@ -80,6 +80,7 @@ class TurnFacts:
     decode_kv_usage: float | None = None  # share of D's KV its running requests and pins hold (0-1)
     prefill_queue_ms: float | None = None  # how long this turn would wait at P before its prefill starts
     decode_queue_ms: float | None = None  # how long a request sent to D now would wait there (``reuse.load``)
+    prefill_waiting: int = 0  # prefills at P now (``reuse.load``): about as many would queue behind this turn's
     # other decode-local turns this gateway has prefilling on that D now (sent, no first token yet), and
     # their new tokens: their chunks share D's steps with this turn's
     decode_prefills: int = 0
@@ -109,6 +110,19 @@ def pulled_tokens(p: CostParams, f: TurnFacts) -> int:
     return n
 
 
+def prefill_work(p: CostParams, f: TurnFacts) -> dict[Action, float]:
+    """P's compute for each action through P, in seconds: what it computes past its prefix cache (and, for a
+    pull, past the pulled blocks). A pull's transfer is not P's compute: vLLM schedules other requests while
+    one waits for its remote KV. A decode-local turn costs P nothing (left out)."""
+    L = f.prompt_tokens
+    hitp = min(f.prefill_cached_tokens, L - 1)
+    out = {Action.RECOMPUTE: prefill_s(p, L - hitp, hitp)}
+    if f.reusable_tokens > 0:
+        have = hitp + pulled_tokens(p, f)
+        out[Action.PULL] = prefill_s(p, L - have, have)
+    return out
+
+
 def estimate(p: CostParams, f: TurnFacts, block_size: int = 16) -> dict[Action, float]:
     """Estimated TTFT of each possible action, in seconds: at idle engines, plus P's and D's queues where
     the facts say them. A decode-local turn waits D's whole queue; a turn through P waits P's queue
@@ -119,17 +133,16 @@ def estimate(p: CostParams, f: TurnFacts, block_size: int = 16) -> dict[Action, 
     L = f.prompt_tokens
     queue = (f.prefill_queue_ms or 0.0) / 1e3
     dqueue = (f.decode_queue_ms or 0.0) / 1e3
-    hitp = min(f.prefill_cached_tokens, L - 1)
     hitd = min(f.decode_cached_tokens, L - 1)
     # after P, D pulls what its own prefix cache lacks and recomputes the last prompt token
     p_to_d = transfer_s(p, L - hitd, block_size, push=True) + p.hop_s + p.prefill_floor_s
 
     queue += max(0.0, dqueue - queue)  # D's queue left once P's is waited: a turn through P waits that too
-    out = {Action.RECOMPUTE: queue + p.hop_s + prefill_s(p, L - hitp, hitp) + p_to_d}
-    if f.reusable_tokens > 0:
-        pulled = pulled_tokens(p, f)
-        have = hitp + pulled
-        out[Action.PULL] = queue + p.hop_s + transfer_s(p, pulled, block_size) + prefill_s(p, L - have, have) + p_to_d
+    work = prefill_work(p, f)
+    out = {Action.RECOMPUTE: queue + p.hop_s + work[Action.RECOMPUTE] + p_to_d}
+    if Action.PULL in work:
+        pull = transfer_s(p, pulled_tokens(p, f), block_size)
+        out[Action.PULL] = queue + p.hop_s + pull + work[Action.PULL] + p_to_d
     if f.decode_local_possible:
         out[Action.DECODE_LOCAL] = dqueue + p.hop_s + prefill_s(p, L - hitd, hitd)
         if p.decode_chunk_tokens > 0:  # spread over steps, each as long as D's decode step at least

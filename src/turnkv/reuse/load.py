@@ -18,6 +18,9 @@ is left to the policy's own model (``reuse.cost``: D's step estimated from its b
   metrics said, beyond this gateway's own in flight when they were read) at P's recent mean prefill time
   (``vllm:request_prefill_time_seconds``). Missing when there is no P; when P has requests of others
   and no prefill-time histogram, their part is left out and the source says so.
+* ``prefill_waiting``: the prefills at P now: this gateway's in flight there, and P's other requests
+  (running and waiting, as its metrics said, beyond this gateway's own in flight when they were read). The
+  policy takes about as many turns to come to P behind a turn's prefill before P's queue drains (issue 11).
 * ``decode_prefills``: the decode-local turns this gateway has sent to D whose first token has not come
   (and their tokens): their prefill chunks share D's steps with a next decode-local turn's (issue 11).
 * ``decode_queue_ms``: how long a request sent to D now would wait to be scheduled there: 0 while D
@@ -42,6 +45,7 @@ class LoadFacts:
     decode_context_tokens: int | None = None
     prefill_queue_ms: float | None = None
     decode_queue_ms: float | None = None
+    prefill_waiting: int = 0  # prefills at P now: this gateway's in flight there, and P's others
     decode_prefills: int = 0  # this gateway's decode-local turns prefilling on D now (no first token yet)
     decode_prefill_tokens: int = 0  # ... the tokens they prefill, all together
     # per fact: where its value came from, or "model:<why>" when the policy's model stands in for it
@@ -54,6 +58,7 @@ class LoadFacts:
             "decode_context_tokens": self.decode_context_tokens,
             "prefill_queue_ms": None if self.prefill_queue_ms is None else round(self.prefill_queue_ms, 1),
             "decode_queue_ms": None if self.decode_queue_ms is None else round(self.decode_queue_ms, 1),
+            "prefill_waiting": self.prefill_waiting,
             "decode_prefills": self.decode_prefills,
             "sources": dict(self.sources),
         }
@@ -116,6 +121,15 @@ def prefill_queue(p: InstanceView | None, now: float) -> tuple[float | None, str
     return own_s * 1e3 + others_ms, source
 
 
+def prefill_waiting(p: InstanceView | None) -> int:
+    """The prefills at ``p`` now: this gateway's in flight there, and P's other requests as its metrics last
+    said (running and waiting, beyond this gateway's own in flight when they were read)."""
+    if p is None:
+        return 0
+    others = max(0, p.running + p.waiting - p.in_flight_scraped) if p.scraped else 0
+    return p.queued_prefills + others
+
+
 def decode_queue(d: InstanceView | None, default_step_ms: float) -> tuple[float | None, str]:
     """(ms a request sent to ``d`` now would wait before D schedules it, where that came from);
     ``default_step_ms``: D's step where it measured none (the cost model's)."""
@@ -145,6 +159,7 @@ def load_facts(
         decode_context_tokens=ctx,
         prefill_queue_ms=queue,
         decode_queue_ms=dqueue,
+        prefill_waiting=prefill_waiting(prefill),
         decode_prefills=decode.local_prefills if decode is not None else 0,
         decode_prefill_tokens=decode.local_prefill_tokens if decode is not None else 0,
         sources={

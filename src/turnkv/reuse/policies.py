@@ -2,7 +2,8 @@
 
 Each policy is a small class with a pure ``decide``; they are registered by name and take their
 parameters as a pydantic model, validated at start. ``adaptive`` (the default) picks the action
-with the lowest estimated time to first token; the fixed ones are the benchmark baselines.
+with the lowest estimated time to first token, P's compute charged for the turns that will wait behind it
+(below); the fixed ones are the benchmark baselines.
 ``always-reuse-unchecked`` skips the token check, as vLLM's example proxy does: it exists to show
 in tests and benchmarks what that costs, and must not serve users. ``vllm-multiturn`` is vLLM's
 multi-turn proxy (``disagg_proxy_multiturn.py``) as a policy: it hands P the conversation's previous
@@ -33,6 +34,15 @@ then costed as prefilling the whole prompt on D. Requests waiting on D (``decode
 decode-local turn by D's whole queue, a turn through P only by what is left of it once P's queue is waited
 (``reuse.cost.estimate``): where that alone turns the choice to P, the reason is ``decode_queue``.
 
+A turn's TTFT is not all that an action costs: where prefills wait at P (``TurnFacts.prefill_waiting``),
+the P compute an action adds (``reuse.cost.prefill_work``: a recompute the whole uncached history, a pull
+only what is past the pulled blocks, decode-local nothing) delays every turn that comes to P behind it
+before P's queue drains. The policy takes about as many to come as wait there now (``prefill_crowding``
+per waiting prefill, 1.0 by default) and charges each action its P compute that many times over
+(``Decision.charges``, logged beside the estimates). Minimising each turn's own TTFT alone, a saturated P
+recomputed histories a pull would have spared it (issue 11: vLLM's multi-turn proxy, which always pulls,
+had twice adaptive's goodput there). At an idle P nothing is charged.
+
 ``keeps_pin`` says whether a turn's new handle stays pinned for the next turn (``Keep``): ``pull`` where a
 next turn like this one would pull it; ``hedge`` where it would not (D would take it, or P's cache hold the
 history) but a pull beats P recomputing the history should D not take the turn and P's cache have lost it
@@ -59,6 +69,7 @@ from turnkv.reuse.cost import (
     decode_step_s,
     estimate,
     prefill_s,
+    prefill_work,
     pulled_tokens,
     step_added_s,
 )
@@ -82,7 +93,8 @@ class Keep(enum.StrEnum):
 class Decision:
     action: Action
     reason: Reason | None = None  # set when the policy declines usable KV
-    estimates: Mapping[Action, float] = field(default_factory=dict)
+    estimates: Mapping[Action, float] = field(default_factory=dict)  # TTFT per action (s)
+    charges: Mapping[Action, float] = field(default_factory=dict)  # P's compute x the turns behind it (s)
 
 
 def decode_step_now_ms(facts: TurnFacts, costs: CostParams) -> float:
@@ -117,9 +129,10 @@ def itl_with_turn_ms(facts: TurnFacts, costs: CostParams) -> float:
     return decode_step_now_ms(facts, costs) + step_added_ms(facts, costs)
 
 
-def _fastest(est: Mapping[Action, float]) -> Action:
-    """The action with the lowest estimate (recompute among equals)."""
-    return min(est, key=lambda a: (est[a], a != Action.RECOMPUTE))
+def _fastest(est: Mapping[Action, float], charges: Mapping[Action, float] | None = None) -> Action:
+    """The action with the lowest estimate plus charge (recompute among equals)."""
+    c = charges or {}
+    return min(est, key=lambda a: (est[a] + c.get(a, 0.0), a != Action.RECOMPUTE))
 
 
 class ReusePolicy(Protocol):
@@ -196,6 +209,12 @@ class AdaptiveParams(_Params):
         "none: the cost model's (0: one chunk of what the token budget leaves)",
     )
     margin: float = Field(0.0, ge=0, description="pull only when it beats recompute by this fraction")
+    prefill_crowding: float = Field(
+        1.0,
+        ge=0,
+        description="turns taken to queue behind a turn's P compute per prefill waiting at P now: each action "
+        "is charged its P compute times this times the prefills there (0: each turn minimises its own TTFT)",
+    )
 
 
 class AdaptivePolicy:
@@ -225,20 +244,29 @@ class AdaptivePolicy:
         )
         itl_why = self.itl_refusal(facts, costs) if local_ok else None
         est = self.estimates(replace(facts, decode_local_possible=local_ok and itl_why is None), costs)
-        best = _fastest(est)
+        charges = self.charges(facts, costs)
+        best = _fastest(est, charges)
         if itl_why is not None:
-            local = estimate(costs, TurnFacts(**{**facts.__dict__, "decode_local_possible": True}))
-            if local[Action.DECODE_LOCAL] < est[best]:  # decode-local would have won: the ITL check said no
-                return Decision(best, itl_why, est)
+            local = estimate(costs, replace(facts, decode_local_possible=True))
+            if local[Action.DECODE_LOCAL] < est[best] + charges.get(best, 0.0):
+                return Decision(best, itl_why, est, charges)  # decode-local would have won: the ITL check said no
         elif local_ok and best is not Action.DECODE_LOCAL and facts.decode_queue_ms:
             unqueued = self.estimates(replace(facts, decode_queue_ms=0.0), costs)
-            if _fastest(unqueued) is Action.DECODE_LOCAL:  # decode-local would have won but for D's queue
-                return Decision(best, Reason.DECODE_QUEUE, est)
+            if _fastest(unqueued, charges) is Action.DECODE_LOCAL:  # decode-local would have won but for D's queue
+                return Decision(best, Reason.DECODE_QUEUE, est, charges)
         if best is Action.RECOMPUTE and facts.reusable_tokens > 0:
-            return Decision(best, Reason.CHEAPER_TO_RECOMPUTE, est)
+            return Decision(best, Reason.CHEAPER_TO_RECOMPUTE, est, charges)
         if best is Action.DECODE_LOCAL:
-            return Decision(best, Reason.DECODE_LOCAL, est)
-        return Decision(best, None, est)
+            return Decision(best, Reason.DECODE_LOCAL, est, charges)
+        return Decision(best, None, est, charges)
+
+    def charges(self, facts: TurnFacts, costs: CostParams) -> dict[Action, float]:
+        """What each action's P compute costs the turns that will queue behind it at P (s): that compute
+        (``reuse.cost.prefill_work``) times ``prefill_crowding`` per prefill waiting there now; none at an idle P."""
+        behind = self.p.prefill_crowding * facts.prefill_waiting
+        if behind <= 0:
+            return {}
+        return {a: w * behind for a, w in prefill_work(costs, facts).items()}
 
     def estimates(self, facts: TurnFacts, costs: CostParams) -> dict[Action, float]:
         """The TTFT estimates, a pull's with the policy's margin."""

@@ -45,6 +45,7 @@ class InstanceView:
     prefill_request_ms: float | None = None  # mean prefill time of its requests (the last one measured)
     queued_prefill_s: float = 0.0  # this gateway's prefills in flight there: their estimated work
     queued_prefill_tokens: int = 0  # ... their new tokens
+    queued_prefills: int = 0  # ... how many
     queued_since: float = 0.0  # monotonic; when the oldest of them was sent (0: none)
     in_flight_scraped: int = 0  # this gateway's requests in flight there when its metrics were last read
     local_prefills: int = 0  # this gateway's decode-local turns prefilling there (sent, no first token yet)

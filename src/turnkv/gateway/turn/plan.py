@@ -114,6 +114,7 @@ def facts(
         decode_context_tokens=load.decode_context_tokens,
         prefill_queue_ms=load.prefill_queue_ms,
         decode_queue_ms=load.decode_queue_ms,
+        prefill_waiting=load.prefill_waiting,
         # the decode-local turns this gateway has prefilling on that D: their chunks share its steps
         decode_prefills=load.decode_prefills,
         decode_prefill_tokens=load.decode_prefill_tokens,
@@ -138,6 +139,11 @@ def _pick_prefill(
 def estimates_ms(decision: Decision) -> dict[str, float]:
     """The policy's TTFT estimates per action, in ms, as the turn log shows them."""
     return {k.value: round(v * 1e3, 3) for k, v in decision.estimates.items()}
+
+
+def charges_ms(decision: Decision) -> dict[str, float]:
+    """What the policy charged each action for the turns waiting behind its P compute, in ms (none: P idle)."""
+    return {k.value: round(v * 1e3, 3) for k, v in decision.charges.items()}
 
 
 def check(svc: Services, turn: Turn, rendered: Rendered) -> Assessment | None:
@@ -222,6 +228,7 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         action=decision.action,
         reason=reason,
         estimates=estimates_ms(decision),
+        charges=charges_ms(decision),
         load={**load.log(), **({"decode_room": d_room.log()} if d_room is not None else {})},
         expected_cached=f.prefill_cached_tokens,
         expect_hits=(rec.prompt_tokens // bs) * bs if rec is not None and same_p and not local else 0,
@@ -305,6 +312,7 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         expected_cached=f.decode_cached_tokens,
         local_new_tokens=f.prompt_tokens - f.decode_cached_tokens,
         estimates=estimates_ms(decision),
+        charges=charges_ms(decision),
         load={**load.log(), "decode_room": d_room.log()},
         direct=True,
     )
@@ -379,6 +387,7 @@ def ahead(svc: Services, turn: Turn, claim: Claim) -> Plan | None:
         prefill_url=prefill.url if prefill else None,
         decode_url=d.url if d else None,
         estimates=estimates_ms(decision),
+        charges=charges_ms(decision),
         load={**load.log(), **({"decode_room": d_room.log()} if d_room is not None else {})},
         expected_cached=f.prefill_cached_tokens,
         ahead=Ahead.CHECKED if pull and checks else Ahead.SKIPPED,

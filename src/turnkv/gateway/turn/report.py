@@ -108,6 +108,7 @@ def account(run: TurnRun, capture: Capture) -> None:
         capture=capture.value,
         retries=list(run.journal.retries) or None,
         estimates_ms=dict(plan.estimates) or None,
+        charges_ms=dict(plan.charges) or None,
         load=dict(plan.load) or None,
         direct=plan.direct or None,
         ahead=plan.ahead.value if plan.ahead is not None else None,

@@ -69,6 +69,7 @@ class Plan:
     expected_cached: int = 0  # prompt tokens the engines should not have to compute
     local_new_tokens: int = 0  # decode-local: the tokens D prefills itself (its chunks share D's steps)
     estimates: Mapping[str, float] = field(default_factory=dict)  # the policy's TTFT estimates, ms
+    charges: Mapping[str, float] = field(default_factory=dict)  # ... P's compute x the turns behind it, ms
     load: Mapping[str, object] = field(default_factory=dict)  # the engines' load it was told (``reuse.load``)
     assessment: Assessment | None = None
     direct: bool = False  # decode-local without a render
