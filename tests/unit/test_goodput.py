@@ -215,19 +215,18 @@ def test_configurations_deploy_as_described() -> None:
     assert opts.rates_for("2p2d")[0] == 2 * opts.rates_for("1p1d")[0]  # twice the engines, twice the rates
 
 
-def test_adaptive_before_is_adaptive_without_the_headroom_and_the_hedge() -> None:
-    # the same run can hold turnkv before and after branch goodput4 side by side
+def test_adaptive_before_is_adaptive_without_the_charge_for_ps_queue() -> None:
+    # the same run can hold turnkv before and after the P-queue charge side by side
     opts = suite.SweepOptions(topologies=("2p2d",))
     assert "adaptive-before" not in opts.configs  # on request only
     before = dict(suite.bench("2p2d", "adaptive-before", 2.0, opts).deployment.gateway_env)
     ad = dict(suite.bench("2p2d", "adaptive", 2.0, opts).deployment.gateway_env)
     b, a = json.loads(before["TURNKV_POLICY__PARAMS"]), json.loads(ad["TURNKV_POLICY__PARAMS"])
-    assert b == {**a, "itl_headroom": None, "keep_hedge": False}
+    assert b == {**a, "prefill_crowding": 0}
     assert before["TURNKV_ROUTING"] == ad["TURNKV_ROUTING"] == "load-affinity"
     old, new = build_policy("adaptive", b), build_policy("adaptive", a)  # the gateway accepts them
     assert isinstance(old, AdaptivePolicy) and isinstance(new, AdaptivePolicy)
-    assert (old.p.itl_headroom, old.p.keep_hedge) == (None, False)
-    assert (new.p.itl_headroom, new.p.keep_hedge) == (0.10, True)
+    assert (old.p.prefill_crowding, new.p.prefill_crowding) == (0, 1.0)
 
 
 def _point(goodput_turns: int, itl: float) -> list[RequestRecord]:

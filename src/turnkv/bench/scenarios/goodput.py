@@ -22,10 +22,10 @@ with two of each). Configurations, side by side at each rate:
   routing (P by the turn's estimated wait there);
 * ``adaptive-no-itl``: adaptive without an ITL budget, D as vLLM's default (turnkv before issue 11);
 * ``adaptive-pull``: adaptive with decode-local off (pull or recompute only);
-* ``adaptive-before`` (only when asked for): adaptive as before branch goodput4 (issue 11): no ITL
-  headroom (``itl_headroom: null``: only the 30 ms budget bounds a decode-local turn's prefill) and no
-  hedge (``keep_hedge: false``: a turn's handle is dropped where the policy expects D to take the next turn
-  or P's cache to hold the history). Both count the other decode-local prefills on D in the ITL check.
+* ``adaptive-before`` (only when asked for): adaptive without the charge for P's queue
+  (``prefill_crowding: 0``: each turn minimises its own TTFT, as before round 2's sixth stop), to compare
+  the two in one run. (Earlier runs in BENCHMARKS.md used this name for adaptive before branch goodput4:
+  no ITL headroom, no hedge.)
 
 Engines: the simulator at ``--time-scale 1`` by default (durations slept in real time, so engine time
 dominates the gateway's and the simulator's own CPU), H200 costs (``sim/costs.py``), the ``h200-ipc``
@@ -88,11 +88,11 @@ DESCRIPTIONS = {
     "the engines' load passed (load-affinity routing with several P)",
     "adaptive-no-itl": "turnkv --policy adaptive without an ITL budget (before issue 11)",
     "adaptive-pull": "turnkv --policy adaptive with decode-local off",
-    "adaptive-before": "adaptive without the ITL headroom and without keeping handles as a hedge (before "
-    "branch goodput4)",
+    "adaptive-before": "adaptive without charging P's compute for the turns queued behind it (before round 2's "
+    "sixth stop: each turn minimises its own TTFT)",
 }
 # what adaptive-before changes in adaptive's parameters
-BEFORE_PARAMS = {"itl_headroom": None, "keep_hedge": False}
+BEFORE_PARAMS = {"prefill_crowding": 0}
 
 
 @dataclass(frozen=True)
