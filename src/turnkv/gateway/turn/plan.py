@@ -390,6 +390,7 @@ def ahead(svc: Services, turn: Turn, claim: Claim) -> Plan | None:
         charges=charges_ms(decision),
         load={**load.log(), **({"decode_room": d_room.log()} if d_room is not None else {})},
         expected_cached=f.prefill_cached_tokens,
+        planned_tokens=prompt_tokens,
         ahead=Ahead.CHECKED if pull and checks else Ahead.SKIPPED,
     )
     if not pull:  # nothing of D's reused: no check needed; P frees the handle on the way

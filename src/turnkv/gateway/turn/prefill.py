@@ -28,7 +28,8 @@ def queued_work(run: TurnRun) -> tuple[float, int]:
     """(seconds, new tokens) this prefill is expected to keep P busy: what P computes past its expected
     cache hits and the pull, and the pull itself (for P's queue, ``reuse.load``)."""
     svc, plan, prompt_ids = run.svc, run.plan, run.rendered.prompt_ids
-    n = len(prompt_ids) if prompt_ids is not None else size_guess(run.turn.messages)
+    # not rendered: as planned from the record (its tokens and the new messages' bytes), else from the bytes
+    n = len(prompt_ids) if prompt_ids is not None else plan.planned_tokens or size_guess(run.turn.messages)
     cached = min(plan.expected_cached, n)
     costs = svc.estimator.params()
     work = prefill_s(costs, n - cached, cached) + transfer_s(costs, plan.pull_tokens, svc.settings.block_size)

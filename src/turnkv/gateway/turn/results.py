@@ -67,6 +67,7 @@ class Plan:
     send: HandleUse | None = None  # the stored handle for P: pulled (trimmed to what matches) or released
     pull_tokens: int = 0  # tokens P is expected to pull (what D has beyond P's own cache)
     expected_cached: int = 0  # prompt tokens the engines should not have to compute
+    planned_tokens: int = 0  # the prompt's length as planned before any render (``plan.ahead``); 0: rendered
     local_new_tokens: int = 0  # decode-local: the tokens D prefills itself (its chunks share D's steps)
     estimates: Mapping[str, float] = field(default_factory=dict)  # the policy's TTFT estimates, ms
     charges: Mapping[str, float] = field(default_factory=dict)  # ... P's compute x the turns behind it, ms
