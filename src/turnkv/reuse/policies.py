@@ -129,7 +129,7 @@ def itl_with_turn_ms(facts: TurnFacts, costs: CostParams) -> float:
     return decode_step_now_ms(facts, costs) + step_added_ms(facts, costs)
 
 
-def _fastest(est: Mapping[Action, float], charges: Mapping[Action, float] | None = None) -> Action:
+def _cheapest(est: Mapping[Action, float], charges: Mapping[Action, float] | None = None) -> Action:
     """The action with the lowest estimate plus charge (recompute among equals)."""
     c = charges or {}
     return min(est, key=lambda a: (est[a] + c.get(a, 0.0), a != Action.RECOMPUTE))
@@ -245,14 +245,14 @@ class AdaptivePolicy:
         itl_why = self.itl_refusal(facts, costs) if local_ok else None
         est = self.estimates(replace(facts, decode_local_possible=local_ok and itl_why is None), costs)
         charges = self.charges(facts, costs)
-        best = _fastest(est, charges)
+        best = _cheapest(est, charges)
         if itl_why is not None:
             local = estimate(costs, replace(facts, decode_local_possible=True))
             if local[Action.DECODE_LOCAL] < est[best] + charges.get(best, 0.0):
                 return Decision(best, itl_why, est, charges)  # decode-local would have won: the ITL check said no
         elif local_ok and best is not Action.DECODE_LOCAL and facts.decode_queue_ms:
             unqueued = self.estimates(replace(facts, decode_queue_ms=0.0), costs)
-            if _fastest(unqueued, charges) is Action.DECODE_LOCAL:  # decode-local would have won but for D's queue
+            if _cheapest(unqueued, charges) is Action.DECODE_LOCAL:  # decode-local would have won but for D's queue
                 return Decision(best, Reason.DECODE_QUEUE, est, charges)
         if best is Action.RECOMPUTE and facts.reusable_tokens > 0:
             return Decision(best, Reason.CHEAPER_TO_RECOMPUTE, est, charges)
