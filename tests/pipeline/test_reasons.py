@@ -460,6 +460,30 @@ async def test_a_decode_engine_that_fails_before_its_first_token(fault: dict[str
         assert t["retries"] == ["turn_rerun"]
 
 
+@pytest.mark.parametrize("first_on_d", [True, False])
+async def test_a_first_turn_runs_on_d_while_p_has_seconds_of_prefills_queued(first_on_d: bool) -> None:
+    policy = {"name": "adaptive", "params": {"decode_local_first": first_on_d}}
+    async with gateway(policy=policy) as gw:
+        # P idle: through P, even though D alone would be faster for so short a prompt (no transfer)
+        idle = await Chat(gw, session="c1").say("Plan a short trip to the coast.")
+        assert (idle.action, idle.reason) == ("recompute", "no_record")
+        held = gw.svc.fleet.hold(P0, work_s=5.0, tokens=200_000)  # seconds of this gateway's work on P
+        chat = Chat(gw, session="c2")
+        a = await chat.say("Plan a long trip to the mountains.")  # checked against a colocated engine's answer
+        assert a.status == 200, a.body
+        t = gw.turns[-1]
+        if first_on_d:
+            # D prefills the whole prompt itself, as colocated serving does; nothing went to P
+            assert (a.action, a.reason, t["turn"], t["prefill_ms"]) == ("decode_local", "prefill_busy", 1, 0.0)
+            assert t["estimates_ms"]["decode_local"] < t["estimates_ms"]["recompute"]
+            assert t["load"]["prefill_waiting"] == 1
+        else:
+            assert (a.action, a.reason) == ("recompute", "no_record")
+        held.release()
+        b = await chat.say("And what should I pack?")  # the conversation goes on from what D computed
+        assert b.status == 200, b.body
+
+
 def test_every_reason_is_covered() -> None:
     """A reason added to ``Reason`` needs a test here (corrupt_record: Redis only, tests/unit/test_store.py)."""
     import inspect

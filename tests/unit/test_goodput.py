@@ -278,3 +278,14 @@ def test_the_summary_is_plain_json_without_the_records(tmp_path: Path) -> None:
     assert doc["points"]["1p1d"]["1"]["plain"]["goodput"] == pytest.approx(3.0)
     assert doc["points"]["1p1d"]["1"]["adaptive"]["itl_p99"] is None
     assert {t["verdict"] for t in doc["targets"]} <= {"met", "MISSED", "-"}
+
+
+def test_adaptive_first_is_adaptive_with_first_turns_on_d_while_p_is_busy() -> None:
+    opts = suite.SweepOptions(topologies=("1p1d",))
+    assert "adaptive-first" not in opts.configs  # on request only
+    first = dict(suite.bench("1p1d", "adaptive-first", 2.0, opts).deployment.gateway_env)
+    ad = dict(suite.bench("1p1d", "adaptive", 2.0, opts).deployment.gateway_env)
+    f, a = json.loads(first["TURNKV_POLICY__PARAMS"]), json.loads(ad["TURNKV_POLICY__PARAMS"])
+    assert f == {**a, "decode_local_first": True}
+    on, off = build_policy("adaptive", f), build_policy("adaptive", a)
+    assert (on.may_decode_local_first, off.may_decode_local_first) == (True, False)

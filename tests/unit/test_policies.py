@@ -484,3 +484,17 @@ def test_a_handle_is_kept_where_prefills_wait_at_p_and_dropped_at_an_idle_one() 
     # with prefills waiting there, P's compute is dear: should its cache have lost the history, the pull
     # spares P 8k tokens of it
     assert policy.keeps_pin(replace(f, prefill_waiting=3), SLOWISH) is Keep.HEDGE
+
+
+def test_a_d_that_prefills_in_chunks_may_take_a_whole_first_turn_within_its_itl_checks() -> None:
+    # an 8k first turn, nothing cached on D: past the new-token cap and the stall limit, D prefilling it
+    # all in one step would stall its streams for its whole prefill
+    f = TurnFacts(8229, 0, 0, 0, True, 20, decode_step_ms=18.0, prefill_queue_ms=4000.0, prefill_waiting=8)
+    assert build_policy("adaptive").decide(f, NVLINK).action is Action.RECOMPUTE
+    # a chunk a step: its streams wait a chunk's attention a step, the headroom's business; its own first
+    # token 129 steps later, which beats 4 s of P's queue
+    d = build_policy("adaptive", {"decode_chunk_tokens": 64}).decide(f, NVLINK)
+    assert (d.action, d.reason) == (Action.DECODE_LOCAL, Reason.DECODE_LOCAL)
+    # with P idle the split stands on the estimate alone: 128 steps of D lose to P's prefill
+    idle = replace(f, prefill_queue_ms=0.0, prefill_waiting=0)
+    assert build_policy("adaptive", {"decode_chunk_tokens": 64}).decide(idle, NVLINK).action is Action.RECOMPUTE

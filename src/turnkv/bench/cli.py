@@ -270,7 +270,8 @@ def add_bench_parser(sub: Any) -> None:
         default=None,
         metavar="C1,C2,...",
         help="configurations to run (default: colocated,plain,vllm-multiturn,adaptive,adaptive-no-itl,adaptive-pull; "
-        "adaptive-before on request: adaptive without the charge for P's queue, prefill_crowding 0)",
+        "adaptive-before and adaptive-first on request: adaptive without the charge for P's queue, and with "
+        "first turns on D while P is busy)",
     )
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     g.add_argument("--slo-tpot-ms", type=float, default=30.0)

@@ -54,6 +54,7 @@ class Reason(enum.StrEnum):
     DECODE_BUSY = "decode_busy"  # D's KV is nearly full, or turns wait in the gateway for room on it: not decode-local
     DECODE_QUEUE = "decode_queue"  # requests wait on D longer than the turn would wait at P: not decode-local
     DECODE_MOVED = "decode_moved"  # routing put the turn on another D than the one holding it (by load)
+    PREFILL_BUSY = "prefill_busy"  # a first turn ran on D: P's queue made P's path the slower (``plan.first``)
 
 
 class TemplateClass(enum.StrEnum):

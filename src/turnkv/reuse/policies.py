@@ -17,7 +17,11 @@ like ``always-reuse-unchecked`` it is wrong on templates that strip reasoning or
 
 Decode-local is bounded by what it costs the streams already running on that D: while D prefills
 the turn, their next tokens wait. Above ``decode_local_max_stall_ms`` of estimated prefill (or above
-``decode_local_max_busy`` streams) the turn goes through P. With an ITL budget (the turn's
+``decode_local_max_busy`` streams) the turn goes through P; not so with D prefilling in chunks
+(``decode_chunk_tokens``): its streams then wait a chunk a step, which the ITL checks below bound, and the
+estimate prices the prefill's many steps. A conversation's first turn may run decode-local too
+(``decode_local_first``, the gateway's ``plan.first``): D prefills its whole prompt, as colocated serving
+does, where P's queue and its charge make P's path the slower. With an ITL budget (the turn's
 ``itl_budget_ms`` fact, else the ``itl_budget_ms`` parameter; set it to the TPOT SLO), decode-local is
 also refused when D's step time now plus what the turn's prefill adds to a step (chunked: each step
 that carries a chunk is that much longer for every running stream) would exceed the budget while any
@@ -145,6 +149,10 @@ class ReusePolicy(Protocol):
     @property
     def may_decode_local(self) -> bool: ...
 
+    @property
+    def may_decode_local_first(self) -> bool:
+        """Whether a conversation's first turn may be asked about decode-local (``decide``) at all."""
+
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision: ...
 
     def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> Keep:
@@ -158,9 +166,20 @@ class _Params(BaseModel):
 
 class AdaptiveParams(_Params):
     decode_local: bool = True
-    decode_local_max_new_tokens: int = Field(8192, ge=0, description="larger deltas always go through P")
+    decode_local_max_new_tokens: int = Field(
+        8192, ge=0, description="larger deltas always go through P (unless D prefills in chunks)"
+    )
     decode_local_max_stall_ms: float = Field(
-        150.0, ge=0, description="longest estimated prefill D may run for one turn (its streams wait that long)"
+        150.0,
+        ge=0,
+        description="longest estimated prefill D may run for one turn (its streams wait that long); not applied "
+        "when D prefills in chunks (decode_chunk_tokens): the ITL checks bound what a chunk adds to a step",
+    )
+    decode_local_first: bool = Field(
+        False,
+        description="a conversation's first turn (nothing stored) may run on D too, its whole prompt prefilled "
+        "there as colocated serving does, where P's load (its queue, the charge for it) makes P's path the "
+        "slower, within D's room and ITL checks (reason prefill_busy); false: first turns always go through P",
     )
     decode_local_max_busy: int = Field(64, ge=0, description="streams on D above which D is not asked to prefill")
     itl_budget_ms: float | None = Field(
@@ -224,6 +243,7 @@ class AdaptivePolicy:
     def __init__(self, params: AdaptiveParams) -> None:
         self.p = params
         self.may_decode_local = params.decode_local
+        self.may_decode_local_first = params.decode_local and params.decode_local_first
 
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
         if self.p.decode_chunk_tokens is not None:
@@ -235,12 +255,18 @@ class AdaptivePolicy:
             # D's running streams crowd its KV: the conversation's cached blocks have likely been evicted
             facts = replace(facts, decode_cached_tokens=0)
         new = facts.prompt_tokens - facts.decode_cached_tokens
+        # a D that takes a prefill a chunk a step stalls its streams by a chunk, not by the whole prefill:
+        # the ITL checks bound that, and the estimate prices the prefill's many steps
+        chunked = costs.decode_chunk_tokens > 0
         local_ok = (
             self.p.decode_local
             and facts.decode_local_possible
-            and new <= self.p.decode_local_max_new_tokens
             and facts.decode_busy <= self.p.decode_local_max_busy
-            and prefill_s(costs, new, facts.decode_cached_tokens) * 1e3 <= self.p.decode_local_max_stall_ms
+            and (
+                chunked
+                or new <= self.p.decode_local_max_new_tokens
+                and prefill_s(costs, new, facts.decode_cached_tokens) * 1e3 <= self.p.decode_local_max_stall_ms
+            )
         )
         itl_why = self.itl_refusal(facts, costs) if local_ok else None
         est = self.estimates(replace(facts, decode_local_possible=local_ok and itl_why is None), costs)
@@ -327,6 +353,7 @@ class AlwaysPullPolicy:
     name = "always-pull"
     checks_tokens = True
     may_decode_local = False
+    may_decode_local_first = False
 
     def __init__(self, params: FixedParams) -> None:
         pass
@@ -342,6 +369,7 @@ class NeverPullPolicy:
     name = "never-pull"
     checks_tokens = True
     may_decode_local = False
+    may_decode_local_first = False
 
     def __init__(self, params: FixedParams) -> None:
         pass
@@ -357,6 +385,7 @@ class DecodeLocalPolicy:
     name = "decode-local"
     checks_tokens = True
     may_decode_local = True
+    may_decode_local_first = False  # a baseline of later turns: first turns go through P
 
     def __init__(self, params: FixedParams) -> None:
         pass
@@ -376,6 +405,7 @@ class UncheckedPolicy:
     name = "always-reuse-unchecked"
     checks_tokens = False
     may_decode_local = False
+    may_decode_local_first = False
 
     def __init__(self, params: FixedParams) -> None:
         pass
@@ -395,6 +425,7 @@ class VllmMultiturnPolicy:
     name = "vllm-multiturn"
     checks_tokens = False
     may_decode_local = False
+    may_decode_local_first = False
 
     def __init__(self, params: FixedParams) -> None:
         pass

@@ -26,6 +26,9 @@ with two of each). Configurations, side by side at each rate:
   (``prefill_crowding: 0``: each turn minimises its own TTFT, as before round 2's sixth stop), to compare
   the two in one run. (Earlier runs in BENCHMARKS.md used this name for adaptive before branch goodput4:
   no ITL headroom, no hedge.)
+* ``adaptive-first`` (only when asked for): adaptive with ``decode_local_first``: while prefills wait at
+  P, a conversation's first turn may run on D too (its whole prompt, a chunk a step), where the policy
+  finds that faster and D's ITL checks allow it.
 
 Engines: the simulator at ``--time-scale 1`` by default (durations slept in real time, so engine time
 dominates the gateway's and the simulator's own CPU), H200 costs (``sim/costs.py``), the ``h200-ipc``
@@ -53,8 +56,17 @@ from turnkv.bench.stats import fmt_ms, fmt_ratio
 from turnkv.bench.workload import WorkloadSpec
 
 TOPOLOGIES = {"1p1d": (1, 1), "2p2d": (2, 2)}
-CONFIGS = ("colocated", "plain", "vllm-multiturn", "adaptive", "adaptive-no-itl", "adaptive-pull", "adaptive-before")
-DEFAULT_CONFIGS = CONFIGS[:-1]  # adaptive-before: on request, to compare with adaptive in one run
+CONFIGS = (
+    "colocated",
+    "plain",
+    "vllm-multiturn",
+    "adaptive",
+    "adaptive-no-itl",
+    "adaptive-pull",
+    "adaptive-before",
+    "adaptive-first",
+)
+DEFAULT_CONFIGS = CONFIGS[:-2]  # adaptive-before and adaptive-first: on request, beside adaptive in one run
 BASELINES = ("colocated", "plain", "vllm-multiturn")  # turnkv's goodput is held against the best of them
 TURNKV = "adaptive"
 # conversations arriving per second on one P and one D; a topology with n of each gets n times these
@@ -90,9 +102,11 @@ DESCRIPTIONS = {
     "adaptive-pull": "turnkv --policy adaptive with decode-local off",
     "adaptive-before": "adaptive without charging P's compute for the turns queued behind it (before round 2's "
     "sixth stop: each turn minimises its own TTFT)",
+    "adaptive-first": "adaptive with first turns on D too while prefills wait at P (decode_local_first)",
 }
-# what adaptive-before changes in adaptive's parameters
-BEFORE_PARAMS = {"prefill_crowding": 0}
+# what adaptive-before and adaptive-first change in adaptive's parameters
+BEFORE_PARAMS: dict[str, object] = {"prefill_crowding": 0}
+FIRST_PARAMS: dict[str, object] = {"decode_local_first": True}
 
 
 @dataclass(frozen=True)
@@ -174,10 +188,10 @@ def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
         policy = "vllm-multiturn"
         if p > 1 or d > 1:
             env.append(("TURNKV_ROUTING", "round-robin"))  # the upstream proxy round-robins P and D
-    elif config in ("adaptive", "adaptive-before"):
+    elif config in ("adaptive", "adaptive-before", "adaptive-first"):
         params: dict[str, object] = {**adaptive_params(opts.slo)}
-        if config == "adaptive-before":
-            params.update(BEFORE_PARAMS)
+        changes: dict[str, dict[str, object]] = {"adaptive-before": BEFORE_PARAMS, "adaptive-first": FIRST_PARAMS}
+        params.update(changes.get(config, {}))
         env.append(("TURNKV_POLICY__PARAMS", json.dumps(params)))
         if p > 1:
             env.append(("TURNKV_ROUTING", "load-affinity"))  # P by the turn's wait there, its cache counted

@@ -9,7 +9,9 @@ again there), nor when requests wait on it longer than the turn would wait at P 
 routing puts the turn on another D than the one holding the conversation (by load), the turn runs
 through P, pulling the old D's blocks where that pays, and says ``decode_moved``.
 ``direct`` is the same planner for a turn not rendered at all (``turn.direct``): its prompt's size is
-estimated, and only a decode-local decision stands; ``ahead`` for a pull or recompute turn planned before
+estimated, and only a decode-local decision stands; ``first`` the same for a conversation's first turn,
+nothing stored (D prefills its whole prompt, as colocated serving does, where P's queue makes P's path the
+slower: the policy's ``decode_local_first``); ``ahead`` for a pull or recompute turn planned before
 its render returns (``turn.ahead``): the same facts, the record's length standing for the match. ``facts``
 is what the policy is told, the same for both and for CAPTURE's question whether a new handle is worth
 keeping: the token check's result, and the engines' load (``reuse.load``: D's step time and the KV its
@@ -311,6 +313,45 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         decode_url=rec.decode_url,
         expected_cached=f.decode_cached_tokens,
         local_new_tokens=f.prompt_tokens - f.decode_cached_tokens,
+        estimates=estimates_ms(decision),
+        charges=charges_ms(decision),
+        load={**load.log(), "decode_room": d_room.log()},
+        direct=True,
+    )
+
+
+def first(svc: Services, turn: Turn) -> Plan | None:
+    """The decode-local plan for a conversation's first turn with nothing stored, made without a render
+    (its size estimated from its messages' bytes): while prefills wait at P, D computes the whole prompt
+    itself where the policy finds that faster than P's path (its queue, and the charge for the turns behind
+    it) and D has room and ITL to spare; the reason is ``prefill_busy``. None: through P as plain P/D; at an
+    idle P always, even where D alone would be faster (a short prompt skips the transfer): P/D's split
+    stands while P keeps up."""
+    if not svc.policy.may_decode_local_first or not turn.chat:
+        return None
+    n = size_guess(turn.messages)
+    d = svc.router.pick("decode")
+    if n <= 0 or d is None:
+        return None
+    costs = svc.estimator.params()
+    prefill = _pick_prefill(svc, None, n, costs)
+    load = turn_load(prefill, d, costs)
+    d_room = room(svc, d, load)
+    if not d_room.ok:
+        return None
+    bs = svc.settings.block_size
+    f = facts(None, prompt_tokens=n, matched=0, prefill=prefill, decode=d, decode_holds=True, block_size=bs, load=load)
+    if not f.prefill_waiting and not f.prefill_queue_ms:
+        return None  # P idle: P/D's split stands, even where D alone would be faster (no transfer)
+    decision = svc.policy.decide(f, costs)
+    if decision.action is not Action.DECODE_LOCAL:
+        return None
+    return Plan(
+        Action.DECODE_LOCAL,
+        Reason.PREFILL_BUSY,
+        prefill_url=prefill.url if prefill else None,
+        decode_url=d.url,
+        local_new_tokens=n,
         estimates=estimates_ms(decision),
         charges=charges_ms(decision),
         load={**load.log(), "decode_room": d_room.log()},

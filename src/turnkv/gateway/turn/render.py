@@ -77,7 +77,11 @@ async def run(svc: Services, turn: Turn) -> Rendered:
             if local is not None:
                 return _from_record(Next.DECODE, local, claim, t0)
         if first and (claim is None or claim.status is ClaimStatus.MISSING):
-            # P and D render the messages themselves, as in plain P/D
+            # P and D render the messages themselves, as in plain P/D; or D alone, where P's queue makes
+            # that the faster (``plan.first``)
+            local = plan.first(svc, turn) if claim is not None else None
+            if local is not None:
+                return _from_record(Next.DECODE, local, claim, t0)
             reason = Reason.NO_RECORD if claim is not None else why
             return Rendered(Next.PREFILL, reason, claim=claim, claimed=_claimed(claim))
         planned = plan.ahead(svc, turn, claim) if early and claim is not None else None
