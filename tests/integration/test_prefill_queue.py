@@ -54,8 +54,12 @@ def test_a_long_queue_at_p_sends_later_turns_decode_local_and_an_idle_p_takes_th
         def turns() -> list[Turn]:
             return list(pool.map(lambda d: d.step(), dialogues))
 
+        def one_at_a_time() -> list[Turn]:
+            # sent together, each would find the others' prefills waiting at P, and be charged for them
+            return [d.step() for d in dialogues]
+
         try:
-            first, idle = turns(), turns()
+            first, idle = turns(), one_at_a_time()
             # P idle: its path beats D's two-token chunks
             assert all(t.correct for t in first + idle)
             assert {(t.headers["x-turnkv-action"], t.reason) for t in idle} <= {
@@ -73,7 +77,7 @@ def test_a_long_queue_at_p_sends_later_turns_decode_local_and_an_idle_p_takes_th
 
             sim_control(p, delay_ms=0)
             assert held.result(timeout=60).correct
-            back = turns()  # P idle again: back through P
+            back = one_at_a_time()  # P idle again: back through P
             assert all(t.correct for t in back)
             assert all(t.headers["x-turnkv-action"] != "decode_local" for t in back)
         finally:
