@@ -215,18 +215,26 @@ def test_configurations_deploy_as_described() -> None:
     assert opts.rates_for("2p2d")[0] == 2 * opts.rates_for("1p1d")[0]  # twice the engines, twice the rates
 
 
-def test_adaptive_before_is_adaptive_without_the_charge_for_ps_queue() -> None:
-    # the same run can hold turnkv before and after the P-queue charge side by side
+@pytest.mark.parametrize(
+    ("config", "change"),
+    [
+        ("adaptive-before", {"prefill_crowding": 0}),  # before the P-queue charge
+        ("adaptive-first", {"decode_local_first": True}),  # first turns on D while P is busy
+    ],
+)
+def test_the_on_request_configurations_are_adaptive_with_one_change(config: str, change: dict[str, object]) -> None:
+    # the same run can hold adaptive and each of them side by side
     opts = suite.SweepOptions(topologies=("2p2d",))
-    assert "adaptive-before" not in opts.configs  # on request only
-    before = dict(suite.bench("2p2d", "adaptive-before", 2.0, opts).deployment.gateway_env)
+    assert config not in opts.configs  # on request only
+    other = dict(suite.bench("2p2d", config, 2.0, opts).deployment.gateway_env)
     ad = dict(suite.bench("2p2d", "adaptive", 2.0, opts).deployment.gateway_env)
-    b, a = json.loads(before["TURNKV_POLICY__PARAMS"]), json.loads(ad["TURNKV_POLICY__PARAMS"])
-    assert b == {**a, "prefill_crowding": 0}
-    assert before["TURNKV_ROUTING"] == ad["TURNKV_ROUTING"] == "load-affinity"
-    old, new = build_policy("adaptive", b), build_policy("adaptive", a)  # the gateway accepts them
-    assert isinstance(old, AdaptivePolicy) and isinstance(new, AdaptivePolicy)
-    assert (old.p.prefill_crowding, new.p.prefill_crowding) == (0, 1.0)
+    b, a = json.loads(other["TURNKV_POLICY__PARAMS"]), json.loads(ad["TURNKV_POLICY__PARAMS"])
+    assert b == {**a, **change}
+    assert other["TURNKV_ROUTING"] == ad["TURNKV_ROUTING"] == "load-affinity"
+    changed, adaptive = build_policy("adaptive", b), build_policy("adaptive", a)  # the gateway accepts them
+    assert isinstance(changed, AdaptivePolicy) and isinstance(adaptive, AdaptivePolicy)
+    assert {k: getattr(changed.p, k) for k in change} == change
+    assert all(getattr(adaptive.p, k) != v for k, v in change.items())
 
 
 def _point(goodput_turns: int, itl: float) -> list[RequestRecord]:
@@ -278,14 +286,3 @@ def test_the_summary_is_plain_json_without_the_records(tmp_path: Path) -> None:
     assert doc["points"]["1p1d"]["1"]["plain"]["goodput"] == pytest.approx(3.0)
     assert doc["points"]["1p1d"]["1"]["adaptive"]["itl_p99"] is None
     assert {t["verdict"] for t in doc["targets"]} <= {"met", "MISSED", "-"}
-
-
-def test_adaptive_first_is_adaptive_with_first_turns_on_d_while_p_is_busy() -> None:
-    opts = suite.SweepOptions(topologies=("1p1d",))
-    assert "adaptive-first" not in opts.configs  # on request only
-    first = dict(suite.bench("1p1d", "adaptive-first", 2.0, opts).deployment.gateway_env)
-    ad = dict(suite.bench("1p1d", "adaptive", 2.0, opts).deployment.gateway_env)
-    f, a = json.loads(first["TURNKV_POLICY__PARAMS"]), json.loads(ad["TURNKV_POLICY__PARAMS"])
-    assert f == {**a, "decode_local_first": True}
-    on, off = build_policy("adaptive", f), build_policy("adaptive", a)
-    assert (on.may_decode_local_first, off.may_decode_local_first) == (True, False)

@@ -258,11 +258,11 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
 
 
 def _decide_unrendered(
-    svc: Services, rec: ConversationRecord, prompt_tokens: int, d: InstanceView | None
+    svc: Services, rec: ConversationRecord | None, prompt_tokens: int, d: InstanceView | None
 ) -> tuple[InstanceView | None, LoadFacts, DecodeRoom | None, TurnFacts, Decision]:
-    """The policy's decision for a turn planned from its record, its size estimated: the P it would use,
-    the engines' load, whether the conversation's D has room for it (``reuse.room``; None: no D), and
-    the facts the policy was told."""
+    """The policy's decision for a turn planned from its record (None: a first turn, nothing stored), its
+    size estimated: the P it would use, the engines' load, whether the D has room for it (``reuse.room``;
+    None: no D), and the facts the policy was told."""
     costs = svc.estimator.params()
     prefill = _pick_prefill(svc, rec, prompt_tokens, costs)
     load = turn_load(prefill, d, costs)
@@ -270,7 +270,7 @@ def _decide_unrendered(
     f = facts(
         rec,
         prompt_tokens=prompt_tokens,
-        matched=rec.num_tokens,
+        matched=rec.num_tokens if rec is not None else 0,
         prefill=prefill,
         decode=d,
         decode_holds=d_room is not None and d_room.ok,
@@ -306,11 +306,24 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         return None  # rendered and planned: the plan says why (decode_busy, decode_queue)
     if decision.action is not Action.DECODE_LOCAL:
         return None
+    return _unrendered_local(Reason.DECODE_LOCAL, prefill, rec.decode_url, f, decision, load, d_room)
+
+
+def _unrendered_local(
+    reason: Reason,
+    prefill: InstanceView | None,
+    decode_url: str,
+    f: TurnFacts,
+    decision: Decision,
+    load: LoadFacts,
+    d_room: DecodeRoom,
+) -> Plan:
+    """A decode-local plan made without a render (``direct``, ``first``)."""
     return Plan(
         Action.DECODE_LOCAL,
-        Reason.DECODE_LOCAL,
+        reason,
         prefill_url=prefill.url if prefill else None,
-        decode_url=rec.decode_url,
+        decode_url=decode_url,
         expected_cached=f.decode_cached_tokens,
         local_new_tokens=f.prompt_tokens - f.decode_cached_tokens,
         estimates=estimates_ms(decision),
@@ -333,30 +346,12 @@ def first(svc: Services, turn: Turn) -> Plan | None:
     d = svc.router.pick("decode")
     if n <= 0 or d is None:
         return None
-    costs = svc.estimator.params()
-    prefill = _pick_prefill(svc, None, n, costs)
-    load = turn_load(prefill, d, costs)
-    d_room = room(svc, d, load)
-    if not d_room.ok:
+    prefill, load, d_room, f, decision = _decide_unrendered(svc, None, n, d)
+    if d_room is None or not d_room.ok or decision.action is not Action.DECODE_LOCAL:
         return None
-    bs = svc.settings.block_size
-    f = facts(None, prompt_tokens=n, matched=0, prefill=prefill, decode=d, decode_holds=True, block_size=bs, load=load)
     if not f.prefill_waiting and not f.prefill_queue_ms:
         return None  # P idle: P/D's split stands, even where D alone would be faster (no transfer)
-    decision = svc.policy.decide(f, costs)
-    if decision.action is not Action.DECODE_LOCAL:
-        return None
-    return Plan(
-        Action.DECODE_LOCAL,
-        Reason.PREFILL_BUSY,
-        prefill_url=prefill.url if prefill else None,
-        decode_url=d.url,
-        local_new_tokens=n,
-        estimates=estimates_ms(decision),
-        charges=charges_ms(decision),
-        load={**load.log(), "decode_room": d_room.log()},
-        direct=True,
-    )
+    return _unrendered_local(Reason.PREFILL_BUSY, prefill, d.url, f, decision, load, d_room)
 
 
 def ahead_possible(svc: Services, turn: Turn) -> bool:
