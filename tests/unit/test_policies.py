@@ -18,7 +18,7 @@ from turnkv.reuse.cost import (
     step_added_s,
     transfer_s,
 )
-from turnkv.reuse.policies import POLICY_NAMES, Keep, build_policy, itl_with_turn_ms
+from turnkv.reuse.policies import POLICY_NAMES, Keep, build_policy, decode_step_now_ms, step_added_ms
 
 HOST = CostParams()  # 0.43 GB/s, the project's H200 host as measured
 RDMA = CostParams(link_fixed_s=0.005, link_bytes_per_s=45e9)
@@ -293,8 +293,9 @@ def test_the_itl_budget_reason_only_when_decode_local_would_have_won() -> None:
 def test_the_itl_estimate_is_the_step_now_plus_the_chunk() -> None:
     f = turn(30, context=30 * 8192)
     want = (decode_step_s(HOST, 30, 30 * 8192) + step_added_s(HOST, 30, 328, EIGHT_K)[0]) * 1e3
-    assert itl_with_turn_ms(f, HOST) == pytest.approx(want)
-    assert itl_with_turn_ms(turn(30, step_ms=20.0), HOST) == pytest.approx(
+    assert decode_step_now_ms(f, HOST) + step_added_ms(f, HOST) == pytest.approx(want)
+    measured = turn(30, step_ms=20.0)
+    assert decode_step_now_ms(measured, HOST) + step_added_ms(measured, HOST) == pytest.approx(
         20.0 + step_added_s(HOST, 30, 328, EIGHT_K)[0] * 1e3
     )
 

@@ -110,24 +110,24 @@ def prefill_queue(p: InstanceView | None, now: float) -> tuple[float | None, str
         own_s = max(0.0, own_s - max(0.0, now - p.queued_since))  # P has been at it since the oldest started
     source = "gateway"
     others_ms = 0.0
-    if p.scraped:
-        # compared with ours as of the same read: its counts are that old, and ours have moved since
-        others = max(0, p.running + p.waiting - p.in_flight_scraped)
-        if others and p.prefill_request_ms is not None:
-            others_ms = others * p.prefill_request_ms
-            source = "gateway+prefill_time_histogram"
-        elif others:
-            source = "gateway:others_unknown"
+    others = _others(p)
+    if others and p.prefill_request_ms is not None:
+        others_ms = others * p.prefill_request_ms
+        source = "gateway+prefill_time_histogram"
+    elif others:
+        source = "gateway:others_unknown"
     return own_s * 1e3 + others_ms, source
 
 
+def _others(p: InstanceView) -> int:
+    """P's requests that are not this gateway's, as its metrics last said (0: never read): running and
+    waiting, compared with ours as of the same read (its counts are that old, and ours have moved since)."""
+    return max(0, p.running + p.waiting - p.in_flight_scraped) if p.scraped else 0
+
+
 def prefill_waiting(p: InstanceView | None) -> int:
-    """The prefills at ``p`` now: this gateway's in flight there, and P's other requests as its metrics last
-    said (running and waiting, beyond this gateway's own in flight when they were read)."""
-    if p is None:
-        return 0
-    others = max(0, p.running + p.waiting - p.in_flight_scraped) if p.scraped else 0
-    return p.queued_prefills + others
+    """The prefills at ``p`` now: this gateway's in flight there, and P's others (``_others``)."""
+    return 0 if p is None else p.queued_prefills + _others(p)
 
 
 def decode_queue(d: InstanceView | None, default_step_ms: float) -> tuple[float | None, str]:

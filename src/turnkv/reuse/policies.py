@@ -126,13 +126,6 @@ def step_added_ms(facts: TurnFacts, costs: CostParams) -> float:
     return added * 1e3
 
 
-def itl_with_turn_ms(facts: TurnFacts, costs: CostParams) -> float:
-    """The ITL D's running streams would see in the longest step that also prefills this turn (ms): D's
-    step time now (``decode_step_now_ms``) plus what the turn's chunk, and those of the other decode-local
-    prefills on D, add to that step."""
-    return decode_step_now_ms(facts, costs) + step_added_ms(facts, costs)
-
-
 def _cheapest(est: Mapping[Action, float], charges: Mapping[Action, float] | None = None) -> Action:
     """The action with the lowest estimate plus charge (recompute among equals)."""
     c = charges or {}
