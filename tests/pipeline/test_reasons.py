@@ -484,6 +484,28 @@ async def test_a_first_turn_runs_on_d_while_p_has_seconds_of_prefills_queued(fir
         assert b.status == 200, b.body
 
 
+async def test_many_first_turns_at_once_on_a_busy_p_and_a_small_d_are_all_answered_right() -> None:
+    # twelve conversations start together while P has seconds of work in flight; D holds the pins of a few
+    # of them only. Some first turns run on D, the rest through P; every answer equals a colocated
+    # engine's (``Chat``), and the conversations go on, whichever engine computed their first turn.
+    async with gateway(policy={"name": "adaptive", "params": {"decode_local_first": True}}) as gw:
+        sizing = await conversation(gw, session="sizing")
+        gw.engine[D0].capacity_tokens = gw.engine[D0].pinned_tokens * 6  # pins of about three conversations
+        await gw.wait_for("D's capacity to be read", lambda: view(gw, D0).capacity_tokens is not None)
+        held = gw.svc.fleet.hold(P0, work_s=5.0, tokens=200_000)
+        chats = [Chat(gw, session=f"many{i}") for i in range(12)]
+        firsts = await asyncio.gather(*(c.say(f"Plan trip number {i}.") for i, c in enumerate(chats)))
+        assert all(a.status == 200 and a.error is None for a in firsts), [a.body for a in firsts]
+        assert {a.reason for a in firsts} <= {"prefill_busy", "no_record"}
+        assert any(a.reason == "prefill_busy" for a in firsts)
+        held.release()
+        for _ in range(2):
+            later = await asyncio.gather(*(c.say("And then?") for c in [sizing, *chats]))
+            assert all(a.status == 200 and a.error is None for a in later), [a.body for a in later]
+        d, share = view(gw, D0), gw.svc.settings.decode_memory.pin_budget_share
+        assert d.capacity_tokens is not None and gw.engine[D0].pinned_tokens <= d.capacity_tokens * share
+
+
 def test_every_reason_is_covered() -> None:
     """A reason added to ``Reason`` needs a test here (corrupt_record: Redis only, tests/unit/test_store.py)."""
     import inspect
