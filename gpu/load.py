@@ -119,6 +119,7 @@ MODES = {
     "adaptive": Mode("adaptive", gateway=True, session=True),
     "adaptive-pull": Mode("adaptive-pull", gateway=True, session=True, params=(("decode_local", False),)),
     "vllm-multiturn": Mode("vllm-multiturn", gateway=True, session=True, policy="vllm-multiturn"),
+    "adaptive-first": Mode("adaptive-first", gateway=True, session=True, params=(("decode_local_first", True),)),
     "colocated": Mode("colocated", gateway=False, session=False),
     "pd-direct": Mode("pd-direct", gateway=False, session=False),
 }
