@@ -119,6 +119,8 @@ MODES = {
     "adaptive": Mode("adaptive", gateway=True, session=True),
     "adaptive-pull": Mode("adaptive-pull", gateway=True, session=True, params=(("decode_local", False),)),
     "vllm-multiturn": Mode("vllm-multiturn", gateway=True, session=True, policy="vllm-multiturn"),
+    # P and D share the GPU here: the policy told so (its ITL checks then refuse only what P would compute less of)
+    "adaptive-shared": Mode("adaptive-shared", gateway=True, session=True, params=(("shared_gpu", True),)),
     "adaptive-first": Mode("adaptive-first", gateway=True, session=True, params=(("decode_local_first", True),)),
     "colocated": Mode("colocated", gateway=False, session=False),
     "pd-direct": Mode("pd-direct", gateway=False, session=False),

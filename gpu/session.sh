@@ -18,13 +18,15 @@
 #                            time is left)                                                              ~9.5 min
 #   bash gpu/session.sh G2   the same engines, 64 conversations x 3 turns, those modes and adaptive-first;
 #                            stops both                                                                 ~9 min
+#   bash gpu/session.sh G3   setup, 8b pair, 8-64 conversations: adaptive told P and D share the GPU
+#                            (shared_gpu), then plain P/D; stops both                                   ~9.5 min
 # (L1-L3, G1-G2: gpu/load.py; TURNKV_LOAD_ARGS adds flags to its command line, e.g. smaller sizes on the simulator)
 # Every step has its own time limit so the call ends well inside the tool's 10 minutes and the
 # results (and engine logs) are always packed into $OUT. Engines started here outlive the call
 # (process sessions of their own) until a later part stops them or the machine goes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1 or G2}"
+part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1, G2 or G3}"
 : "${OUT:=${TURNKV_GPU_STATE:-/root/gpu-state}/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -113,17 +115,19 @@ case "$part" in
     step "load_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
     [ "$part" = L3 ] && python3 gpu/engines.py down
     ;;
-  G1|G2)  # issue 11's goodput on the GPU: a sweep of conversations at once, one wave per count and mode
+  G1|G2|G3)  # issue 11's goodput on the GPU: a sweep of conversations at once, one wave per count and mode
     # the modes run in order; one that load.py estimates will not fit the call's budget is skipped
     load=(python3 gpu/load.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --p-cache on --turns 3 --waves 1)
     case "$part" in
       G1) if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }; fi
           load+=(--label G1_8-32 --conversations 8,16,32 --modes plain,vllm-multiturn,adaptive,colocated,adaptive-pull) ;;
+      G3) if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }; fi
+          load+=(--label G3_8-64 --conversations 8,16,32,64 --modes adaptive-shared,plain) ;;
       G2) load+=(--label G2_64 --conversations 64
                  --modes plain,vllm-multiturn,adaptive,colocated,adaptive-first,adaptive-pull) ;;
     esac
     step "goodput_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
-    [ "$part" = G2 ] && python3 gpu/engines.py down
+    [ "$part" = G1 ] || python3 gpu/engines.py down
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
