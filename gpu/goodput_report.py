@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The H200 goodput sweep's report (issue 11), from the JSON files ``gpu/load.py`` wrote in parts G1-G2.
+"""The H200 goodput sweep's report (issue 11), from the JSON files ``gpu/load.py`` wrote in parts G1-G3.
 
 usage: python gpu/goodput_report.py [load_G*.json ...] [--out docs/gpu-h200-goodput]
 
@@ -72,21 +72,31 @@ def goodput_at(
     }
 
 
+def mode_keys(results: Sequence[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(label, mode, key) per mode run: the key is the mode's name, or ``mode (label)`` where more than one
+    input ran that mode (a later session's same-run anchor beside an earlier one's)."""
+    runs = [(str(res.get("label")), m["mode"]) for res in results for m in res.get("modes", [])]
+    twice = {mode for _, mode in runs if sum(1 for _, m in runs if m == mode) > 1}
+    return [(label, mode, f"{mode} ({label})" if mode in twice else mode) for label, mode in runs]
+
+
 def points(
     results: Sequence[dict[str, Any]], slo: tuple[float, float] | None = None
 ) -> dict[int, dict[str, dict[str, Any]]]:
-    """conversations -> mode -> the wave's summary (the last wave of that count, if several), its
-    ``goodput`` recomputed at ``slo`` where given."""
+    """conversations -> mode key (``mode_keys``) -> the wave's summary (the last wave of that count, if
+    several), its ``goodput`` recomputed at ``slo`` where given."""
     out: dict[int, dict[str, dict[str, Any]]] = {}
+    keys = {(label, mode): key for label, mode, key in mode_keys(results)}
     for res in results:
         answer = int(res.get("args", {}).get("answer_tokens", 128))
         for m in res.get("modes", []):
             rows = res.get("requests", {}).get(m["mode"], [])
+            key = keys[(str(res.get("label")), m["mode"])]
             for w in m.get("waves", []):
                 if "goodput" in w:
                     if slo is not None:
                         w = {**w, "goodput": {**w["goodput"], **goodput_at(rows, w, answer, slo)}}
-                    out.setdefault(int(w["conversations"]), {})[m["mode"]] = w
+                    out.setdefault(int(w["conversations"]), {})[key] = {**w, "label": res.get("label")}
     return dict(sorted(out.items()))
 
 
@@ -126,25 +136,40 @@ def rows(pts: dict[int, dict[str, dict[str, Any]]], modes: Sequence[str]) -> tup
     return head, body
 
 
-def targets(pts: dict[int, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]]:
-    head = ["conversations", "best baseline", "adaptive / best baseline (goodput)", "adaptive / plain (goodput)"]
-    head += ["adaptive / plain (ITL p99)", "adaptive-pull / plain (ITL p99)"]
+def _same_run(wave: dict[str, Any], mode: str, by_mode: dict[str, dict[str, Any]]) -> str | None:
+    """The key of ``mode``'s wave from the same run (input file) as ``wave``, if that run had it."""
+    for k, w in by_mode.items():
+        if k.split(" (")[0] == mode and w.get("label") == wave.get("label"):
+            return k
+    return None
+
+
+def targets(
+    pts: dict[int, dict[str, dict[str, Any]]], ours: Sequence[str] = (OURS,)
+) -> tuple[list[str], list[list[str]]]:
+    """Per count and per mode of ours: its goodput against the best baseline's (any run's), and its goodput
+    and ITL p99 against plain P/D's, from the same run where that run had plain."""
+    head = ["conversations", "mode", "best baseline", "/ best baseline (goodput)", "/ plain (goodput)"]
+    head += ["/ plain (ITL p99)", "plain compared"]
     body = []
     for n, by_mode in pts.items():
-        base = {m: _good(by_mode.get(m)) for m in BASELINES if by_mode.get(m) is not None}
+        base = {k: _good(w) for k, w in by_mode.items() if k.split(" (")[0] in BASELINES}
         best = max(base, key=lambda m: base[m] or 0.0) if base else None
-        ours = _good(by_mode.get(OURS))
-        itl = {m: by_mode[m]["itl_ms"]["p99"] for m in by_mode}
-        body.append(
-            [
-                str(n),
-                f"{best} ({_f(base[best], 2)}/s)" if best else "-",
-                _ratio(ours, base.get(best) if best else None),
-                _ratio(ours, base.get("plain")),
-                _ratio(itl.get(OURS), itl.get("plain")),
-                _ratio(itl.get("adaptive-pull"), itl.get("plain")),
-            ]
-        )
+        for key in [k for k in by_mode if k.split(" (")[0] in ours]:
+            w = by_mode[key]
+            plain = _same_run(w, "plain", by_mode)
+            pw = by_mode.get(plain) if plain else None
+            body.append(
+                [
+                    str(n),
+                    key,
+                    f"{best} ({_f(base[best], 2)}/s)" if best else "-",
+                    _ratio(_good(w), base.get(best) if best else None),
+                    _ratio(_good(w), _good(pw)),
+                    _ratio(w["itl_ms"]["p99"], pw["itl_ms"]["p99"] if pw else None),
+                    plain or "-",
+                ]
+            )
     return head, body
 
 
@@ -182,12 +207,15 @@ INTRO = """# Goodput on one H200: a sweep of conversations at once (issue 11)
 vLLM 0.26.0 + NIXL, the kit's Qwen3-8B-shaped model with dummy weights, P (:8100) and D (:8200, with the
 turnkv plugin) sharing one H200 at 0.42 of its memory each, `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` on both, P's
 prefix cache on. Per count of conversations at once (a closed loop: each conversation sends its next turn
-after the answer and a think time) and per mode, one wave (`gpu/load.py`, `gpu/session.sh G1-G2`): *plain*
+after the answer and a think time) and per mode, one wave (`gpu/load.py`, `gpu/session.sh G1-G3`): *plain*
 is vLLM's P/D through a turnkv gateway without conversation ids, *vllm-multiturn* the gateway as vLLM's
 multi-turn proxy policy (pulls the previous handle, unchecked), *adaptive* turnkv as shipped,
-*adaptive-pull* the same without decode-local, *colocated* each turn straight to D (one engine prefilling
-and decoding; P idle). Goodput: turns within TTFT 2,000 ms and TPOT 30 ms per second of the wave's wall
-time (`vllm bench serve --goodput ttft:2000 tpot:30`'s count). P and D share the GPU: a prefill on P
+*adaptive-pull* the same without decode-local, *adaptive-shared* the same told that P and D share the GPU
+(`policy.params.shared_gpu`), *adaptive-first* with first turns on D allowed (`decode_local_first`),
+*colocated* each turn straight to D (one engine prefilling and decoding; P idle). A mode that more than
+one part ran is named with its part, `plain (G3_8-64)`; ratios to plain are to the same part's plain.
+Goodput: turns within TTFT 2,000 ms and TPOT 30 ms per second of the wave's wall time (`vllm bench serve
+--goodput ttft:2000 tpot:30`'s count). P and D share the GPU: a prefill on P
 slows D's steps too (the GPU's compute is shared), which the disaggregated modes pay and colocated does
 not, and colocated has the whole GPU's compute for one engine. Generated by `python gpu/goodput_report.py`.
 """
@@ -197,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="*", type=Path)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--ours", action="append", help=f"a mode compared with the baselines (default: {OURS}); may repeat")
     ap.add_argument(
         "--slo",
         action="append",
@@ -209,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [json.loads(p.read_text()) for p in inputs]
     a.out.mkdir(parents=True, exist_ok=True)
     pts = points(results, slos[0])
-    modes = list(dict.fromkeys(m["mode"] for res in results for m in res.get("modes", [])))
+    modes = list(dict.fromkeys(key for _, _, key in mode_keys(results)))
     sim = any(res.get("backend") == "sim" for res in results)
     title = "goodput sweep" + (" (SIMULATOR: says the scripts work, nothing about the GPU)" if sim else ", one H200")
     parts = [INTRO]
@@ -227,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         pts = points(results, slo)
         head, body = rows(pts, modes)
         parts += [f"\n## Per count and mode, goodput at {slo_name(slo)}\n", md_table(head, body)]
-        thead, tbody = targets(pts)
+        thead, tbody = targets(pts, a.ours or [OURS])
         parts += [f"\n## The issue's ratios at {slo_name(slo)}\n", md_table(thead, tbody)]
         if pts:
             name = "goodput.png" if i == 0 else f"goodput_tpot{slo[1]:g}.png"

@@ -275,9 +275,9 @@ class AdaptivePolicy:
         est = self.estimates(replace(facts, decode_local_possible=local_ok and itl_why is None), costs)
         charges = self.charges(facts, costs)
         best = _cheapest(est, charges)
-        if itl_why is not None and self.p.shared_gpu and prefill_s(costs, new, facts.decode_cached_tokens) <= (
-            prefill_work(costs, facts)[best]
-        ):  # on a shared GPU the path through P costs D's streams at least as much: refusing spares them nothing
+        # on a shared GPU the path through P costs D's streams at least as much: refusing spares them nothing
+        local_work = prefill_s(costs, new, facts.decode_cached_tokens)
+        if itl_why is not None and self.p.shared_gpu and local_work <= prefill_work(costs, facts)[best]:
             itl_why = None
             est = self.estimates(replace(facts, decode_local_possible=True), costs)
             best = _cheapest(est, charges)
