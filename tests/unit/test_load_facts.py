@@ -231,16 +231,22 @@ def test_the_prefills_waiting_at_p_are_the_gateways_in_flight_and_ps_others() ->
 
 
 def test_the_planners_facts_carry_the_load_and_leave_what_is_missing_to_the_model() -> None:
-    f = Fleet([P], [D])
+    clock = [100.0]
+    f = Fleet([P], [D], clock=lambda: clock[0])
     read(f, D, metrics(running=4, usage=0.25, itl_n=100, itl_s=1.0))
     read(f, D, metrics(running=4, usage=0.25, itl_n=300, itl_s=4.0))  # 15 ms a step
     f.hold(P, work_s=0.4, tokens=16000)
+    clock[0] += 0.1  # P has been at it for 100 ms of its 400
     p, d = f.view(P), f.view(D)
     assert p is not None and d is not None
-    tf = facts(None, prompt_tokens=1000, matched=0, prefill=p, decode=d, decode_holds=False, block_size=16)
+    load = load_facts(p, d, f.now())
+    tf = facts(None, prompt_tokens=1000, matched=0, prefill=p, decode=d, decode_holds=False, block_size=16, load=load)
     assert tf.decode_step_ms == pytest.approx(15.0) and tf.decode_context_tokens == 4000
-    assert tf.prefill_queue_ms is not None and 300.0 < tf.prefill_queue_ms <= 400.0
-    bare = facts(None, prompt_tokens=1000, matched=0, prefill=None, decode=None, decode_holds=False, block_size=16)
+    assert tf.prefill_queue_ms == pytest.approx(300.0)
+    none = load_facts(None, None, f.now())
+    bare = facts(
+        None, prompt_tokens=1000, matched=0, prefill=None, decode=None, decode_holds=False, block_size=16, load=none
+    )
     assert (bare.decode_step_ms, bare.decode_context_tokens, bare.prefill_queue_ms) == (None, None, None)
 
 

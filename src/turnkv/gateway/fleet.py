@@ -187,6 +187,10 @@ class Fleet:
         self.on_link_sample: Callable[[str, float, float, float], None] = lambda r, b, s, c: None
 
     # -- snapshots ---------------------------------------------------------------------------------
+    def now(self) -> float:
+        """The fleet's clock (monotonic seconds): the time its views and slots are read against."""
+        return self._clock()
+
     def views(self, role: str) -> tuple[InstanceView, ...]:
         now = self._clock()
         return tuple(e.view(now) for e in self._roles.get(role, ()))

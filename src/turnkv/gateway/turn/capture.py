@@ -128,7 +128,7 @@ def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> Keep:
     d = svc.fleet.view(rec.decode_url)
     p = svc.fleet.view(rec.prefill_url)
     costs = svc.estimator.params()
-    load = turn_load(p, d, costs)
+    load = turn_load(svc, p, d, costs)
     f = facts(
         rec,
         prompt_tokens=rec.num_tokens + new,

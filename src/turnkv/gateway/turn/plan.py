@@ -63,9 +63,9 @@ def room(svc: Services, decode: InstanceView, load: LoadFacts) -> DecodeRoom:
     )
 
 
-def turn_load(prefill: InstanceView | None, decode: InstanceView | None, costs: CostParams) -> LoadFacts:
-    """The engines' load for a turn on ``prefill`` and ``decode``, now (``reuse.load``)."""
-    return load_facts(prefill, decode, time.monotonic(), default_step_ms=costs.step_base_s * 1e3)
+def turn_load(svc: Services, prefill: InstanceView | None, decode: InstanceView | None, costs: CostParams) -> LoadFacts:
+    """The engines' load for a turn on ``prefill`` and ``decode``, now on the fleet's clock (``reuse.load``)."""
+    return load_facts(prefill, decode, svc.fleet.now(), default_step_ms=costs.step_base_s * 1e3)
 
 
 def likely_prefill_cached(rec: ConversationRecord | None, prefill: InstanceView | None, block_size: int) -> int:
@@ -95,13 +95,11 @@ def facts(
     decode: InstanceView | None,
     decode_holds: bool,
     block_size: int,
-    load: LoadFacts | None = None,
+    load: LoadFacts,
 ) -> TurnFacts:
     """What the policy is told of a turn continuing ``rec`` (None: nothing stored): ``matched`` tokens of
     D's sequence extend the prompt; D may run the turn itself when it ``decode_holds`` them; ``load``:
-    the engines' load (None: the facts ``prefill`` and ``decode`` give, as ``reuse.load`` reads them now)."""
-    if load is None:
-        load = load_facts(prefill, decode, time.monotonic())
+    the engines' load (``turn_load``)."""
     return TurnFacts(
         prompt_tokens=prompt_tokens,
         reusable_tokens=matched if rec is not None and rec.handle is not None else 0,
@@ -199,7 +197,7 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
     bs = svc.settings.block_size
     moved = rec is not None and decode is not None and decode.url != rec.decode_url and a.releasable
     holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
-    load = turn_load(prefill, decode, costs)
+    load = turn_load(svc, prefill, decode, costs)
     # a D short of KV, or whose queue is longer than P's, takes no decode-local turn (``reuse.room``)
     d_room = room(svc, decode, load) if holds and decode is not None else None
     pressed = d_room is not None and not d_room.ok
@@ -265,7 +263,7 @@ def _decide_unrendered(
     None: no D), and the facts the policy was told."""
     costs = svc.estimator.params()
     prefill = _pick_prefill(svc, rec, prompt_tokens, costs)
-    load = turn_load(prefill, d, costs)
+    load = turn_load(svc, prefill, d, costs)
     d_room = room(svc, d, load) if d is not None else None
     f = facts(
         rec,
