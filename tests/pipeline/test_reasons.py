@@ -308,23 +308,29 @@ async def test_decode_local_that_would_slow_the_streams_on_d_past_the_itl_budget
         assert a.action != "decode_local" and a.reason == "itl_budget"
 
 
-@pytest.mark.parametrize(("headroom", "reason"), [(0.10, "itl_headroom"), (None, "decode_local")])
+@pytest.mark.parametrize(
+    ("headroom", "shared", "reason"),
+    [(0.10, False, "itl_headroom"), (None, False, "decode_local"), (0.10, True, "decode_local")],
+    ids=["headroom", "no_headroom", "shared_gpu"],
+)
 async def test_decode_local_that_would_lengthen_ds_step_past_its_headroom_goes_through_p(
-    headroom: float | None, reason: str
+    headroom: float | None, shared: bool, reason: str
 ) -> None:
     # D runs streams and would prefill a 600-word turn in one step (no --long-prefill-token-threshold): that
     # step would be far more than 10% longer than D's step alone, though no absolute budget is set (issue 11).
-    # A short turn adds only its attention, well within: it stays decode-local either way.
-    async with gateway(policy={"name": "adaptive", "params": {"itl_headroom": headroom}}) as gw:
+    # A short turn adds only its attention, well within: it stays decode-local either way. With P on D's GPU
+    # (shared_gpu) the path through P would compute the same new words and more there: decode-local.
+    params = {"itl_headroom": headroom, "shared_gpu": shared}
+    async with gateway(policy={"name": "adaptive", "params": params}) as gw:
         chat = await conversation(gw)
         gw.engine[D0].running = 8
         await gw.wait_for("the fleet to see D's streams", lambda: view(gw, D0).busy >= 8)
         assert (await chat.say("go on")).action == "decode_local"
         a = await chat.say(" ".join(f"word{i}" for i in range(600)))
         gw.engine[D0].running = 0
-        assert a.reason == reason and (a.action == "decode_local") is (headroom is None)
+        assert a.reason == reason and (a.action == "decode_local") is (reason == "decode_local")
         refused = gw.metric("turnkv_reuse_decisions_total", outcome=a.outcome, action=a.action, reason="itl_headroom")
-        assert refused == (1 if headroom else 0)
+        assert refused == (1 if reason == "itl_headroom" else 0)
         assert gw.turns[-1]["load"]["decode_prefills"] == 0  # no other decode-local turn prefilling on D
 
 
