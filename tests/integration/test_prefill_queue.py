@@ -100,3 +100,49 @@ def test_a_long_queue_at_p_sends_later_turns_decode_local_and_an_idle_p_takes_th
     assert len(through_p) == 2 * CONVERSATIONS and all(f["prefill_queue_ms"] < 1000 for f in through_p)
     # the simulator reports vLLM's histograms: D's step and its streams' KV came from its metrics
     assert all(f["sources"]["decode_context_tokens"] == "kv_usage" for f in local + through_p)
+
+
+def test_first_turns_run_on_d_while_p_is_held_and_through_p_once_it_is_idle(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    # decode_local_first: while the gateway's own prefills wait at P, a new conversation's first turn runs on
+    # D, its whole prompt prefilled there a chunk a step, and says prefill_busy; the conversation goes on from
+    # it. At an idle P first turns go through P. Each answer equals a colocated engine's.
+    c = start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",
+        policy="adaptive",
+        gateway_env={
+            "TURNKV_POLICY__PARAMS": json.dumps(
+                {"decode_chunk_tokens": 2, "itl_budget_ms": None, "itl_headroom": None, "decode_local_first": True}
+            ),
+            "TURNKV_COSTS__PREFILL_US_PER_TOKEN": "500",
+        },
+    )
+    p = c.prefill[0].url
+    blocker = Dialogue(c, session="blocker", system=LONG_SYSTEM, max_tokens=8)
+    idle_first = Dialogue(c, session="idle", system=SYSTEM, max_tokens=16)
+    busy_first = Dialogue(c, session="busy", system=SYSTEM + " Prefer trains.", max_tokens=16)
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            at_idle = idle_first.step()
+            assert at_idle.correct and at_idle.headers["x-turnkv-action"] != "decode_local"
+
+            sim_control(p, delay_ms=60_000)
+            held = pool.submit(blocker.step)
+            wait_for(lambda: sim_state(p)["delayed"] == 1, what="the long first turn held on P")
+            first = busy_first.step()
+            assert first.correct and (first.outcome, first.reason) == ("decode_local", "prefill_busy")
+            second = busy_first.step()  # on from the first turn D computed: D's own prefix cache holds it
+            assert second.correct and second.headers["x-turnkv-action"] == "decode_local"
+
+            sim_control(p, delay_ms=0)
+            assert held.result(timeout=60).correct
+        finally:
+            sim_control(p, delay_ms=0)
+            for d in (blocker, idle_first, busy_first):
+                d.__exit__()
+
+    events = {(e["conversation_source"], e["turn"], e["reason"]) for e in c.turn_events(4)}
+    assert ("header", 1, "prefill_busy") in events
