@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.cluster import Dialogue, Turn, sim_control, sim_state, start_cluster, wait_for
+from tests.integration.cluster import Cluster, Dialogue, Turn, sim_control, sim_state, start_cluster, wait_for
 from turnkv import launch
 
 pytestmark = pytest.mark.integration
@@ -24,28 +24,24 @@ LONG_SYSTEM = "Read the whole travel archive before answering, every page of it,
 CONVERSATIONS = 3
 
 
-def test_a_long_queue_at_p_sends_later_turns_decode_local_and_an_idle_p_takes_them_back(
-    procs: list[launch.Running], tmp_path: Path
-) -> None:
-    c = start_cluster(
+def slow_p_cluster(procs: list[launch.Running], tmp_path: Path, **params: object) -> Cluster:
+    """P as the gateway is told it computes (slowly), D taking two tokens of a prefill a step, the ITL checks
+    off: they have their own tests, and whether D's streams are running when a queued turn is decided (others
+    sent decode-local a moment before) is this machine's timing. ``params``: more of the policy's."""
+    policy = {"decode_chunk_tokens": 2, "itl_budget_ms": None, "itl_headroom": None, **params}
+    return start_cluster(
         procs,
         tmp_path,
         compat="0.33",
         policy="adaptive",
-        gateway_env={
-            # the ITL checks off: they have their own tests, and whether D's streams are running when a
-            # queued turn is decided (the other two sent decode-local a moment before) is this machine's timing
-            "TURNKV_POLICY__PARAMS": json.dumps(
-                {
-                    "decode_chunk_tokens": 2,
-                    "itl_budget_ms": None,
-                    "itl_headroom": None,
-                    "decode_local_max_stall_ms": 10_000,
-                }
-            ),
-            "TURNKV_COSTS__PREFILL_US_PER_TOKEN": "500",
-        },
+        gateway_env={"TURNKV_POLICY__PARAMS": json.dumps(policy), "TURNKV_COSTS__PREFILL_US_PER_TOKEN": "500"},
     )
+
+
+def test_a_long_queue_at_p_sends_later_turns_decode_local_and_an_idle_p_takes_them_back(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    c = slow_p_cluster(procs, tmp_path, decode_local_max_stall_ms=10_000)
     p = c.prefill[0].url
     dialogues = [Dialogue(c, session=f"conv-{i}", system=SYSTEM, max_tokens=24) for i in range(CONVERSATIONS)]
     blocker = Dialogue(c, session="blocker", system=LONG_SYSTEM, max_tokens=8)
@@ -108,18 +104,7 @@ def test_first_turns_run_on_d_while_p_is_held_and_through_p_once_it_is_idle(
     # decode_local_first: while the gateway's own prefills wait at P, a new conversation's first turn runs on
     # D, its whole prompt prefilled there a chunk a step, and says prefill_busy; the conversation goes on from
     # it. At an idle P first turns go through P. Each answer equals a colocated engine's.
-    c = start_cluster(
-        procs,
-        tmp_path,
-        compat="0.33",
-        policy="adaptive",
-        gateway_env={
-            "TURNKV_POLICY__PARAMS": json.dumps(
-                {"decode_chunk_tokens": 2, "itl_budget_ms": None, "itl_headroom": None, "decode_local_first": True}
-            ),
-            "TURNKV_COSTS__PREFILL_US_PER_TOKEN": "500",
-        },
-    )
+    c = slow_p_cluster(procs, tmp_path, decode_local_first=True)
     p = c.prefill[0].url
     blocker = Dialogue(c, session="blocker", system=LONG_SYSTEM, max_tokens=8)
     idle_first = Dialogue(c, session="idle", system=SYSTEM, max_tokens=16)
