@@ -261,6 +261,7 @@ class AdaptivePolicy:
         # a D that takes a prefill a chunk a step stalls its streams by a chunk, not by the whole prefill:
         # the ITL checks bound that, and the estimate prices the prefill's many steps
         chunked = costs.decode_chunk_tokens > 0
+        local_s = prefill_s(costs, new, facts.decode_cached_tokens)  # D's prefill of the turn, were it decode-local
         local_ok = (
             self.p.decode_local
             and facts.decode_local_possible
@@ -268,16 +269,16 @@ class AdaptivePolicy:
             and (
                 chunked
                 or new <= self.p.decode_local_max_new_tokens
-                and prefill_s(costs, new, facts.decode_cached_tokens) * 1e3 <= self.p.decode_local_max_stall_ms
+                and local_s * 1e3 <= self.p.decode_local_max_stall_ms
             )
         )
         itl_why = self.itl_refusal(facts, costs) if local_ok else None
         est = self.estimates(replace(facts, decode_local_possible=local_ok and itl_why is None), costs)
-        charges = self.charges(facts, costs)
+        work = prefill_work(costs, facts)
+        charges = self.charges(facts, work)
         best = _cheapest(est, charges)
         # on a shared GPU the path through P costs D's streams at least as much: refusing spares them nothing
-        local_work = prefill_s(costs, new, facts.decode_cached_tokens)
-        if itl_why is not None and self.p.shared_gpu and local_work <= prefill_work(costs, facts)[best]:
+        if itl_why is not None and self.p.shared_gpu and local_s <= work[best]:
             itl_why = None
             est = self.estimates(replace(facts, decode_local_possible=True), costs)
             best = _cheapest(est, charges)
@@ -295,13 +296,14 @@ class AdaptivePolicy:
             return Decision(best, Reason.DECODE_LOCAL, est, charges)
         return Decision(best, None, est, charges)
 
-    def charges(self, facts: TurnFacts, costs: CostParams) -> dict[Action, float]:
+    def charges(self, facts: TurnFacts, work: Mapping[Action, float]) -> dict[Action, float]:
         """What each action's P compute costs the turns that will queue behind it at P (s): that compute
-        (``reuse.cost.prefill_work``) times ``prefill_crowding`` per prefill waiting there now; none at an idle P."""
+        (``work``, ``reuse.cost.prefill_work``) times ``prefill_crowding`` per prefill waiting there now; none
+        at an idle P."""
         behind = self.p.prefill_crowding * facts.prefill_waiting
         if behind <= 0:
             return {}
-        return {a: w * behind for a, w in prefill_work(costs, facts).items()}
+        return {a: w * behind for a, w in work.items()}
 
     def estimates(self, facts: TurnFacts, costs: CostParams) -> dict[Action, float]:
         """The TTFT estimates, a pull's with the policy's margin."""
