@@ -310,7 +310,7 @@ async def test_decode_local_that_would_slow_the_streams_on_d_past_the_itl_budget
 
 @pytest.mark.parametrize(
     ("headroom", "shared", "reason"),
-    [(0.10, False, "itl_headroom"), (None, False, "decode_local"), (0.10, True, "decode_local")],
+    [(0.10, False, "itl_headroom"), (None, False, "decode_local"), (0.10, True, "shared_gpu")],
     ids=["headroom", "no_headroom", "shared_gpu"],
 )
 async def test_decode_local_that_would_lengthen_ds_step_past_its_headroom_goes_through_p(
@@ -328,7 +328,7 @@ async def test_decode_local_that_would_lengthen_ds_step_past_its_headroom_goes_t
         assert (await chat.say("go on")).action == "decode_local"
         a = await chat.say(" ".join(f"word{i}" for i in range(600)))
         gw.engine[D0].running = 0
-        assert a.reason == reason and (a.action == "decode_local") is (reason == "decode_local")
+        assert a.reason == reason and (a.action == "decode_local") is (reason != "itl_headroom")
         refused = gw.metric("turnkv_reuse_decisions_total", outcome=a.outcome, action=a.action, reason="itl_headroom")
         assert refused == (1 if reason == "itl_headroom" else 0)
         assert gw.turns[-1]["load"]["decode_prefills"] == 0  # no other decode-local turn prefilling on D

@@ -451,7 +451,7 @@ def test_on_a_shared_gpu_the_itl_checks_refuse_only_what_p_would_compute_less_of
     shared = build_policy("adaptive", {"shared_gpu": True})
     assert build_policy("adaptive").decide(f, HOST).reason is Reason.ITL_HEADROOM
     d = shared.decide(f, HOST)
-    assert (d.action, d.reason) == (Action.DECODE_LOCAL, Reason.DECODE_LOCAL)
+    assert (d.action, d.reason) == (Action.DECODE_LOCAL, Reason.SHARED_GPU)
     # ... and a pull computes on P what D would (the new tokens) and more: decode-local still
     assert shared.decide(f, SLOWISH).action is Action.DECODE_LOCAL
     # D's cache lost the history (crowded) while P's holds it: D would prefill it all, P only the new part

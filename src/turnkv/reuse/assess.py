@@ -46,6 +46,8 @@ class Reason(enum.StrEnum):
     ITL_BUDGET = "itl_budget"  # decode-local would have been fastest, but would push D's ITL past the budget
     # ... but its prefill (with the other decode-local prefills on D) would lengthen D's step past the headroom
     ITL_HEADROOM = "itl_headroom"
+    # decode-local past the ITL checks: P shares D's GPU, and the path through P would prefill as much there
+    SHARED_GPU = "shared_gpu"
     PULL_FAILED = "pull_failed"
     PIN_RELEASED = "pin_released"  # the stored handle was given back (budget, pressure, not worth its bytes)
     NO_HANDLE_IN_STREAM = "no_handle_in_stream"  # D's stream carried no handle (vLLM < 0.33 without the plugin)

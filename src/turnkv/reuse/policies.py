@@ -32,8 +32,9 @@ has prefilling on that D (``TurnFacts.decode_prefills``) in the same step: the r
 TTFT is never bought with the ITL of others. Where P and D share a GPU (``shared_gpu``, two engines on one
 device as on the project's H200), P's prefill slows D's steps as much as D's own: refusing decode-local
 then spares D's streams nothing unless the path through P prefills less than D would (D's cache lost the
-history, P's holds it), and only then do the ITL checks refuse it. On the H200 with the checks applied as
-for separate GPUs, every later turn went through P and waited behind its first turns (BENCHMARKS.md 8).
+history, P's holds it), and only then do the ITL checks refuse it; a turn they would have refused says
+``shared_gpu``. On the H200 with the checks applied as for separate GPUs, every later turn went through P and
+waited behind its first turns (BENCHMARKS.md 8).
 A D run with ``--long-prefill-token-threshold`` (``decode_chunk_tokens``) takes a turn's prefill a few
 tokens a step: each step then grows by little (within the tokens a step computes for free, it is only
 the chunk's attention), and the turn's first token comes a few steps later. Where D's KV is crowded
@@ -282,6 +283,8 @@ class AdaptivePolicy:
             itl_why = None
             est = self.estimates(replace(facts, decode_local_possible=True), costs)
             best = _cheapest(est, charges)
+            if best is Action.DECODE_LOCAL:  # taken where the ITL checks alone would have refused it
+                return Decision(best, Reason.SHARED_GPU, est, charges)
         if itl_why is not None:
             local = estimate(costs, replace(facts, decode_local_possible=True))
             if local[Action.DECODE_LOCAL] < est[best] + charges.get(best, 0.0):

@@ -304,7 +304,8 @@ def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | N
         return None  # rendered and planned: the plan says why (decode_busy, decode_queue)
     if decision.action is not Action.DECODE_LOCAL:
         return None
-    return _unrendered_local(Reason.DECODE_LOCAL, prefill, rec.decode_url, f, decision, load, d_room)
+    why = decision.reason or Reason.DECODE_LOCAL
+    return _unrendered_local(why, prefill, rec.decode_url, f, decision, load, d_room)
 
 
 def _unrendered_local(
