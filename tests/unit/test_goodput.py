@@ -14,7 +14,8 @@ from turnkv.bench.goodput import Slo, collapsed, geometric_rates, meets, next_ra
 from turnkv.bench.records import ConfigResult, RequestRecord
 from turnkv.bench.scenarios import goodput as suite
 from turnkv.bench.scenarios.base import Bench
-from turnkv.reuse.policies import AdaptivePolicy, build_policy
+from turnkv.reuse.adaptive import AdaptivePolicy
+from turnkv.reuse.policies import build_policy
 
 SLO = Slo()
 

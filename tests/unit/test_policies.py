@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from turnkv.config import ConfigError
+from turnkv.reuse.adaptive import decode_step_now_ms, step_added_ms
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import (
     Action,
@@ -18,7 +19,8 @@ from turnkv.reuse.cost import (
     step_added_s,
     transfer_s,
 )
-from turnkv.reuse.policies import POLICY_NAMES, Keep, build_policy, decode_step_now_ms, step_added_ms
+from turnkv.reuse.decision import Keep
+from turnkv.reuse.policies import POLICY_NAMES, build_policy
 
 HOST = CostParams()  # 0.43 GB/s, the project's H200 host as measured
 RDMA = CostParams(link_fixed_s=0.005, link_bytes_per_s=45e9)

@@ -18,8 +18,8 @@ from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
 from turnkv.gateway.release import Releaser
 from turnkv.reuse.assess import TemplateClass
+from turnkv.reuse.decision import ReusePolicy
 from turnkv.reuse.estimator import CostEstimator
-from turnkv.reuse.policies import ReusePolicy
 from turnkv.routing import Router
 from turnkv.state.guard import StoreGuard
 

@@ -28,7 +28,7 @@ from turnkv.gateway.turn.plan import facts, room, turn_load
 from turnkv.gateway.turn.results import Capture
 from turnkv.gateway.turn.run import TurnRun
 from turnkv.reuse.chain import ChainBuilder
-from turnkv.reuse.policies import Keep
+from turnkv.reuse.decision import Keep
 from turnkv.state.record import ConversationRecord
 
 # the store keeps a record this long past its last usable moment, to tell "expired" from "none"

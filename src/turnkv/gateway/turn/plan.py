@@ -41,8 +41,8 @@ from turnkv.reuse.assess import (
     unpinned_reason,
 )
 from turnkv.reuse.cost import Action, CostParams, TurnFacts, pulled_tokens
+from turnkv.reuse.decision import Decision
 from turnkv.reuse.load import LoadFacts, load_facts
-from turnkv.reuse.policies import Decision
 from turnkv.reuse.room import DecodeRoom, decode_room
 from turnkv.routing.base import InstanceView
 from turnkv.state.base import Claim
