@@ -3,7 +3,7 @@
 Each policy is a small class with a pure ``decide``; they are registered by name and take their
 parameters as a pydantic model, validated at start. ``adaptive`` (the default) picks the action
 with the lowest estimated time to first token, P's compute charged for the turns that will wait behind it
-(below); the fixed ones are the benchmark baselines.
+(``reuse.adaptive``); the fixed ones here are the benchmark baselines.
 ``always-reuse-unchecked`` skips the token check, as vLLM's example proxy does: it exists to show
 in tests and benchmarks what that costs, and must not serve users. ``vllm-multiturn`` is vLLM's
 multi-turn proxy (``disagg_proxy_multiturn.py``) as a policy: it hands P the conversation's previous
@@ -15,7 +15,7 @@ like ``always-reuse-unchecked`` it is wrong on templates that strip reasoning or
       name: adaptive
       params: {decode_local: true, decode_local_max_stall_ms: 150, itl_budget_ms: 30, itl_headroom: 0.1, margin: 0.0}
 
-``adaptive`` lives in ``reuse.adaptive``; what a policy answers, in ``reuse.decision``.
+What a policy answers (``Decision``, ``Keep``) and the shape it has (``ReusePolicy``): ``reuse.decision``.
 """
 
 from __future__ import annotations
