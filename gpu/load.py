@@ -8,6 +8,10 @@ the order given (``--modes``):
   (or served from P's prefix cache); the gateway gives D's unused handle back at once;
 * ``adaptive``: turnkv's adaptive policy (``X-Session-ID``);
 * ``adaptive-pull``: the same with decode-local off (``policy.params.decode_local: false``);
+* ``adaptive-shared``: the same told that P and D share the GPU (``policy.params.shared_gpu: true``), as
+  they do here: the ITL checks then refuse decode-local only where P would prefill less than D;
+* ``adaptive-first``: adaptive with first turns on D allowed while prefills wait at P
+  (``policy.params.decode_local_first: true``);
 * ``vllm-multiturn``: the gateway as vLLM's multi-turn proxy (policy ``vllm-multiturn``: every later turn
   hands P the previous handle, unchecked, and P pulls it; never decode-local), a baseline for issue 11;
 * ``colocated``: straight to D, no gateway: D prefills and decodes each turn itself;
