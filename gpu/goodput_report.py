@@ -211,7 +211,7 @@ after the answer and a think time) and per mode, one wave (`gpu/load.py`, `gpu/s
 is vLLM's P/D through a turnkv gateway without conversation ids, *vllm-multiturn* the gateway as vLLM's
 multi-turn proxy policy (pulls the previous handle, unchecked), *adaptive* turnkv as shipped,
 *adaptive-pull* the same without decode-local, *adaptive-shared* the same told that P and D share the GPU
-(`policy.params.shared_gpu`), *adaptive-first* with first turns on D allowed (`decode_local_first`),
+(the setting `shared_gpu`), *adaptive-first* with first turns on D allowed (`decode_local_first`),
 *colocated* each turn straight to D (one engine prefilling and decoding; P idle). A mode that more than
 one part ran is named with its part, `plain (G3_8-64)`; ratios to plain are to the same part's plain.
 Goodput: turns within TTFT 2,000 ms and TPOT 30 ms per second of the wave's wall time (`vllm bench serve

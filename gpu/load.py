@@ -8,7 +8,7 @@ the order given (``--modes``):
   (or served from P's prefix cache); the gateway gives D's unused handle back at once;
 * ``adaptive``: turnkv's adaptive policy (``X-Session-ID``);
 * ``adaptive-pull``: the same with decode-local off (``policy.params.decode_local: false``);
-* ``adaptive-shared``: the same told that P and D share the GPU (``policy.params.shared_gpu: true``), as
+* ``adaptive-shared``: the same told that P and D share the GPU (the setting ``shared_gpu: true``), as
   they do here: the ITL checks then refuse decode-local only where P would prefill less than D;
 * ``adaptive-first``: adaptive with first turns on D allowed while prefills wait at P
   (``policy.params.decode_local_first: true``);
@@ -116,6 +116,7 @@ class Mode:
     session: bool  # send X-Session-ID
     policy: str = "adaptive"
     params: tuple[tuple[str, Any], ...] = ()
+    settings: tuple[tuple[str, Any], ...] = ()  # the gateway's own (top-level settings)
 
 
 MODES = {
@@ -124,7 +125,7 @@ MODES = {
     "adaptive-pull": Mode("adaptive-pull", gateway=True, session=True, params=(("decode_local", False),)),
     "vllm-multiturn": Mode("vllm-multiturn", gateway=True, session=True, policy="vllm-multiturn"),
     # P and D share the GPU here: the policy told so (its ITL checks then refuse only what P would compute less of)
-    "adaptive-shared": Mode("adaptive-shared", gateway=True, session=True, params=(("shared_gpu", True),)),
+    "adaptive-shared": Mode("adaptive-shared", gateway=True, session=True, settings=(("shared_gpu", True),)),
     "adaptive-first": Mode("adaptive-first", gateway=True, session=True, params=(("decode_local_first", True),)),
     "colocated": Mode("colocated", gateway=False, session=False),
     "pd-direct": Mode("pd-direct", gateway=False, session=False),
@@ -519,6 +520,7 @@ def run_mode(
         "health_interval_s": 1.0,
         "scrape_interval_s": 1.0,
         "policy": {"name": mode.policy, "params": dict(mode.params)},
+        **dict(mode.settings),
     }
     if not mode.session:
         # plain P/D: no conversation at all (the gateway would otherwise find each one from its history)

@@ -424,6 +424,11 @@ class Settings(BaseSettings):
         default_factory=dict, description="routing profiles of one's own, by name"
     )
     policy: PolicySettings = Field(default_factory=PolicySettings)
+    shared_gpu: bool = Field(
+        False,
+        description="P and D run on the same GPU(s) (two engines splitting one device): P's prefills slow D's "
+        "steps as D's own do, which the adaptive policy's ITL checks then weigh (README, Goodput under load)",
+    )
     costs: CostPriors = Field(default_factory=CostPriors)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health_interval_s: float = Field(2.0, gt=0)

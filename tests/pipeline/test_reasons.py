@@ -319,9 +319,9 @@ async def test_decode_local_that_would_lengthen_ds_step_past_its_headroom_goes_t
     # D runs streams and would prefill a 600-word turn in one step (no --long-prefill-token-threshold): that
     # step would be far more than 10% longer than D's step alone, though no absolute budget is set (issue 11).
     # A short turn adds only its attention, well within: it stays decode-local either way. With P on D's GPU
-    # (shared_gpu) the path through P would compute the same new words and more there: decode-local.
-    params = {"itl_headroom": headroom, "shared_gpu": shared}
-    async with gateway(policy={"name": "adaptive", "params": params}) as gw:
+    # (the setting shared_gpu) the path through P would compute the same new words and more there: decode-local.
+    params = {"itl_headroom": headroom}
+    async with gateway(policy={"name": "adaptive", "params": params}, shared_gpu=shared) as gw:
         chat = await conversation(gw)
         gw.engine[D0].running = 8
         await gw.wait_for("the fleet to see D's streams", lambda: view(gw, D0).busy >= 8)

@@ -449,18 +449,18 @@ def test_other_prefills_on_d_share_the_step() -> None:
 def test_on_a_shared_gpu_the_itl_checks_refuse_only_what_p_would_compute_less_of() -> None:
     # P and D on one GPU: the recompute the headroom sends the turn to is 8.7k tokens of P's compute on
     # D's device, against the 328 tokens D would prefill; refusing spares D's streams nothing
-    f = turn(10, busy=10)
-    shared = build_policy("adaptive", {"shared_gpu": True})
-    assert build_policy("adaptive").decide(f, HOST).reason is Reason.ITL_HEADROOM
-    d = shared.decide(f, HOST)
+    alone = turn(10, busy=10)
+    f = replace(alone, shared_gpu=True)
+    policy = build_policy("adaptive")
+    assert policy.decide(alone, HOST).reason is Reason.ITL_HEADROOM
+    d = policy.decide(f, HOST)
     assert (d.action, d.reason) == (Action.DECODE_LOCAL, Reason.SHARED_GPU)
     # ... and a pull computes on P what D would (the new tokens) and more: decode-local still
-    assert shared.decide(f, SLOWISH).action is Action.DECODE_LOCAL
+    assert policy.decide(f, SLOWISH).action is Action.DECODE_LOCAL
     # D's cache lost the history (crowded) while P's holds it: D would prefill it all, P only the new part
     # (P queued, so that decode-local would still be the faster)
     crowded = replace(f, prefill_cached_tokens=EIGHT_K, decode_kv_usage=0.99, prefill_queue_ms=5000.0)
     params = {
-        "shared_gpu": True,
         "decode_cache_max_usage": 0.9,
         "decode_local_max_stall_ms": 10_000,
         "decode_local_max_new_tokens": 10_000,
@@ -468,8 +468,7 @@ def test_on_a_shared_gpu_the_itl_checks_refuse_only_what_p_would_compute_less_of
     d = build_policy("adaptive", params).decide(crowded, HOST)
     assert (d.action, d.reason) == (Action.RECOMPUTE, Reason.ITL_HEADROOM)
     # the budget's refusal is lifted alike
-    d = build_policy("adaptive", {"shared_gpu": True, "itl_budget_ms": 20}).decide(f, HOST)
-    assert d.action is Action.DECODE_LOCAL
+    assert build_policy("adaptive", {"itl_budget_ms": 20}).decide(f, HOST).action is Action.DECODE_LOCAL
 
 
 @pytest.mark.parametrize("bad", [-0.1, "x"])

@@ -15,12 +15,12 @@ stream runs there: the reason is then ``itl_budget``. Relative to D's own step, 
 default, 0.10) refuses a decode-local turn whose prefill would lengthen D's step by more than that share of
 D's step without it (measured, else estimated), with the chunks of the other decode-local turns this gateway
 has prefilling on that D (``TurnFacts.decode_prefills``) in the same step: the reason is ``itl_headroom``.
-TTFT is never bought with the ITL of others. Where P and D share a GPU (``shared_gpu``, two engines on one
-device as on the project's H200), P's prefill slows D's steps as much as D's own: refusing decode-local
-then spares D's streams nothing unless the path through P prefills less than D would (D's cache lost the
-history, P's holds it), and only then do the ITL checks refuse it; a turn they would have refused says
-``shared_gpu``. On the H200 with the checks applied as for separate GPUs, every later turn went through P and
-waited behind its first turns (BENCHMARKS.md 8).
+TTFT is never bought with the ITL of others. Where P and D share a GPU (two engines on one device, as on the
+project's H200: the deployment's setting ``shared_gpu``, a turn fact here), P's prefill slows D's steps as
+much as D's own: refusing decode-local then spares D's streams nothing unless the path through P prefills
+less than D would (D's cache lost the history, P's holds it), and only then do the ITL checks refuse it; a
+turn they would have refused says ``shared_gpu``. On the H200 with the checks applied as for separate GPUs,
+every later turn went through P and waited behind its first turns (BENCHMARKS.md 8).
 A D run with ``--long-prefill-token-threshold`` (``decode_chunk_tokens``) takes a turn's prefill a few
 tokens a step: each step then grows by little (within the tokens a step computes for free, it is only
 the chunk's attention), and the turn's first token comes a few steps later. Where D's KV is crowded
@@ -156,12 +156,6 @@ class AdaptiveParams(PolicyParams):
         "none: the cost model's (0: one chunk of what the token budget leaves)",
     )
     margin: float = Field(0.0, ge=0, description="pull only when it beats recompute by this fraction")
-    shared_gpu: bool = Field(
-        False,
-        description="P and D run on the same GPU(s) (two engines splitting one device): P's prefills slow D's "
-        "steps as D's own do, so the ITL checks refuse decode-local only where it would prefill more on D than "
-        "the path through P would prefill on P; false: P's compute is apart from D's",
-    )
     prefill_crowding: float = Field(
         1.0,
         ge=0,
@@ -209,7 +203,7 @@ class AdaptivePolicy:
         charges = self.charges(facts, work)
         best = cheapest(est, charges)
         # on a shared GPU the path through P costs D's streams at least as much: refusing spares them nothing
-        if itl_why is not None and self.p.shared_gpu and local_s <= work[best]:
+        if itl_why is not None and facts.shared_gpu and local_s <= work[best]:
             itl_why = None
             est = self.estimates(replace(facts, decode_local_possible=True), costs)
             best = cheapest(est, charges)

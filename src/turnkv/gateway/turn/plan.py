@@ -96,10 +96,11 @@ def facts(
     decode_holds: bool,
     block_size: int,
     load: LoadFacts,
+    shared_gpu: bool = False,
 ) -> TurnFacts:
     """What the policy is told of a turn continuing ``rec`` (None: nothing stored): ``matched`` tokens of
     D's sequence extend the prompt; D may run the turn itself when it ``decode_holds`` them; ``load``:
-    the engines' load (``turn_load``)."""
+    the engines' load (``turn_load``); ``shared_gpu``: P and D share the GPU(s) (the deployment says)."""
     return TurnFacts(
         prompt_tokens=prompt_tokens,
         reusable_tokens=matched if rec is not None and rec.handle is not None else 0,
@@ -118,6 +119,7 @@ def facts(
         # the decode-local turns this gateway has prefilling on that D: their chunks share its steps
         decode_prefills=load.decode_prefills,
         decode_prefill_tokens=load.decode_prefill_tokens,
+        shared_gpu=shared_gpu,
     )
 
 
@@ -211,6 +213,7 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         decode_holds=holds,
         block_size=bs,
         load=load,
+        shared_gpu=svc.settings.shared_gpu,
     )
     decision = svc.policy.decide(f, costs)
     if decision.reason is not None:
@@ -274,6 +277,7 @@ def _decide_unrendered(
         decode_holds=d_room is not None and d_room.ok,
         block_size=svc.settings.block_size,
         load=load,
+        shared_gpu=svc.settings.shared_gpu,
     )
     return prefill, load, d_room, f, svc.policy.decide(f, costs)
 
