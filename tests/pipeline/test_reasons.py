@@ -512,6 +512,37 @@ async def test_many_first_turns_at_once_on_a_busy_p_and_a_small_d_are_all_answer
         assert d.capacity_tokens is not None and gw.engine[D0].pinned_tokens <= d.capacity_tokens * share
 
 
+async def test_many_long_turns_at_once_on_a_shared_gpu_are_all_answered_right() -> None:
+    # P on D's GPU (shared_gpu), D running streams, its KV sized for the pins of about six conversations:
+    # thirteen send long turns together, which the headroom alone would send through P. Some run on D as
+    # shared_gpu; the others go where the policy puts them (itl_headroom where P would compute less). Every
+    # answer equals a colocated engine's (``Chat``), the conversations go on, and D's pins stay within their
+    # budget. The stall limit is lifted: the ITL checks are what is under test, and what the fake P taught
+    # the estimate must not decide it.
+    policy = {"name": "adaptive", "params": {"decode_local_max_stall_ms": 100_000}}
+    async with gateway(policy=policy, shared_gpu=True) as gw:
+        sizing = await conversation(gw, session="sizing")
+        gw.engine[D0].capacity_tokens = gw.engine[D0].pinned_tokens * 12
+        chats = [Chat(gw, session=f"long{i}") for i in range(12)]
+        firsts = await asyncio.gather(*(c.say(f"Plan trip number {i}.") for i, c in enumerate(chats)))
+        assert all(a.status == 200 and a.error is None for a in firsts), [a.body for a in firsts]
+        gw.engine[D0].running = 8
+        await gw.wait_for(
+            "the fleet to see D's streams and capacity",
+            lambda: view(gw, D0).busy >= 8 and view(gw, D0).capacity_tokens is not None,
+        )
+        long = " ".join(f"word{i}" for i in range(600))
+        later = await asyncio.gather(*(c.say(long) for c in [sizing, *chats]))
+        gw.engine[D0].running = 0
+        assert all(a.status == 200 and a.error is None for a in later), [a.body for a in later]
+        assert any(a.reason == "shared_gpu" for a in later), [a.reason for a in later]
+        assert {a.reason for a in later} <= {"shared_gpu", "itl_headroom"}, [a.reason for a in later]
+        after = await asyncio.gather(*(c.say("And then?") for c in [sizing, *chats]))
+        assert all(a.status == 200 and a.error is None for a in after), [a.body for a in after]
+        d, share = view(gw, D0), gw.svc.settings.decode_memory.pin_budget_share
+        assert d.capacity_tokens is not None and gw.engine[D0].pinned_tokens <= d.capacity_tokens * share
+
+
 def test_every_reason_is_covered() -> None:
     """A reason added to ``Reason`` needs a test here (corrupt_record: Redis only, tests/unit/test_store.py)."""
     import inspect
