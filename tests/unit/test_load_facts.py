@@ -240,12 +240,30 @@ def test_the_planners_facts_carry_the_load_and_leave_what_is_missing_to_the_mode
     p, d = f.view(P), f.view(D)
     assert p is not None and d is not None
     load = load_facts(p, d, f.now())
-    tf = facts(None, prompt_tokens=1000, matched=0, prefill=p, decode=d, decode_holds=False, block_size=16, load=load)
+    tf = facts(
+        None,
+        prompt_tokens=1000,
+        matched=0,
+        prefill=p,
+        decode=d,
+        decode_holds=False,
+        block_size=16,
+        load=load,
+        shared_gpu=False,
+    )
     assert tf.decode_step_ms == pytest.approx(15.0) and tf.decode_context_tokens == 4000
     assert tf.prefill_queue_ms == pytest.approx(300.0)
     none = load_facts(None, None, f.now())
     bare = facts(
-        None, prompt_tokens=1000, matched=0, prefill=None, decode=None, decode_holds=False, block_size=16, load=none
+        None,
+        prompt_tokens=1000,
+        matched=0,
+        prefill=None,
+        decode=None,
+        decode_holds=False,
+        block_size=16,
+        load=none,
+        shared_gpu=False,
     )
     assert (bare.decode_step_ms, bare.decode_context_tokens, bare.prefill_queue_ms) == (None, None, None)
 

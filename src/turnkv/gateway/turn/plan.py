@@ -96,7 +96,7 @@ def facts(
     decode_holds: bool,
     block_size: int,
     load: LoadFacts,
-    shared_gpu: bool = False,
+    shared_gpu: bool,
 ) -> TurnFacts:
     """What the policy is told of a turn continuing ``rec`` (None: nothing stored): ``matched`` tokens of
     D's sequence extend the prompt; D may run the turn itself when it ``decode_holds`` them; ``load``:
