@@ -424,10 +424,12 @@ class Settings(BaseSettings):
         default_factory=dict, description="routing profiles of one's own, by name"
     )
     policy: PolicySettings = Field(default_factory=PolicySettings)
-    shared_gpu: bool = Field(
-        False,
+    shared_gpu: bool | Literal["auto"] = Field(
+        "auto",
         description="P and D run on the same GPU(s) (two engines splitting one device): P's prefills slow D's "
-        "steps as D's own do, which the adaptive policy's ITL checks then weigh (README, Goodput under load)",
+        "steps as D's own do, which the adaptive policy's ITL checks then weigh (README, Goodput under load). "
+        "auto: where both engines say which GPUs they compute on (turnkv's vLLM plugin), whether any is the "
+        "same; otherwise false",
     )
     costs: CostPriors = Field(default_factory=CostPriors)
     timeouts: Timeouts = Field(default_factory=Timeouts)

@@ -68,13 +68,21 @@ def start_cluster(
     sim_flags: tuple[str, ...] = (),
     prefill_flags: tuple[str, ...] = (),
     decode_flags: tuple[str, ...] = (),
+    engine_flags: dict[str, tuple[str, ...]] | None = None,
     gateway_env: dict[str, str] | None = None,
     gateway_args: tuple[str, ...] = (),
 ) -> Cluster:
     common = ("--time-scale", "0", "--template", template, "--vllm-compat", compat, *sim_flags)
-    ps = [launch.sim(f"prefill{i}", "prefill", *common, *prefill_flags, log_dir=log_dir) for i in range(n_prefill)]
+    own = engine_flags or {}  # by engine name (prefill0, decode1, ...): flags of that engine alone
+    ps = [
+        launch.sim(f"prefill{i}", "prefill", *common, *prefill_flags, *own.get(f"prefill{i}", ()), log_dir=log_dir)
+        for i in range(n_prefill)
+    ]
     procs += ps
-    ds = [launch.sim(f"decode{i}", "decode", *common, *decode_flags, log_dir=log_dir) for i in range(n_decode)]
+    ds = [
+        launch.sim(f"decode{i}", "decode", *common, *decode_flags, *own.get(f"decode{i}", ()), log_dir=log_dir)
+        for i in range(n_decode)
+    ]
     procs += ds
     truth = launch.sim("truth", "colocated", *common, log_dir=log_dir)
     procs.append(truth)

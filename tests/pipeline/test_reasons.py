@@ -309,29 +309,45 @@ async def test_decode_local_that_would_slow_the_streams_on_d_past_the_itl_budget
 
 
 @pytest.mark.parametrize(
-    ("headroom", "shared", "reason"),
-    [(0.10, False, "itl_headroom"), (None, False, "decode_local"), (0.10, True, "shared_gpu")],
-    ids=["headroom", "no_headroom", "shared_gpu"],
+    ("headroom", "shared", "gpus", "reason"),
+    [
+        (0.10, False, None, "itl_headroom"),
+        (None, False, None, "decode_local"),
+        (0.10, True, None, "shared_gpu"),
+        (0.10, "auto", ("GPU-0", "GPU-0"), "shared_gpu"),
+        (0.10, "auto", ("GPU-0", "GPU-1"), "itl_headroom"),
+        (0.10, "auto", ("", "GPU-0"), "itl_headroom"),
+    ],
+    ids=["headroom", "no_headroom", "shared_gpu", "auto_one_gpu", "auto_two_gpus", "auto_p_unknown"],
 )
 async def test_decode_local_that_would_lengthen_ds_step_past_its_headroom_goes_through_p(
-    headroom: float | None, shared: bool, reason: str
+    headroom: float | None, shared: bool | str, gpus: tuple[str, str] | None, reason: str
 ) -> None:
     # D runs streams and would prefill a 600-word turn in one step (no --long-prefill-token-threshold): that
     # step would be far more than 10% longer than D's step alone, though no absolute budget is set (issue 11).
     # A short turn adds only its attention, well within: it stays decode-local either way. With P on D's GPU
-    # (the setting shared_gpu) the path through P would compute the same new words and more there: decode-local.
+    # (the setting shared_gpu, or with auto the engines naming the same GPU) the path through P would compute
+    # the same new words and more there: decode-local.
+    engine = FakeEngine([P0], [D0])
+    for url, gpu in zip((P0, D0), gpus or ("", ""), strict=True):
+        engine[url].gpus = frozenset({gpu} - {""})
     params = {"itl_headroom": headroom}
-    async with gateway(policy={"name": "adaptive", "params": params}, shared_gpu=shared) as gw:
+    async with gateway(engine, policy={"name": "adaptive", "params": params}, shared_gpu=shared) as gw:
         chat = await conversation(gw)
         gw.engine[D0].running = 8
         await gw.wait_for("the fleet to see D's streams", lambda: view(gw, D0).busy >= 8)
+        assert view(gw, P0).gpus == engine[P0].gpus and view(gw, D0).gpus == engine[D0].gpus
         assert (await chat.say("go on")).action == "decode_local"
         a = await chat.say(" ".join(f"word{i}" for i in range(600)))
         gw.engine[D0].running = 0
         assert a.reason == reason and (a.action == "decode_local") is (reason != "itl_headroom")
         refused = gw.metric("turnkv_reuse_decisions_total", outcome=a.outcome, action=a.action, reason="itl_headroom")
         assert refused == (1 if reason == "itl_headroom" else 0)
-        assert gw.turns[-1]["load"]["decode_prefills"] == 0  # no other decode-local turn prefilling on D
+        load = gw.turns[-1]["load"]
+        assert load["decode_prefills"] == 0  # no other decode-local turn prefilling on D
+        assert load["shared_gpu"] is (reason == "shared_gpu")
+        told = "setting" if shared != "auto" else "engines" if all(gpus or ()) else "auto:gpus_unknown"
+        assert load["sources"]["shared_gpu"] == told
 
 
 @pytest.mark.parametrize("direct", [True, False])

@@ -52,3 +52,17 @@ async def test_classify(template: ChatTemplate, cls: TemplateClass, tools: bool)
 )
 def test_capture_path(version: str, header: str, handles: bool | None) -> None:
     assert engine_info(version, header, base="http://d", decode=True).stream_handles is handles
+
+
+@pytest.mark.parametrize(
+    ("header", "gpus"),
+    [
+        ("0.1.0; streams=chat,completions; gpus=GPU-a,GPU-b", {"GPU-a", "GPU-b"}),
+        ("0.1.0; streams=; gpus=GPU-c", {"GPU-c"}),  # the plugin on a P or a native-stream vLLM: GPUs alone
+        ("0.1.0; streams=chat", set()),  # a plugin from before GPUs were said
+        ("", set()),
+    ],
+)
+def test_the_plugin_says_which_gpus_an_engine_computes_on(header: str, gpus: set[str]) -> None:
+    info = engine_info("0.26.0", header, base="http://p", decode=False)
+    assert info.gpus == gpus and info.stream_handles is (True if "chat" in header else None)

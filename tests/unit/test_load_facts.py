@@ -5,6 +5,7 @@ missing. Fleet snapshots in, facts out; then the decision those facts change."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -249,7 +250,6 @@ def test_the_planners_facts_carry_the_load_and_leave_what_is_missing_to_the_mode
         decode_holds=False,
         block_size=16,
         load=load,
-        shared_gpu=False,
     )
     assert tf.decode_step_ms == pytest.approx(15.0) and tf.decode_context_tokens == 4000
     assert tf.prefill_queue_ms == pytest.approx(300.0)
@@ -263,7 +263,6 @@ def test_the_planners_facts_carry_the_load_and_leave_what_is_missing_to_the_mode
         decode_holds=False,
         block_size=16,
         load=none,
-        shared_gpu=False,
     )
     assert (bare.decode_step_ms, bare.decode_context_tokens, bare.prefill_queue_ms) == (None, None, None)
 
@@ -299,3 +298,34 @@ def test_a_long_queue_at_p_makes_decode_local_win_within_ds_itl_budget() -> None
     # the same queue, but D's steps already past the budget: P's path, and the budget says why
     over = policy.decide(later_turn(800.0, step_ms=31.0), COSTS)
     assert over.action is not Action.DECODE_LOCAL and over.reason is not None and over.reason.value == "itl_budget"
+
+
+@pytest.mark.parametrize(
+    ("setting", "p_gpus", "d_gpus", "expect"),
+    [
+        ("auto", {"GPU-a"}, {"GPU-a"}, (True, "engines")),
+        ("auto", {"GPU-a", "GPU-b"}, {"GPU-b", "GPU-c"}, (True, "engines")),  # tensor-parallel, one GPU in common
+        ("auto", {"GPU-a"}, {"GPU-b"}, (False, "engines")),
+        ("auto", {"MIG-1"}, {"MIG-2"}, (False, "engines")),  # two MIG instances of one GPU: compute apart
+        ("auto", set(), {"GPU-a"}, (False, "auto:gpus_unknown")),  # P does not say (no plugin there)
+        ("auto", {"GPU-a"}, set(), (False, "auto:gpus_unknown")),
+        (True, set(), set(), (True, "setting")),  # the operator's word stands, whatever the engines say
+        (False, {"GPU-a"}, {"GPU-a"}, (False, "setting")),
+    ],
+)
+def test_p_and_d_share_a_gpu_where_they_name_one_in_common_or_the_setting_says_so(
+    setting: bool | str, p_gpus: set[str], d_gpus: set[str], expect: tuple[bool, str]
+) -> None:
+    f = Fleet([P], [D])
+    p, d = f.view(P), f.view(D)
+    assert p is not None and d is not None
+    p, d = replace(p, gpus=frozenset(p_gpus)), replace(d, gpus=frozenset(d_gpus))
+    lf = load_facts(p, d, 0.0, gpu_setting=setting)  # type: ignore[arg-type]
+    assert (lf.shared_gpu, lf.sources["shared_gpu"]) == expect
+    assert (
+        facts(
+            None, prompt_tokens=100, matched=0, prefill=p, decode=d, decode_holds=False, block_size=16, load=lf
+        ).shared_gpu
+        is expect[0]
+    )
+    assert load_facts(None, d, 0.0).sources["shared_gpu"] == "auto:no_engine"

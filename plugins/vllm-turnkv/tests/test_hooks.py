@@ -14,6 +14,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -118,6 +119,7 @@ def write_fake_vllm(root: Path, version: str, native: bool) -> None:
 def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A factory: fake_vllm(version, native=False) writes the stand-in and puts it on sys.path."""
     monkeypatch.delenv(hooks.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(hooks.VISIBLE_ENV, raising=False)  # no GPU named: the stand-in has no NVML either
     hooks.STATE.__init__()  # type: ignore[misc]
     before = list(sys.meta_path)
 
@@ -274,6 +276,29 @@ def test_no_header_when_nothing_was_patched(fake_vllm: Any) -> None:
     import vllm.entrypoints.openai.api_server as api
 
     assert api.build_app(None).middleware == []
+
+
+def test_the_header_names_the_servers_gpus(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_vllm()
+    monkeypatch.setenv(hooks.VISIBLE_ENV, "GPU-aaaa,GPU-bbbb")
+    hooks.install()
+    import vllm.entrypoints.openai.api_server as api
+
+    app = api.build_app(SimpleNamespace(tensor_parallel_size=2))
+    assert app.middleware == [
+        (AdvertiseMiddleware, {"value": "0.1.0; streams=chat,completions; gpus=GPU-aaaa,GPU-bbbb"})
+    ]
+    one = api.build_app(args=SimpleNamespace(tensor_parallel_size=1))  # as a keyword too
+    assert one.middleware[0][1]["value"].endswith("; gpus=GPU-aaaa")
+
+
+def test_gpus_alone_are_advertised_where_no_stream_was_patched(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_vllm("0.29.0", native=True)
+    monkeypatch.setenv(hooks.VISIBLE_ENV, "GPU-cccc")
+    hooks.install()
+    import vllm.entrypoints.openai.api_server as api
+
+    assert api.build_app(None).middleware == [(AdvertiseMiddleware, {"value": "0.1.0; streams=; gpus=GPU-cccc"})]
 
 
 def test_a_failing_rewrite_leaves_the_event_alone(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -116,6 +116,6 @@ def test_params_written_like_pydantic() -> None:
 def test_header_value_round_trip() -> None:
     v = header_value("0.1.0", ["chat", "completions"])
     assert v == "0.1.0; streams=chat,completions"
-    assert parse_header_value(v) == ("0.1.0", frozenset({"chat", "completions"}))
+    assert parse_header_value(v) == ("0.1.0", frozenset({"chat", "completions"}), frozenset())
     assert parse_header_value(None) is None and parse_header_value("") is None
-    assert parse_header_value("0.2.0") == ("0.2.0", frozenset())
+    assert parse_header_value("0.2.0") == ("0.2.0", frozenset(), frozenset())

@@ -186,6 +186,7 @@ class EngineInfo:
     version: str | None
     stream_handles: bool | None  # its streams end with D's handle (None: not known until seen)
     takes_prompt_ids: bool  # a decode request may carry the prompt as token ids
+    gpus: frozenset[str] = frozenset()  # the GPUs it computes on, by NVML UUID (empty: not known)
 
 
 @dataclass(frozen=True)

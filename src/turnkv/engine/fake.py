@@ -106,6 +106,7 @@ class Instance:
     freed: asyncio.Event = field(default_factory=asyncio.Event)  # the other work is done (``free``)
     prefix_hits: int = 0
     capacity_tokens: int | None = None
+    gpus: frozenset[str] = frozenset()  # the GPUs it says it computes on (as turnkv's vLLM plugin says them)
     # latencies its metrics report (None: no such histogram): each read of its metrics adds one request
     # that waited ``queue_ms`` to be scheduled and, on P, one prefill of ``prefill_ms``
     queue_ms: float | None = None
@@ -358,7 +359,10 @@ class FakeEngine:
         if inst is None or inst.faults.unreachable:
             return None
         return EngineInfo(
-            version="fake", stream_handles=None if inst.faults.no_handle_in_stream else True, takes_prompt_ids=True
+            version="fake",
+            stream_handles=None if inst.faults.no_handle_in_stream else True,
+            takes_prompt_ids=True,
+            gpus=inst.gpus,
         )
 
     async def load(self, base: str) -> LoadSample | None:

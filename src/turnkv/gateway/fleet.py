@@ -51,6 +51,7 @@ class _Engine:
     deadline_misses: int = 0  # first-token deadlines missed in a row
     suspended_until: float = 0.0  # monotonic; out of routing until then (missed deadlines), whatever /health says
     stream_handles: bool | None = None
+    gpus: frozenset[str] = frozenset()
     # how much of the prefix-cache hit the gateway expects actually happens (1: all; 0: cache off or evicting)
     cache_factor: float = 1.0
     expected_hits: float = 0.0
@@ -116,6 +117,7 @@ class _Engine:
             in_flight_scraped=self.in_flight_scraped,
             local_prefills=len(self.prefilling),
             local_prefill_tokens=sum(self.prefilling.values()),
+            gpus=self.gpus,
         )
         object.__setattr__(self, "_view", v)
         return v
@@ -278,6 +280,9 @@ class Fleet:
             info = await engine.info(url, e.role)
             if info is not None:
                 e.version, e.takes_prompt_ids = info.version, info.takes_prompt_ids
+                if info.gpus != e.gpus:
+                    log.info("instance.gpus url=%s role=%s gpus=%s", url, e.role, ",".join(sorted(info.gpus)))
+                    e.gpus = info.gpus
                 if info.stream_handles:
                     e.stream_handles = True
 
@@ -302,6 +307,7 @@ class Fleet:
             e.epoch = sample.epoch
             if restarted:
                 log.warning("instance.restarted url=%s", url)
+                e.version = None  # read /version again: it may run another release, plugin or GPU now
                 self.on_restart(e.view(self._clock()))
         e.running, e.waiting, e.kv_usage = sample.running, sample.waiting, sample.kv_usage
         self._latencies(e, sample)

@@ -32,6 +32,7 @@ from turnkv.gateway.requests import (
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.driver import run_turn
 from turnkv.gateway.turn.request import Turn
+from turnkv.reuse.load import shared_gpu
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -213,6 +214,7 @@ async def ready(request: Request) -> Response:
                 "waiting": i.waiting,
                 "kv_cache_usage": i.kv_usage,
                 "prefix_cache_factor": round(i.cache_factor, 3),
+                "gpus": sorted(i.gpus),
                 **({"stream_handles": i.stream_handles} if role == "decode" else {}),
             }
             for i in svc.fleet.views(role)
@@ -229,8 +231,21 @@ async def ready(request: Request) -> Response:
         "store": {"kind": "redis" if svc.settings.redis_url else "memory", "up": svc.store.up},
         "template": {"class": svc.catalog.template.cls.value, "detail": svc.catalog.template.detail},
         "policy": svc.policy.name,
+        "shared_gpu": shared_gpus(svc),
     }
     return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def shared_gpus(svc: Services) -> dict[str, Any]:
+    """The setting ``shared_gpu``, and the P and D pairs it makes share a GPU (``reuse.load.shared_gpu``)."""
+    setting = svc.settings.shared_gpu
+    pairs = [
+        [p.url, d.url]
+        for p in svc.fleet.views("prefill")
+        for d in svc.fleet.views("decode")
+        if shared_gpu(setting, p, d)[0]
+    ]
+    return {"setting": setting, "pairs": pairs}
 
 
 async def metrics(request: Request) -> Response:

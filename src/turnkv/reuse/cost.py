@@ -85,7 +85,7 @@ class TurnFacts:
     # their new tokens: their chunks share D's steps with this turn's
     decode_prefills: int = 0
     decode_prefill_tokens: int = 0
-    shared_gpu: bool = False  # P and D share the GPU(s): P's prefills slow D's steps too (``Settings.shared_gpu``)
+    shared_gpu: bool = False  # P and D share the GPU(s): P's prefills slow D's steps too (``reuse.load.shared_gpu``)
 
 
 def prefill_s(p: CostParams, new: int, context: int) -> float:

@@ -27,12 +27,16 @@ is left to the policy's own model (``reuse.cost``: D's step estimated from its b
   reported nothing waiting at its last read; else the mean wait of the requests it scheduled between its
   last two reads (``vllm:request_queue_time_seconds``), at least one step; without that histogram, one
   step per waiting request (the source says so). Missing when there is no D or before its first read.
+* ``shared_gpu``: P and D compute on the same GPU(s), so that P's prefills slow D's steps as D's own do:
+  as the setting ``shared_gpu`` says, or with ``auto``, whether the two engines name a GPU in common
+  (turnkv's vLLM plugin names the GPUs an engine computes on by NVML UUID); false where either does not
+  say (the source says which).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # routing's scorers read P's queue from here
     from turnkv.engine.base import Histo
@@ -48,6 +52,7 @@ class LoadFacts:
     prefill_waiting: int = 0  # prefills at P now: this gateway's in flight there, and P's others
     decode_prefills: int = 0  # this gateway's decode-local turns prefilling on D now (no first token yet)
     decode_prefill_tokens: int = 0  # ... the tokens they prefill, all together
+    shared_gpu: bool = False  # P and D compute on the same GPU(s)
     # per fact: where its value came from, or "model:<why>" when the policy's model stands in for it
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -60,6 +65,7 @@ class LoadFacts:
             "decode_queue_ms": None if self.decode_queue_ms is None else round(self.decode_queue_ms, 1),
             "prefill_waiting": self.prefill_waiting,
             "decode_prefills": self.decode_prefills,
+            "shared_gpu": self.shared_gpu,
             "sources": dict(self.sources),
         }
 
@@ -145,12 +151,31 @@ def decode_queue(d: InstanceView | None, default_step_ms: float) -> tuple[float 
     return d.waiting * step, "model:waiting_x_step"
 
 
+def shared_gpu(setting: bool | Literal["auto"], p: InstanceView | None, d: InstanceView | None) -> tuple[bool, str]:
+    """(whether ``p`` and ``d`` compute on the same GPU, where that came from): the setting where it says
+    true or false; with ``auto``, whether they name a GPU in common."""
+    if setting != "auto":
+        return bool(setting), "setting"
+    if p is None or d is None:
+        return False, "auto:no_engine"
+    if not p.gpus or not d.gpus:
+        return False, "auto:gpus_unknown"
+    return not p.gpus.isdisjoint(d.gpus), "engines"
+
+
 def load_facts(
-    prefill: InstanceView | None, decode: InstanceView | None, now: float, *, default_step_ms: float = 15.0
+    prefill: InstanceView | None,
+    decode: InstanceView | None,
+    now: float,
+    *,
+    default_step_ms: float = 15.0,
+    gpu_setting: bool | Literal["auto"] = "auto",
 ) -> LoadFacts:
     """What the policy is told of the engines' load for a turn that would use ``prefill`` and ``decode``
-    (``default_step_ms``: D's step where it measured none, for its queue)."""
+    (``default_step_ms``: D's step where it measured none, for its queue; ``gpu_setting``: the setting
+    ``shared_gpu``)."""
     step, step_src = decode_step(decode)
+    shared, shared_src = shared_gpu(gpu_setting, prefill, decode)
     ctx, ctx_src = decode_context(decode)
     queue, queue_src = prefill_queue(prefill, now)
     dqueue, dqueue_src = decode_queue(decode, default_step_ms)
@@ -162,10 +187,12 @@ def load_facts(
         prefill_waiting=prefill_waiting(prefill),
         decode_prefills=decode.local_prefills if decode is not None else 0,
         decode_prefill_tokens=decode.local_prefill_tokens if decode is not None else 0,
+        shared_gpu=shared,
         sources={
             "decode_step_ms": step_src,
             "decode_context_tokens": ctx_src,
             "prefill_queue_ms": queue_src,
             "decode_queue_ms": dqueue_src,
+            "shared_gpu": shared_src,
         },
     )

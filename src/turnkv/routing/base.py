@@ -50,6 +50,7 @@ class InstanceView:
     in_flight_scraped: int = 0  # this gateway's requests in flight there when its metrics were last read
     local_prefills: int = 0  # this gateway's decode-local turns prefilling there (sent, no first token yet)
     local_prefill_tokens: int = 0  # ... the tokens they prefill, all together
+    gpus: frozenset[str] = frozenset()  # the GPUs it computes on, as it says (NVML UUIDs; empty: not known)
 
     @property
     def busy(self) -> int:

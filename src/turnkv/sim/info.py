@@ -19,6 +19,8 @@ from turnkv.sim.faults import FaultUpdate
 from turnkv.sim.requests import ApiError, ChatRequest, check_model, parse_body, validate
 from turnkv.sim.responses import random_uuid
 
+PLUGIN_HEADER = "x-turnkv-plugin"  # as turnkv's vLLM plugin (plugins/vllm-turnkv) sets it on a real engine
+
 if TYPE_CHECKING:
     from turnkv.sim.app import SimServer
 
@@ -165,7 +167,9 @@ class InfoRoutes:
         return Response(status_code=200)
 
     async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": self.s.settings.version})
+        gpus = self.s.settings.gpus
+        headers = {PLUGIN_HEADER: f"sim; gpus={','.join(gpus)}"} if gpus else None
+        return JSONResponse({"version": self.s.settings.version}, headers=headers)
 
     async def metrics(self, request: Request) -> Response:
         self.s.engine.report_load()  # pins freed and requests blocked between steps count now

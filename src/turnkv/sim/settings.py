@@ -21,6 +21,8 @@ class SimSettings(BaseModel):
     thinking: bool = True
     retokenize_drift: bool = False
     prompt_tokens_details: bool = False
+    # the GPUs it says it computes on, as turnkv's vLLM plugin says a real engine's (``x-turnkv-plugin``)
+    gpus: list[str] = Field(default_factory=list)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     faults: Faults = Field(default_factory=Faults)
 
@@ -68,6 +70,15 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
         help="some generated id sequences re-tokenize to different ids, as with BPE",
     )
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
+    p.add_argument(
+        "--gpu",
+        dest="gpus",
+        action="append",
+        default=[],
+        metavar="UUID",
+        help="say this engine computes on this GPU (repeat for several), as turnkv's vLLM plugin says "
+        "a real engine's in its x-turnkv-plugin header: a gateway with shared_gpu auto compares P's and D's",
+    )
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("cost model")
     g.add_argument("--time-scale", type=float, default=1.0, help="multiplies every simulated duration; 0 = free")
@@ -153,6 +164,7 @@ def settings_from_args(a: argparse.Namespace) -> SimSettings:
         thinking=a.thinking,
         retokenize_drift=a.retokenize_drift,
         prompt_tokens_details=a.enable_prompt_tokens_details,
+        gpus=a.gpus,
         engine=engine,
         faults=Faults(
             fail_next=a.fail_next, delay_ms=a.delay_ms, drop_next=a.drop_next, drop_after_chunks=a.drop_after_chunks

@@ -11,7 +11,8 @@ import the HTTP server, so nothing is imported here for them:
   yields (``rewrite.rewrite_event``). Closing the wrapper closes the original and the engine
   generator, so a client that goes away still aborts the request at once.
 * ``vllm.entrypoints.openai.api_server.build_app``: wrapped to add ``AdvertiseMiddleware`` (the
-  ``x-turnkv-plugin`` header) when at least one stream generator is patched.
+  ``x-turnkv-plugin`` header) when at least one stream generator is patched or the server's GPUs are
+  known (``gpus``: read from ``build_app``'s arguments and NVML).
 
 Nothing is patched on vLLM >= 0.33 (the stream classes have the field natively), before 0.26, or
 with ``VLLM_TURNKV_PLUGIN=0``.
@@ -32,11 +33,13 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_turnkv.middleware import AdvertiseMiddleware, header_value
+from vllm_turnkv.gpus import engine_gpus, load_nvml
+from vllm_turnkv.middleware import HEADER, AdvertiseMiddleware, header_value
 from vllm_turnkv.rewrite import FIELD, Kind, rewrite_event
 
 log = logging.getLogger("vllm.turnkv")  # under vLLM's logger, so its handler prints it
 DISABLE_ENV = "VLLM_TURNKV_PLUGIN"
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 CHAT_MODULE = "vllm.entrypoints.openai.chat_completion.serving"
 COMPLETION_MODULE = "vllm.entrypoints.openai.completion.serving"
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -210,11 +213,14 @@ def patch_build_app(module: ModuleType) -> str | None:
     @functools.wraps(orig)
     def build_app(*args: Any, **kwargs: Any) -> Any:
         app = orig(*args, **kwargs)  # imports the routers, which applies the deferred stream patches
-        if not STATE.patched:
-            log.info("turnkv plugin: no stream generator was patched; not advertising %s", "x-turnkv-plugin")
+        gpus = server_gpus(args[0] if args else kwargs.get("args"))
+        if not STATE.patched and not gpus:
+            log.info("turnkv plugin: no stream generator was patched, no GPU known; not advertising %s", HEADER)
             return app
+        value = header_value(STATE.version, STATE.patched, gpus)
         try:
-            add_middleware(app, AdvertiseMiddleware, value=header_value(STATE.version, STATE.patched))
+            add_middleware(app, AdvertiseMiddleware, value=value)
+            log.info("turnkv plugin: responses say %s: %s", HEADER, value)
         except Exception:
             log.exception("turnkv plugin: could not add the x-turnkv-plugin header")
         return app
@@ -222,6 +228,15 @@ def patch_build_app(module: ModuleType) -> str | None:
     build_app.__turnkv_patched__ = True  # type: ignore[attr-defined]
     module.build_app = build_app  # type: ignore[attr-defined]
     return None
+
+
+def server_gpus(args: Any) -> list[str]:
+    """The UUIDs of the GPUs the server computes on (``gpus``), [] where unknown; never raises."""
+    try:
+        return engine_gpus(args, os.environ.get(VISIBLE_ENV), load_nvml())
+    except Exception:
+        log.exception("turnkv plugin: could not tell which GPUs this server computes on")
+        return []
 
 
 # -- applying patches now or when a module is imported -------------------------------------

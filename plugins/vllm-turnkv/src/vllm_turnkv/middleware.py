@@ -1,17 +1,19 @@
 """An ASGI middleware that advertises the plugin on every HTTP response of the API server.
 
 The header lets a router learn at start, with one cheap ``GET /version`` (or ``/health``), that this
-server's streaming chat and completions responses end with D's ``kv_transfer_params``:
+server's streaming chat and completions responses end with D's ``kv_transfer_params``, and which GPUs it
+computes on:
 
-    x-turnkv-plugin: 0.1.0; streams=chat,completions
+    x-turnkv-plugin: 0.1.0; streams=chat,completions; gpus=GPU-5f2c...,GPU-9a01...
 
-``streams`` lists the stream generators that were actually patched in this process.
+``streams`` lists the stream generators that were actually patched in this process; ``gpus`` the
+devices' NVML UUIDs (``gpus``), absent where they could not be read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, NamedTuple
 
 HEADER = "x-turnkv-plugin"
 
@@ -22,21 +24,28 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def header_value(version: str, streams: list[str]) -> str:
-    return f"{version}; streams={','.join(streams)}"
+class Advert(NamedTuple):
+    version: str
+    streams: frozenset[str]  # stream kinds whose chunks end with the handle
+    gpus: frozenset[str]  # the NVML UUIDs of the devices the server computes on (empty: not known)
 
 
-def parse_header_value(value: str | None) -> tuple[str, frozenset[str]] | None:
-    """``(version, streams)`` from a header value, or None when absent or malformed (for routers)."""
+def header_value(version: str, streams: list[str], gpus: list[str] | None = None) -> str:
+    value = f"{version}; streams={','.join(streams)}"
+    return f"{value}; gpus={','.join(gpus)}" if gpus else value
+
+
+def parse_header_value(value: str | None) -> Advert | None:
+    """What a header value says, or None when absent or malformed (for routers)."""
     if not value:
         return None
     version, _, rest = value.partition(";")
-    streams: frozenset[str] = frozenset()
+    lists: dict[str, frozenset[str]] = {}
     for part in rest.split(";"):
         key, _, val = part.strip().partition("=")
-        if key == "streams":
-            streams = frozenset(s for s in val.split(",") if s)
-    return (version.strip(), streams) if version.strip() else None
+        lists[key] = frozenset(s.strip() for s in val.split(",") if s.strip())
+    empty: frozenset[str] = frozenset()
+    return Advert(version.strip(), lists.get("streams", empty), lists.get("gpus", empty)) if version.strip() else None
 
 
 class AdvertiseMiddleware:

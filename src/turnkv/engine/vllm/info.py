@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from turnkv.engine.base import EngineInfo, Histo, LoadSample, Transfers
 
 log = logging.getLogger("turnkv.engine.vllm")
-PLUGIN_HEADER = "x-turnkv-plugin"  # set by plugins/vllm-turnkv: "<version>; streams=chat,completions"
+PLUGIN_HEADER = "x-turnkv-plugin"  # set by plugins/vllm-turnkv: "<version>; streams=chat,completions; gpus=GPU-..."
 _PROGRESS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")  # work done: moving means busy
 _SUMMED = (
     *_PROGRESS,
@@ -50,9 +50,19 @@ def version_tuple(v: str | None) -> tuple[int, ...]:
         return ()
 
 
+def plugin_lists(value: str) -> dict[str, frozenset[str]]:
+    """The lists the plugin's header carries (``streams``, ``gpus``), by key; {} where it is absent."""
+    out: dict[str, frozenset[str]] = {}
+    for part in value.split(";")[1:]:
+        key, _, val = part.partition("=")
+        out[key.strip()] = frozenset(v.strip() for v in val.split(",") if v.strip())
+    return out
+
+
 def engine_info(version: str | None, plugin: str, *, base: str, decode: bool) -> EngineInfo:
     """What a vLLM version (and turnkv's plugin, when installed) means for turnkv."""
-    streams = version_tuple(version) >= (0, 33) or "chat" in plugin.partition("streams=")[2].split(",")
+    lists = plugin_lists(plugin)
+    streams = version_tuple(version) >= (0, 33) or "chat" in lists.get("streams", ())
     if not streams and decode:
         log.warning(
             "instance.no_stream_handles url=%s version=%s: streamed turns get no KV handle and run as "
@@ -62,7 +72,10 @@ def engine_info(version: str | None, plugin: str, *, base: str, decode: bool) ->
             version,
         )
     return EngineInfo(
-        version=version, stream_handles=True if streams else None, takes_prompt_ids=version_tuple(version) >= (0, 32)
+        version=version,
+        stream_handles=True if streams else None,
+        takes_prompt_ids=version_tuple(version) >= (0, 32),
+        gpus=lists.get("gpus", frozenset()),
     )
 
 

@@ -138,7 +138,6 @@ def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> Keep:
         decode_holds=d is not None and room(svc, d, load).ok,
         block_size=bs,
         load=load,
-        shared_gpu=svc.settings.shared_gpu,
     )
     return svc.policy.keeps_pin(f, costs)
 

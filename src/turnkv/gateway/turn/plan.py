@@ -65,7 +65,9 @@ def room(svc: Services, decode: InstanceView, load: LoadFacts) -> DecodeRoom:
 
 def turn_load(svc: Services, prefill: InstanceView | None, decode: InstanceView | None, costs: CostParams) -> LoadFacts:
     """The engines' load for a turn on ``prefill`` and ``decode``, now on the fleet's clock (``reuse.load``)."""
-    return load_facts(prefill, decode, svc.fleet.now(), default_step_ms=costs.step_base_s * 1e3)
+    return load_facts(
+        prefill, decode, svc.fleet.now(), default_step_ms=costs.step_base_s * 1e3, gpu_setting=svc.settings.shared_gpu
+    )
 
 
 def likely_prefill_cached(rec: ConversationRecord | None, prefill: InstanceView | None, block_size: int) -> int:
@@ -96,11 +98,10 @@ def facts(
     decode_holds: bool,
     block_size: int,
     load: LoadFacts,
-    shared_gpu: bool,
 ) -> TurnFacts:
     """What the policy is told of a turn continuing ``rec`` (None: nothing stored): ``matched`` tokens of
     D's sequence extend the prompt; D may run the turn itself when it ``decode_holds`` them; ``load``:
-    the engines' load (``turn_load``); ``shared_gpu``: P and D share the GPU(s) (the deployment says)."""
+    the engines' load and whether they share a GPU (``turn_load``)."""
     return TurnFacts(
         prompt_tokens=prompt_tokens,
         reusable_tokens=matched if rec is not None and rec.handle is not None else 0,
@@ -119,7 +120,7 @@ def facts(
         # the decode-local turns this gateway has prefilling on that D: their chunks share its steps
         decode_prefills=load.decode_prefills,
         decode_prefill_tokens=load.decode_prefill_tokens,
-        shared_gpu=shared_gpu,
+        shared_gpu=load.shared_gpu,
     )
 
 
@@ -213,7 +214,6 @@ def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
         decode_holds=holds,
         block_size=bs,
         load=load,
-        shared_gpu=svc.settings.shared_gpu,
     )
     decision = svc.policy.decide(f, costs)
     if decision.reason is not None:
@@ -277,7 +277,6 @@ def _decide_unrendered(
         decode_holds=d_room is not None and d_room.ok,
         block_size=svc.settings.block_size,
         load=load,
-        shared_gpu=svc.settings.shared_gpu,
     )
     return prefill, load, d_room, f, svc.policy.decide(f, costs)
 
