@@ -323,6 +323,7 @@ def vllm_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     return cmd, env
 
 
+SIM_GPU = "GPU-00000000-sim0-0000-0000-000000000000"
 SIM_FLAGS = {
     "--no-enable-prefix-caching": ["--no-prefix-caching"],
     "--enable-prefix-caching": ["--prefix-caching"],
@@ -358,6 +359,8 @@ def sim_command(spec: EngineSpec, time_scale: float) -> tuple[list[str], dict[st
     ]  # vLLM runs without a reasoning parser
     if not spec.bidirectional:
         cmd.append("--no-bidirectional")
+    if spec.plugin:
+        cmd += ["--gpu", SIM_GPU]  # as the plugin says the one H200 every engine there shares
     for k, v in spec.kv_extra.items():
         if k == "decoder_kv_blocks_ttl":
             cmd += ["--decoder-kv-blocks-ttl", str(v)]

@@ -5,8 +5,9 @@
   off), decode D0 on :8200 (no plugin) and decode D1 on :8300 (turnkv plugin), 0.25 of the GPU each,
   NIXL with bidirectional KV on all three, request chat templates allowed (the correctness runs send
   the "strip" template per request). For fixtures, the plugin check and correctness.
-* ``pair8b``: the kit's 8b model with dummy weights (Qwen3-8B shape), P on :8100 and D on :8200 (with
-  the plugin, so streamed turns capture D's handle), 0.42 each as the kit's pd_up.sh. For TTFT.
+* ``pair8b``: the kit's 8b model with dummy weights (Qwen3-8B shape), P on :8100 and D on :8200, both with
+  the plugin (on D so that streamed turns capture D's handle, on both so that each says which GPU it
+  computes on), 0.42 each as the kit's pd_up.sh. For TTFT and load.
 * ``pair1b``: the kit's 1b model, for link-rate experiments (engine restarts are cheaper).
 
 usage: engines.py up trio|pair8b|pair1b [--p-flags=...] [--ucx NAME=VALUE ...]
@@ -101,7 +102,16 @@ def pair(
     model = str(devlib.KIT / f"model-{size}-keep")
     common = {"model": model, "mem": mem, "env": dict(env or {}), "kv_extra": dict(kv_extra or {})}
     return [
-        EngineSpec("p", "prefill", 8100, 5600, flags=list(p_flags or []), sim_extra=list(p_sim_extra or []), **common),  # type: ignore[arg-type]
+        EngineSpec(
+            "p",
+            "prefill",
+            8100,
+            5600,
+            plugin=True,  # it says which GPU it computes on: the gateway's shared_gpu auto compares it with D's
+            flags=list(p_flags or []),
+            sim_extra=list(p_sim_extra or []),
+            **common,
+        ),  # type: ignore[arg-type]
         EngineSpec(
             "d",
             "decode",

@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +73,28 @@ def goodput_at(
     }
 
 
-def mode_keys(results: Sequence[dict[str, Any]]) -> list[tuple[str, str, str]]:
-    """(label, mode, key) per mode run: the key is the mode's name, or ``mode (label)`` where more than one
-    input ran that mode (a later session's same-run anchor beside an earlier one's)."""
-    runs = [(str(res.get("label")), m["mode"]) for res in results for m in res.get("modes", [])]
-    twice = {mode for _, mode in runs if sum(1 for _, m in runs if m == mode) > 1}
-    return [(label, mode, f"{mode} ({label})" if mode in twice else mode) for label, mode in runs]
+def base(key: str) -> str:
+    """The mode a key (``mode_keys``) names."""
+    return key.split(" ")[0]
+
+
+def mode_keys(results: Sequence[dict[str, Any]]) -> list[tuple[str, str, int, str]]:
+    """(label, mode, round, key) per mode run: the key is the mode's name, with `` (label)`` where more than
+    one input ran that mode (a later session's same-run anchor beside an earlier one's) and `` #round``
+    where one input ran it in several rounds (``gpu/load.py --rounds``)."""
+    runs = [(str(res.get("label")), m["mode"], int(m.get("round", 1))) for res in results for m in res.get("modes", [])]
+    labels: dict[str, set[str]] = {}
+    rounds: dict[tuple[str, str], int] = {}
+    for label, mode, rnd in runs:
+        labels.setdefault(mode, set()).add(label)
+        rounds[(label, mode)] = max(rounds.get((label, mode), 0), rnd)
+    out = []
+    for label, mode, rnd in runs:
+        key = (
+            mode + (f" ({label})" if len(labels[mode]) > 1 else "") + (f" #{rnd}" if rounds[(label, mode)] > 1 else "")
+        )
+        out.append((label, mode, rnd, key))
+    return out
 
 
 def points(
@@ -86,17 +103,18 @@ def points(
     """conversations -> mode key (``mode_keys``) -> the wave's summary (the last wave of that count, if
     several), its ``goodput`` recomputed at ``slo`` where given."""
     out: dict[int, dict[str, dict[str, Any]]] = {}
-    keys = {(label, mode): key for label, mode, key in mode_keys(results)}
+    keys = {(label, mode, rnd): key for label, mode, rnd, key in mode_keys(results)}
     for res in results:
         answer = int(res.get("args", {}).get("answer_tokens", 128))
         for m in res.get("modes", []):
-            rows = res.get("requests", {}).get(m["mode"], [])
-            key = keys[(str(res.get("label")), m["mode"])]
+            rnd = int(m.get("round", 1))
+            rows = res.get("requests", {}).get(m.get("requests_key", m["mode"]), [])
+            key = keys[(str(res.get("label")), m["mode"], rnd)]
             for w in m.get("waves", []):
                 if "goodput" in w:
                     if slo is not None:
                         w = {**w, "goodput": {**w["goodput"], **goodput_at(rows, w, answer, slo)}}
-                    out.setdefault(int(w["conversations"]), {})[key] = {**w, "label": res.get("label")}
+                    out.setdefault(int(w["conversations"]), {})[key] = {**w, "label": res.get("label"), "round": rnd}
     return dict(sorted(out.items()))
 
 
@@ -137,9 +155,9 @@ def rows(pts: dict[int, dict[str, dict[str, Any]]], modes: Sequence[str]) -> tup
 
 
 def _same_run(wave: dict[str, Any], mode: str, by_mode: dict[str, dict[str, Any]]) -> str | None:
-    """The key of ``mode``'s wave from the same run (input file) as ``wave``, if that run had it."""
+    """The key of ``mode``'s wave from the same run (input file) and round as ``wave``, if that run had it."""
     for k, w in by_mode.items():
-        if k.split(" (")[0] == mode and w.get("label") == wave.get("label"):
+        if base(k) == mode and w.get("label") == wave.get("label") and w.get("round") == wave.get("round"):
             return k
     return None
 
@@ -153,9 +171,9 @@ def targets(
     head += ["/ plain (ITL p99)", "plain compared"]
     body = []
     for n, by_mode in pts.items():
-        base = {k: _good(w) for k, w in by_mode.items() if k.split(" (")[0] in BASELINES}
-        best = max(base, key=lambda m: base[m] or 0.0) if base else None
-        for key in [k for k in by_mode if k.split(" (")[0] in ours]:
+        baseline = {k: _good(w) for k, w in by_mode.items() if base(k) in BASELINES}
+        best = max(baseline, key=lambda m: baseline[m] or 0.0) if baseline else None
+        for key in [k for k in by_mode if base(k) in ours]:
             w = by_mode[key]
             plain = _same_run(w, "plain", by_mode)
             pw = by_mode.get(plain) if plain else None
@@ -163,14 +181,112 @@ def targets(
                 [
                     str(n),
                     key,
-                    f"{best} ({_f(base[best], 2)}/s)" if best else "-",
-                    _ratio(_good(w), base.get(best) if best else None),
+                    f"{best} ({_f(baseline[best], 2)}/s)" if best else "-",
+                    _ratio(_good(w), baseline.get(best) if best else None),
                     _ratio(_good(w), _good(pw)),
                     _ratio(w["itl_ms"]["p99"], pw["itl_ms"]["p99"] if pw else None),
                     plain or "-",
                 ]
             )
     return head, body
+
+
+# -- several rounds (gpu/load.py --rounds): the spread of each mode, and the ratios of its medians --------
+
+Get = Callable[[dict[str, Any]], float | None]
+FIGURES: dict[str, Get] = {
+    "goodput": _good,
+    "itl_p99": lambda w: w["itl_ms"]["p99"],
+    "later_ttft_p50": lambda w: w["ttft_ms"]["later turns"]["p50"],
+    "later_ttft_p99": lambda w: w["ttft_ms"]["later turns"]["p99"],
+}
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def by_base(by_mode: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """A count's waves grouped by the mode they ran (every round, every part)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for k, w in by_mode.items():
+        out.setdefault(base(k), []).append(w)
+    return out
+
+
+def _values(waves: Sequence[dict[str, Any]], get: Get) -> list[float]:
+    return [v for v in (get(w) for w in waves) if v is not None]
+
+
+def _spread(xs: Sequence[float], digits: int) -> str:
+    if not xs:
+        return "-"
+    return f"{_f(_median(xs), digits)} ({_f(min(xs), digits)}-{_f(max(xs), digits)})"
+
+
+def spread(pts: dict[int, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]]:
+    """Per count and mode, over its rounds: goodput, ITL p99 and later turns' TTFT p50 and p99."""
+    head = ["conversations", "mode", "rounds", "goodput /s", "ITL p99 ms", "TTFT p50 later ms", "TTFT p99 later ms"]
+    body = []
+    for n, by_mode in pts.items():
+        for mode, waves in by_base(by_mode).items():
+            body.append(
+                [str(n), mode, str(len(waves))]
+                + [
+                    _spread(_values(waves, FIGURES[f]), 2 if f == "goodput" else 1 if f == "itl_p99" else 0)
+                    for f in FIGURES
+                ]
+            )
+    return head, body
+
+
+def spread_targets(
+    pts: dict[int, dict[str, dict[str, Any]]], ours: Sequence[str] = (OURS,)
+) -> tuple[list[str], list[list[str]]]:
+    """Per count and mode of ours: its median goodput against the best baseline's median, and the median
+    over rounds of its goodput and ITL p99 against plain P/D's of the same round (paired: the two ran a
+    minute or two apart)."""
+    head = ["conversations", "mode", "best baseline (median)", "/ best baseline (goodput, medians)"]
+    head += ["/ plain, same round (goodput: median, range)", "/ plain, same round (ITL p99: median, range)"]
+    body = []
+    for n, by_mode in pts.items():
+        groups = by_base(by_mode)
+        med = {m: _median(_values(ws, _good)) for m, ws in groups.items()}
+        baselines = {m: v for m, v in med.items() if m in BASELINES and v is not None}
+        best = max(baselines, key=lambda m: baselines[m]) if baselines else None
+        for mode in [m for m in groups if m in ours]:
+            pairs = []
+            for w in groups[mode]:
+                plain = _same_run(w, "plain", by_mode)
+                if plain is not None:
+                    pairs.append((w, by_mode[plain]))
+            good = [a / b for a, b in ((_good(w), _good(p)) for w, p in pairs) if a is not None and b]
+            itl = [w["itl_ms"]["p99"] / p["itl_ms"]["p99"] for w, p in pairs if p["itl_ms"]["p99"]]
+            body.append(
+                [
+                    str(n),
+                    mode,
+                    f"{best} ({_f(baselines[best], 2)}/s)" if best else "-",
+                    _ratio(med[mode], baselines.get(best) if best else None),
+                    _spread(good, 2) + f" of {len(good)}",
+                    _spread(itl, 2) + f" of {len(itl)}",
+                ]
+            )
+    return head, body
+
+
+def medians(pts: dict[int, dict[str, dict[str, Any]]]) -> dict[int, dict[str, dict[str, Any]]]:
+    """Each count's median wave per mode, as ``plot`` reads a wave."""
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for n, by_mode in pts.items():
+        for mode, waves in by_base(by_mode).items():
+            m = {f: _median(_values(waves, get)) for f, get in FIGURES.items()}
+            out.setdefault(n, {})[mode] = {
+                "goodput": {"goodput_per_s": m["goodput"]},
+                "ttft_ms": {"later turns": {"p99": m["later_ttft_p99"]}},
+                "itl_ms": {"p99": m["itl_p99"]},
+            }
+    return out
 
 
 def plot(pts: dict[int, dict[str, dict[str, Any]]], modes: Sequence[str], title: str, path: Path) -> None:
@@ -238,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     results = [json.loads(p.read_text()) for p in inputs]
     a.out.mkdir(parents=True, exist_ok=True)
     pts = points(results, slos[0])
-    modes = list(dict.fromkeys(key for _, _, key in mode_keys(results)))
+    modes = list(dict.fromkeys(key for _, _, _, key in mode_keys(results)))
+    several = any(int(m.get("round", 1)) > 1 for res in results for m in res.get("modes", []))
     sim = any(res.get("backend") == "sim" for res in results)
     title = "goodput sweep" + (" (SIMULATOR: says the scripts work, nothing about the GPU)" if sim else ", one H200")
     parts = [INTRO]
@@ -258,9 +375,17 @@ def main(argv: list[str] | None = None) -> int:
         parts += [f"\n## Per count and mode, goodput at {slo_name(slo)}\n", md_table(head, body)]
         thead, tbody = targets(pts, a.ours or [OURS])
         parts += [f"\n## The issue's ratios at {slo_name(slo)}\n", md_table(thead, tbody)]
+        if several:
+            shead, sbody = spread(pts)
+            rhead, rbody = spread_targets(pts, a.ours or [OURS])
+            parts += [f"\n## Across rounds at {slo_name(slo)}: median (min-max)\n", md_table(shead, sbody)]
+            parts += [f"\n## The issue's ratios across rounds at {slo_name(slo)}\n", md_table(rhead, rbody)]
+            print(md_table(shead, sbody))
+            print(md_table(rhead, rbody))
         if pts:
             name = "goodput.png" if i == 0 else f"goodput_tpot{slo[1]:g}.png"
-            plot(pts, modes, f"{title}; goodput at {slo_name(slo)}", a.out / name)
+            shown, names = (medians(pts), list(dict.fromkeys(base(k) for k in modes))) if several else (pts, modes)
+            plot(shown, names, f"{title}; goodput at {slo_name(slo)}" + (" (medians)" if several else ""), a.out / name)
             parts.append(f"\n![goodput, TTFT p99, ITL p99 against conversations]({name})\n")
         print(f"goodput at {slo_name(slo)}")
         print(md_table(head, body))

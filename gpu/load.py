@@ -6,10 +6,14 @@ started once (or found running) and kept across modes; ``--p-cache off`` restart
 the order given (``--modes``):
 * ``plain``: through a turnkv gateway without a conversation id: vLLM's P/D, each turn recomputed on P
   (or served from P's prefix cache); the gateway gives D's unused handle back at once;
-* ``adaptive``: turnkv's adaptive policy (``X-Session-ID``);
+* ``adaptive``: turnkv's adaptive policy (``X-Session-ID``), ``shared_gpu`` left at ``auto`` (the default): with
+  the plugin on both engines the gateway finds they share the GPU;
+* ``adaptive-separate``: the same told P and D do not share it (``shared_gpu: false``; what ``auto`` gave
+  before P had the plugin);
 * ``adaptive-pull``: the same with decode-local off (``policy.params.decode_local: false``);
 * ``adaptive-shared``: the same told that P and D share the GPU (the setting ``shared_gpu: true``), as
-  they do here: the ITL checks then refuse decode-local only where P would prefill less than D;
+  they do here: the ITL checks then refuse decode-local only where P would prefill less than D (``auto``
+  finds the same where both engines have the plugin);
 * ``adaptive-first``: adaptive with first turns on D allowed while prefills wait at P
   (``policy.params.decode_local_first: true``);
 * ``vllm-multiturn``: the gateway as vLLM's multi-turn proxy (policy ``vllm-multiturn``: every later turn
@@ -126,6 +130,7 @@ MODES = {
     "vllm-multiturn": Mode("vllm-multiturn", gateway=True, session=True, policy="vllm-multiturn"),
     # P and D share the GPU here: the policy told so (its ITL checks then refuse only what P would compute less of)
     "adaptive-shared": Mode("adaptive-shared", gateway=True, session=True, settings=(("shared_gpu", True),)),
+    "adaptive-separate": Mode("adaptive-separate", gateway=True, session=True, settings=(("shared_gpu", False),)),
     "adaptive-first": Mode("adaptive-first", gateway=True, session=True, params=(("decode_local_first", True),)),
     "colocated": Mode("colocated", gateway=False, session=False),
     "pd-direct": Mode("pd-direct", gateway=False, session=False),
@@ -258,6 +263,27 @@ def gateway_counters(url: str) -> dict[str, dict[str, float]]:
         key = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         out.setdefault(name, {})[key] = value
     return out
+
+
+def gpus_told(url: str, timeout_s: float = 6.0) -> dict[str, Any]:
+    """What the gateway's ``/ready`` says of the engines' GPUs (each engine's ``gpus``, the ``shared_gpu``
+    setting and the pairs it makes share one), once it has read both engines' (bounded: the fleet reads
+    ``/version`` at its first health probe); {} when it could not be read."""
+    deadline = time.monotonic() + timeout_s
+    body: dict[str, Any] = {}
+    while True:
+        try:
+            body = json.loads(devlib.get(url, "/ready", timeout=5).raw)
+        except (OSError, ValueError):
+            body = {}
+        engines = [*body.get("prefill", []), *body.get("decode", [])]
+        if (engines and all(e.get("gpus") for e in engines)) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    return {
+        "gpus": {e.get("url"): e.get("gpus") for e in engines},
+        "shared_gpu": body.get("shared_gpu"),
+    }
 
 
 def counter_delta(
@@ -512,9 +538,12 @@ def run_mode(
     end: float,
     res: dict[str, Any],
     rows: list[list[Any]],
+    rnd: int = 1,
 ) -> dict[str, Any]:
+    """One mode's waves (``rnd``: which round of ``--rounds``)."""
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"mode": mode.name, "at_start": settle(d), "waves": []}
+    key = mode.name if rnd == 1 else f"{mode.name}@{rnd}"
+    out: dict[str, Any] = {"mode": mode.name, "round": rnd, "requests_key": key, "at_start": settle(d), "waves": []}
     gw_name = f"gw-{mode.name}"
     settings: dict[str, Any] = {
         "health_interval_s": 1.0,
@@ -533,6 +562,8 @@ def run_mode(
                 devlib.gateway(gw_name, GATEWAY_PORT, [p], [d], policy=mode.policy, settings=settings)
             )
             out["gateway_settings"] = settings
+            out["gateway_gpus"] = gpus_told(gw)
+            devlib.log(f"{a.label} {key}: the gateway's view of the GPUs: {json.dumps(out['gateway_gpus'])}")
             target = Target(url=gw)
         elif mode.name == "pd-direct":
             target = Target(prefill=p, decode=d)
@@ -558,7 +589,9 @@ def run_mode(
                 concurrency=n,
                 session_header=mode.session,
                 model=devlib.MODEL_NAME,
-                seed=seed_for(a.label, mode.name, wave),
+                seed=seed_for(a.label, key, wave),  # new prompts each round: nothing cached from an earlier one
+                # the same think times for every mode of a round: their waves differ in what they serve only
+                think_seed=seed_for(a.label, f"round {rnd}", wave),
                 duration_s=max(1.0, end - now),
                 request_timeout_s=a.request_timeout_s,
             )
@@ -587,7 +620,7 @@ def run_mode(
             rows.extend(wave_rows[: max(0, MAX_REQUEST_ROWS - len(rows))])
             t = summary["ttft_ms"]
             devlib.log(
-                f"{a.label} {mode.name} wave {wave} ({n} conv): {summary['answered']}/{summary['requests_expected']} "
+                f"{a.label} {key} wave {wave} ({n} conv): {summary['answered']}/{summary['requests_expected']} "
                 f"answered, {summary['hung']} hung, {summary['failed']} failed, {summary['not_sent']} not "
                 f"sent{' (CUT)' if cut else ''}; TTFT p50/p99 ms turn 1 {t['turn 1']['p50']}/"
                 f"{t['turn 1']['p99']}, later {t['later turns']['p50']}/{t['later turns']['p99']}; ITL "
@@ -619,6 +652,13 @@ def main(argv: list[str] | None = None) -> int:
         "--conversations", default="32", help="conversations at once; a comma-separated list sweeps them in turn"
     )
     ap.add_argument("--waves", type=int, default=2, help="waves per conversation count")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the list of modes this many times over, interleaved (A B C A B C): the spread of one mode's "
+        "rounds is this GPU's noise, and each round's modes ran within a minute or two of each other",
+    )
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput's TTFT SLO (vLLM's ttft:2000)")
     ap.add_argument("--slo-tpot-ms", type=float, default=30.0, help="goodput's TPOT SLO (vLLM's tpot:30)")
     ap.add_argument("--turns", type=int, default=5)
@@ -657,11 +697,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-time-scale", type=float, default=1.0, help="simulator only")
     a = ap.parse_args(argv)
     a.levels = sorted(int(x) for x in str(a.conversations).split(",") if x)
-    if not a.levels or min(a.levels) < 1 or a.waves < 1:
-        ap.error("--conversations needs counts >= 1 and --waves >= 1")
+    if not a.levels or min(a.levels) < 1 or a.waves < 1 or a.rounds < 1:
+        ap.error("--conversations needs counts >= 1, --waves and --rounds >= 1")
     t_start = time.perf_counter()
     end = t_start + a.time_budget_s
-    modes = [MODES[m] for m in a.modes.split(",") if m]
+    listed = [MODES[m] for m in a.modes.split(",") if m]
+    runs = [(r + 1, mode) for r in range(a.rounds) for mode in listed]
     res: dict[str, Any] = {
         "backend": devlib.backend(),
         "label": a.label,
@@ -688,7 +729,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         res["requests"] = {}
         ratio: list[float] = []  # measured / estimated, per finished wave
-        for mode in modes:
+        for rnd, mode in runs:
+            key = mode.name if rnd == 1 else f"{mode.name}@{rnd}"  # its request rows' key
             est = [
                 estimate_wave_s(
                     n,
@@ -707,13 +749,14 @@ def main(argv: list[str] | None = None) -> int:
             need = sum(est) * scale + (15.0 if mode.gateway else 5.0)
             left = end - time.perf_counter()
             if need > left:
-                res["skipped"].append({"mode": mode.name, "needed_s": round(need, 1), "left_s": round(left, 1)})
-                devlib.log(f"{a.label} {mode.name}: skipped, needs ~{need:.0f} s, {left:.0f} s left")
+                skip = {"mode": mode.name, "round": rnd, "needed_s": round(need, 1), "left_s": round(left, 1)}
+                res["skipped"].append(skip)
+                devlib.log(f"{a.label} {key}: skipped, needs ~{need:.0f} s, {left:.0f} s left")
                 continue
             restarted = restart_d_if_full(specs[1], a, end)
-            res["modes"].append({"mode": mode.name})
-            rows = res["requests"][mode.name] = []
-            m = run_mode(a, mode, p, d, vocab, allowed, end, res, rows)
+            res["modes"].append({"mode": mode.name, "round": rnd, "requests_key": key})
+            rows = res["requests"][key] = []
+            m = run_mode(a, mode, p, d, vocab, allowed, end, res, rows, rnd)
             m.update(estimate_wave_s=[round(e, 1) for e in est], d_restarted_before=restarted)
             res["modes"][-1] = m
             ratio += [

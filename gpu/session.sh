@@ -20,13 +20,18 @@
 #                            stops both                                                                 ~9 min
 #   bash gpu/session.sh G3   setup, 8b pair, 8-64 conversations: adaptive told P and D share the GPU
 #                            (shared_gpu), then plain P/D; stops both                                   ~9.5 min
+#   bash gpu/session.sh G4   setup, 8b pair (the plugin on P too: shared_gpu auto finds the one GPU),
+#                            8, 16, 32 conversations: adaptive, plain, colocated, in rounds (A B C A B C)
+#                            until the time is up                                                       ~9.5 min
+#   bash gpu/session.sh G5   the same engines: rounds of adaptive, plain, colocated, vllm-multiturn;
+#                            stops both                                                                 ~9.5 min
 # (L1-L3, G1-G2: gpu/load.py; TURNKV_LOAD_ARGS adds flags to its command line, e.g. smaller sizes on the simulator)
 # Every step has its own time limit so the call ends well inside the tool's 10 minutes and the
 # results (and engine logs) are always packed into $OUT. Engines started here outlive the call
 # (process sessions of their own) until a later part stops them or the machine goes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1, G2 or G3}"
+part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G5}"
 : "${OUT:=${TURNKV_GPU_STATE:-/root/gpu-state}/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -114,6 +119,17 @@ case "$part" in
     # nothing in load.py runs past its budget but stopping a gateway (<= 40 s) and writing its JSON
     step "load_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
     [ "$part" = L3 ] && python3 gpu/engines.py down
+    ;;
+  G4|G5)  # issue 11 again: shared_gpu found by the gateway (auto), and rounds of modes for this GPU's noise
+    load=(python3 gpu/load.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --p-cache on --turns 3 --waves 1
+          --conversations 8,16,32)
+    case "$part" in
+      G4) if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }; fi
+          load+=(--label G4_8-32 --modes adaptive,plain,colocated --rounds 3) ;;
+      G5) load+=(--label G5_8-32 --modes adaptive,plain,colocated,vllm-multiturn --rounds 2) ;;
+    esac
+    step "goodput_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
+    [ "$part" = G4 ] || python3 gpu/engines.py down
     ;;
   G1|G2|G3)  # issue 11's goodput on the GPU: a sweep of conversations at once, one wave per count and mode
     # the modes run in order; one that load.py estimates will not fit the call's budget is skipped

@@ -99,3 +99,58 @@ def test_the_estimate_grows_with_the_load_and_with_a_cold_prefill_cache() -> Non
     assert est(32, 4) < est(64, 4) and est(32, 3) < est(32, 4)
     assert est(32, 4, p_cache=False) > est(32, 4)
     assert est(32, 4, "colocated", p_cache=False) == est(32, 4, "colocated")  # colocated does not use P
+
+
+def test_one_think_seed_pauses_conversations_alike_whatever_their_words() -> None:
+    def run(seed: int, think_seed: int | None) -> tuple[list[float], str]:
+        conv = Conversation(0, WorkloadSpec(seed=seed, think_seed=think_seed, system_tokens=20, user_tokens=5))
+        pauses = []
+        for _ in range(4):
+            conv.next_request()
+            pauses.append(conv.think_time())
+        return pauses, str(conv.messages)
+
+    a, b = run(1, think_seed=7), run(2, think_seed=7)
+    assert a[0] == b[0] and a[1] != b[1]  # the same pauses, other words (no prefix P could have cached)
+    assert run(1, None)[0] != run(2, None)[0]  # without a think seed, the words' seed draws the pauses too
+    assert run(1, None) == run(1, None)
+
+
+def test_rounds_of_modes_are_compared_with_plain_of_the_same_round() -> None:
+    import goodput_report as gr
+
+    def wave(good: float, itl: float) -> dict[str, object]:
+        return {
+            "wave": 1,
+            "conversations": 8,
+            "wall_s": 10.0,
+            "goodput": {"goodput_per_s": good},
+            "itl_ms": {"p50": 20.0, "p99": itl},
+            "ttft_ms": {"turn 1": {"p50": 1, "p99": 2}, "later turns": {"p50": 100.0, "p99": 200.0}},
+        }
+
+    def part(label: str, runs: list[tuple[str, int, float, float]]) -> dict[str, object]:
+        modes = [{"mode": m, "round": r, "requests_key": m, "waves": [wave(g, i)]} for m, r, g, i in runs]
+        return {"label": label, "modes": modes, "requests": {}}
+
+    g4 = part(
+        "G4", [("adaptive", 1, 2.0, 60.0), ("plain", 1, 1.0, 50.0), ("adaptive", 2, 3.0, 40.0), ("plain", 2, 2.0, 50.0)]
+    )
+    g5 = part("G5", [("adaptive", 1, 1.5, 55.0), ("plain", 1, 3.0, 50.0), ("colocated", 1, 2.5, 90.0)])
+    keys = [k for *_, k in gr.mode_keys([g4, g5])]
+    assert keys == [
+        "adaptive (G4) #1",
+        "plain (G4) #1",
+        "adaptive (G4) #2",
+        "plain (G4) #2",
+        "adaptive (G5)",
+        "plain (G5)",
+        "colocated",
+    ]
+    pts = gr.points([g4, g5])
+    head, body = gr.spread(pts)
+    assert body[0][:5] == ["8", "adaptive", "3", "2.00 (1.50-3.00)", "55.0 (40.0-60.0)"]
+    _, (row,) = gr.spread_targets(pts, ["adaptive"])
+    # paired with plain of the same part and round: 2/1, 3/2, 1.5/3; ITL 60/50, 40/50, 55/50
+    assert row[4] == "1.50 (0.50-2.00) of 3" and row[5] == "1.10 (0.80-1.20) of 3"
+    assert row[2] == "colocated (2.50/s)" and row[3] == "0.80x"  # medians: adaptive 2.0, plain 2.0, colocated 2.5

@@ -32,6 +32,9 @@ class WorkloadSpec:
     session_header: bool = True  # send X-Session-ID
     model: str = "sim-model"
     seed: int = 0
+    # think times drawn apart from the words, from this seed (None: from ``seed``, with the words): loads
+    # with other words but one think seed pause alike, so modes compared side by side wait the same
+    think_seed: int | None = None
     duration_s: float = 600.0  # no request starts after this
     max_requests: int = 100_000
     request_timeout_s: float = 120.0
@@ -81,6 +84,7 @@ class Conversation:
         self.vocab = tuple(vocab) if vocab else None
         self.extra_body = dict(extra_body or {})
         self.rng = random.Random(f"{spec.seed}:{index}")
+        self.think_rng = self.rng if spec.think_seed is None else random.Random(f"{spec.think_seed}:{index}:think")
         self.session_id = f"bench-{spec.seed}-{index}"
         self.messages: list[dict[str, Any]] = []
         if spec.system_tokens:
@@ -113,7 +117,7 @@ class Conversation:
 
     def think_time(self) -> float:
         mean = self.spec.think_time_s
-        return self.rng.expovariate(1.0 / mean) if mean > 0 else 0.0
+        return self.think_rng.expovariate(1.0 / mean) if mean > 0 else 0.0
 
 
 def arrival_offsets(spec: WorkloadSpec) -> list[float]:
