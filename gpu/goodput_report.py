@@ -323,9 +323,11 @@ INTRO = """# Goodput on one H200: a sweep of conversations at once (issue 11)
 vLLM 0.26.0 + NIXL, the kit's Qwen3-8B-shaped model with dummy weights, P (:8100) and D (:8200, with the
 turnkv plugin) sharing one H200 at 0.42 of its memory each, `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` on both, P's
 prefix cache on. Per count of conversations at once (a closed loop: each conversation sends its next turn
-after the answer and a think time) and per mode, one wave (`gpu/load.py`, `gpu/session.sh G1-G3`): *plain*
+after the answer and a think time) and per mode, one wave per round (`gpu/load.py`, `gpu/session.sh G1-G5`;
+G4-G5 ran the modes in interleaved rounds, `#n` in a mode's name, each round with new prompts and the same
+think times for every mode, and the tables "across rounds" give each mode's median and range): *plain*
 is vLLM's P/D through a turnkv gateway without conversation ids, *vllm-multiturn* the gateway as vLLM's
-multi-turn proxy policy (pulls the previous handle, unchecked), *adaptive* turnkv as shipped,
+multi-turn proxy policy (pulls the previous handle, unchecked), *adaptive* turnkv as shipped (from G4 on, `shared_gpu: auto` finding the shared GPU),
 *adaptive-pull* the same without decode-local, *adaptive-shared* the same told that P and D share the GPU
 (the setting `shared_gpu`), *adaptive-first* with first turns on D allowed (`decode_local_first`),
 *colocated* each turn straight to D (one engine prefilling and decoding; P idle). A mode that more than
