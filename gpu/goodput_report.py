@@ -328,7 +328,8 @@ G4-G5 ran the modes in interleaved rounds, `#n` in a mode's name, each round wit
 think times for every mode, and the tables "across rounds" give each mode's median and range): *plain*
 is vLLM's P/D through a turnkv gateway without conversation ids, *vllm-multiturn* the gateway as vLLM's
 multi-turn proxy policy (pulls the previous handle, unchecked), *adaptive* turnkv as shipped (from G4 on,
-`shared_gpu: auto` finding the shared GPU), *adaptive-pull* the same without decode-local, *adaptive-shared* the same told that P and D share the GPU
+`shared_gpu: auto` finding the shared GPU), *adaptive-pull* the same without decode-local,
+*adaptive-shared* the same told that P and D share the GPU
 (the setting `shared_gpu`), *adaptive-first* with first turns on D allowed (`decode_local_first`),
 *colocated* each turn straight to D (one engine prefilling and decoding; P idle). A mode that more than
 one part ran is named with its part, `plain (G3_8-64)`; ratios to plain are to the same part's plain.
