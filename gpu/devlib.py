@@ -324,6 +324,7 @@ def vllm_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
 
 
 SIM_GPU = "GPU-00000000-sim0-0000-0000-000000000000"
+SIM_VALUE_FLAGS = ("--max-num-batched-tokens", "--long-prefill-token-threshold")
 SIM_FLAGS = {
     "--no-enable-prefix-caching": ["--no-prefix-caching"],
     "--enable-prefix-caching": ["--prefix-caching"],
@@ -370,8 +371,11 @@ def sim_command(spec: EngineSpec, time_scale: float) -> tuple[list[str], dict[st
             cmd += ["--kv-lease-duration", str(v)]
     if spec.env.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") == "y":
         cmd += ["--link", "h200-ipc"]  # the link that setting gave on the H200 host
-    for f in spec.flags:
-        cmd += SIM_FLAGS.get(f, [])
+    for i, f in enumerate(spec.flags):
+        if f in SIM_VALUE_FLAGS and i + 1 < len(spec.flags):
+            cmd += [f, spec.flags[i + 1]]  # the simulator's flag of the same name and meaning
+        else:
+            cmd += SIM_FLAGS.get(f, [])
     cmd += spec.sim_extra
     env = {"PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return cmd, env

@@ -502,16 +502,27 @@ def restart_d_if_full(spec: devlib.EngineSpec, a: argparse.Namespace, end: float
     return note
 
 
+def chunked_d_flags(chunk: int) -> list[str]:
+    """D's flags for ``--d-chunk``: at most ``chunk`` tokens a step (prefill and decode together), and of one
+    prefill, so that a prefill on D lengthens its streams' steps by a chunk's compute at most."""
+    if chunk <= 0:
+        return []
+    return ["--max-num-batched-tokens", str(chunk), "--long-prefill-token-threshold", str(chunk)]
+
+
 def start_engines(a: argparse.Namespace, res: dict[str, Any]) -> list[devlib.EngineSpec]:
     """P and D (reused where already running with the same command line). With ``--kv-lease-s`` both get
     ``kv_lease_duration``; should an engine not start with it, both are started without it."""
     p_flags = [] if a.p_cache == "on" else ["--no-enable-prefix-caching"]
     env = dict(kv.split("=", 1) for kv in a.ucx)
     d_sim = ["--num-gpu-blocks", str(a.sim_d_blocks)] if a.sim_d_blocks else []
+    d_flags = chunked_d_flags(a.d_chunk)
     extras: list[dict[str, object]] = [{"kv_lease_duration": a.kv_lease_s}] if a.kv_lease_s else []
     extras.append({})
     for kv_extra in extras:
-        specs = engines.pair(a.size, p_flags=p_flags, env=env, kv_extra=kv_extra, d_sim_extra=d_sim)
+        specs = engines.pair(
+            a.size, p_flags=p_flags, d_flags=d_flags, env=env, kv_extra=kv_extra, d_sim_extra=d_sim
+        )
         try:
             res["engine_start_s"] = {
                 s.name: devlib.start_engine(s, time_scale=a.sim_time_scale).get("start_s") for s in specs
@@ -545,10 +556,13 @@ def run_mode(
     key = mode.name if rnd == 1 else f"{mode.name}@{rnd}"
     out: dict[str, Any] = {"mode": mode.name, "round": rnd, "requests_key": key, "at_start": settle(d), "waves": []}
     gw_name = f"gw-{mode.name}"
+    params = dict(mode.params)
+    if a.d_chunk > 0 and mode.policy == "adaptive":
+        params.setdefault("decode_chunk_tokens", a.d_chunk)  # the policy prices D's prefill a chunk a step
     settings: dict[str, Any] = {
         "health_interval_s": 1.0,
         "scrape_interval_s": 1.0,
-        "policy": {"name": mode.policy, "params": dict(mode.params)},
+        "policy": {"name": mode.policy, "params": params},
         **dict(mode.settings),
     }
     if not mode.session:
@@ -692,6 +706,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.5,
         help="restart D between modes if its KV usage is above this at rest (a leak)",
+    )
+    ap.add_argument(
+        "--d-chunk",
+        type=int,
+        default=0,
+        help="start D taking at most this many tokens a step (--max-num-batched-tokens and "
+        "--long-prefill-token-threshold), and tell adaptive policies so (decode_chunk_tokens); 0: vLLM's defaults",
     )
     ap.add_argument("--sim-d-blocks", type=int, default=0, help="simulator only: D's --num-gpu-blocks")
     ap.add_argument("--sim-time-scale", type=float, default=1.0, help="simulator only")

@@ -25,6 +25,9 @@
 #                            until the time is up                                                       ~9.5 min
 #   bash gpu/session.sh G5   the same engines: rounds of adaptive, plain, colocated, vllm-multiturn;
 #                            stops both                                                                 ~9.5 min
+#   bash gpu/session.sh G6   setup, 8b pair with D taking at most 2,048 tokens a step (prefills in
+#                            chunks); 16, 32 conversations: plain, adaptive-first, colocated, adaptive, in
+#                            rounds; stops both                                                         ~9.5 min
 # (L1-L3, G1-G2: gpu/load.py; TURNKV_LOAD_ARGS adds flags to its command line, e.g. smaller sizes on the simulator)
 # Every step has its own time limit so the call ends well inside the tool's 10 minutes and the
 # results (and engine logs) are always packed into $OUT. Engines started here outlive the call
@@ -120,13 +123,16 @@ case "$part" in
     step "load_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
     [ "$part" = L3 ] && python3 gpu/engines.py down
     ;;
-  G4|G5)  # issue 11 again: shared_gpu found by the gateway (auto), and rounds of modes for this GPU's noise
+  G4|G5|G6)  # issue 11 again: shared_gpu found by the gateway (auto), and rounds of modes for this GPU's noise
     load=(python3 gpu/load.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --p-cache on --turns 3 --waves 1
           --conversations 8,16,32)
     case "$part" in
       G4) if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }; fi
           load+=(--label G4_8-32 --modes adaptive,plain,colocated --rounds 3) ;;
       G5) load+=(--label G5_8-32 --modes adaptive,plain,colocated,vllm-multiturn --rounds 2) ;;
+      G6) if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }; fi
+          load=("${load[@]/8,16,32/16,32}")
+          load+=(--label G6_chunked_D --d-chunk 2048 --modes plain,adaptive-first,colocated,adaptive --rounds 2) ;;
     esac
     step "goodput_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
     [ "$part" = G4 ] || python3 gpu/engines.py down
