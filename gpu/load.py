@@ -520,9 +520,7 @@ def start_engines(a: argparse.Namespace, res: dict[str, Any]) -> list[devlib.Eng
     extras: list[dict[str, object]] = [{"kv_lease_duration": a.kv_lease_s}] if a.kv_lease_s else []
     extras.append({})
     for kv_extra in extras:
-        specs = engines.pair(
-            a.size, p_flags=p_flags, d_flags=d_flags, env=env, kv_extra=kv_extra, d_sim_extra=d_sim
-        )
+        specs = engines.pair(a.size, p_flags=p_flags, d_flags=d_flags, env=env, kv_extra=kv_extra, d_sim_extra=d_sim)
         try:
             res["engine_start_s"] = {
                 s.name: devlib.start_engine(s, time_scale=a.sim_time_scale).get("start_s") for s in specs
