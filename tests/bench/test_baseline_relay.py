@@ -65,3 +65,48 @@ def _contents(data: bytes) -> list[str]:
             chunk = json.loads(line[len("data: ") :])
             out += [c.get("delta", {}).get("content") or "" for c in chunk.get("choices", [])]
     return out
+
+
+@pytest.fixture(scope="module")
+def pd_urls() -> Iterator[tuple[str, str]]:
+    flags = ("--time-scale", "0", "--no-thinking", "--vllm-compat", "0.33")
+    p = launch.sim("prefill", "prefill", *flags)
+    d = launch.sim("decode", "decode", *flags)
+    try:
+        relay = launch.spawn(
+            "pd-relay", ["--prefill", p.url, "--upstream", d.url], module="turnkv.bench.baseline_relay"
+        )
+        try:
+            yield p.url, relay.url
+        finally:
+            assert relay.stop() in (0, -15)
+    finally:
+        d.stop()
+        p.stop()
+
+
+async def _prompt_tokens(s: aiohttp.ClientSession, url: str) -> float:
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:prompt_tokens_total{"))
+
+
+async def test_the_bare_pd_relay_runs_the_handshake_and_answers_as_a_colocated_engine(
+    urls: tuple[str, str], pd_urls: tuple[str, str]
+) -> None:
+    # the floor the suite measures stateless turns against: P prefills every request (its counters move),
+    # D's answer is what one engine computing the whole request answers, and P's errors reach the client
+    eng, _ = urls
+    p, relay = pd_urls
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        truth = await _post(s, eng, BODY)
+        before = await _prompt_tokens(s, p)
+        relayed = await asyncio.gather(*(_post(s, relay, BODY) for _ in range(16)))
+        after = await _prompt_tokens(s, p)
+        bad = await _post(s, relay, {"model": "sim-model", "messages": "nope"})
+    for status, ctype, data in relayed:
+        assert (status, ctype) == (200, "text/event-stream")
+        assert _contents(data) == _contents(truth[2]) and data.endswith(b"data: [DONE]\n\n")
+    assert after - before >= 16  # every request prefilled on P
+    assert bad[0] == 400 and json.loads(bad[2])["error"]

@@ -49,7 +49,9 @@ def _times(n: int) -> str:
 
 @dataclass(frozen=True)
 class Deployment:
-    kind: str  # colocated | relay (the bare relay in front of one colocated engine) | pd | pd-direct
+    # colocated | relay (the bare relay in front of one colocated engine) | pd | pd-direct | pd-relay (the bare
+    # relay making vLLM's P/D handshake)
+    kind: str
     engine_flags: tuple[str, ...] = ()  # every engine
     prefill_flags: tuple[str, ...] = ()
     decode_flags: tuple[str, ...] = ()
@@ -66,8 +68,8 @@ class Deployment:
     def __post_init__(self) -> None:
         if min(self.prefills, self.decodes, self.replicas) < 1:
             raise ValueError("a deployment has at least one engine of each kind it uses")
-        if self.kind == "pd-direct" and (self.prefills, self.decodes) != (1, 1):
-            raise ValueError("pd-direct drives one P and one D")
+        if self.kind in ("pd-direct", "pd-relay") and (self.prefills, self.decodes) != (1, 1):
+            raise ValueError(f"{self.kind} drives one P and one D")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -96,6 +98,8 @@ class Deployment:
             f"turnkv sim --role prefill {e} {' '.join(self.prefill_flags)}".strip() + _times(self.prefills),
             f"turnkv sim --role decode {e} {' '.join(self.decode_flags)}".strip() + _times(self.decodes),
         ]
+        if self.kind == "pd-relay":
+            out.append("python -m turnkv.bench.baseline_relay --prefill $P --upstream $D")
         if self.kind == "pd":
             redis = " --redis-url redis://127.0.0.1:$REDIS_PORT/0" if self.redis else ""
             env = "".join(f"{k}={v} " for k, v in self.gateway_env)
@@ -215,6 +219,15 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
             gateway = None
             if d.kind == "pd-direct":
                 target = Target(prefill=ps[0].url, decode=ds[0].url)
+            elif d.kind == "pd-relay":
+                gateway = launch.spawn(
+                    "relay",
+                    ["--prefill", ps[0].url, "--upstream", ds[0].url],
+                    log_dir=log_dir,
+                    module="turnkv.bench.baseline_relay",
+                )
+                started.append(gateway)
+                target = Target(url=gateway.url)
             else:
                 extra = list(d.gateway_flags)
                 if d.gateway_workers > 1:

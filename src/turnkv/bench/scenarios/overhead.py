@@ -161,6 +161,17 @@ def benches(conversations: int | None = None) -> list[Bench]:
             warmup=stateless_warmup,
         ),
         Bench(
+            Deployment("pd-relay", engine_flags=ZERO, decode_flags=D_MEMORY, pin=True),
+            _sweep(
+                "bare-pd-relay",
+                "ttft",
+                "the bare relay making vLLM's P/D handshake (orjson, no checks) in front of zero-cost P and D",
+                False,
+                170,
+            ),
+            warmup=stateless_warmup,
+        ),
+        Bench(
             _direct(ZERO),
             _sweep("pd-direct", "ttft", "zero-cost P and D, the client runs the P/D handshake", False, 200),
             warmup=stateless_warmup,
@@ -408,7 +419,7 @@ def _cpu_ms(cfg: ConfigResult) -> float:
 
 def _ratio_table(configs: Sequence[ConfigResult], checks: list[tuple[str, str, float, float, str]]) -> list[str]:
     """turnkv's gateway CPU per request over the bare relay's at the same load (each against its own
-    zero-cost engines, both pinned alone on CPU 1)."""
+    zero-cost engines, both pinned alone on CPU 1), and over the bare P/D relay's (the handshake alone)."""
     by = {c.name: c for c in configs}
     rows = []
     for label, _ in LOADS:
@@ -416,12 +427,16 @@ def _ratio_table(configs: Sequence[ConfigResult], checks: list[tuple[str, str, f
         if base is None or "gateway_cpu_s" not in base.meta:
             continue
         b = _cpu_ms(base)
+        pd = by.get(f"bare-pd-relay-{label}")
+        f = _cpu_ms(pd) if pd is not None and "gateway_cpu_s" in pd.meta else math.nan
         for name, limit in RATIO_TARGETS:
             cfg = by.get(f"{name}-{label}")
             if cfg is None or "gateway_cpu_s" not in cfg.meta:
                 continue
             t = _cpu_ms(cfg)
-            rows.append([label, name, f"{b:.3f}", f"{t:.3f}", f"{t / b:.2f}x", f"{limit:g}x" if limit else "-"])
+            floor = f"{t / f:.2f}x" if f == f else "-"
+            target = f"{limit:g}x" if limit else "-"
+            rows.append([label, name, f"{b:.3f}", f"{f:.3f}", f"{t:.3f}", f"{t / b:.2f}x", floor, target])
             if limit and label == LOADS[-1][0]:
                 checks.append(
                     (f"gateway CPU/request vs bare relay <= {limit:g}x", f"{name}-{label}", t / b, limit, "x")
@@ -433,9 +448,15 @@ def _ratio_table(configs: Sequence[ConfigResult], checks: list[tuple[str, str, f
         "",
         "The bare relay (`turnkv.bench.baseline_relay`: aiohttp.web, forwards bytes without parsing) runs in "
         "front of one zero-cost engine, pinned to CPU 1 like the gateway; *ratio* = turnkv's CPU ms per "
-        "request / the relay's at the same load. turnkv makes two engine calls per turn (P and D), the relay one.",
+        "request / the relay's at the same load. turnkv makes two engine calls per turn (P and D), the relay one. "
+        "The bare P/D relay (the same with `--prefill`: vLLM's P/D handshake, orjson, no checks) makes turnkv's "
+        "two: *over P/D relay* = turnkv's CPU ms / its.",
         "",
-        md_table(["load", "config", "bare relay CPU ms", "turnkv CPU ms", "ratio", "target"], rows),
+        md_table(
+            ["load", "config", "bare relay CPU ms", "bare P/D relay CPU ms", "turnkv CPU ms", "ratio"]
+            + ["over P/D relay", "target"],
+            rows,
+        ),
         "",
     ]
 
