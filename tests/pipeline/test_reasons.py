@@ -164,6 +164,21 @@ async def test_a_restarted_decode_engine_holds_nothing() -> None:
         assert gw.metric("turnkv_engine_restarts_total", role="decode") == 1
 
 
+async def test_an_engine_restarted_on_another_gpu_is_read_again() -> None:
+    # shared_gpu auto: P and D said GPU-0; D comes back on GPU-1 (a reschedule): the gateway reads /version
+    # again after the restart and stops taking the pair as sharing a GPU
+    engine = FakeEngine([P0], [D0])
+    engine[P0].gpus = engine[D0].gpus = frozenset({"GPU-0"})
+    async with gateway(engine) as gw:
+        await gw.wait_for("the fleet to read both engines' GPUs", lambda: view(gw, D0).gpus == {"GPU-0"})
+        engine[D0].gpus = frozenset({"GPU-1"})
+        engine.restart(D0)
+        await gw.wait_for("D's GPU read again after its restart", lambda: view(gw, D0).gpus == {"GPU-1"})
+        ready = (await gw.client.get("/ready")).json()
+        assert ready["shared_gpu"] == {"setting": "auto", "pairs": []}
+        assert {e["url"]: e["gpus"] for e in ready["decode"]} == {D0: ["GPU-1"]}
+
+
 async def test_an_unhealthy_decode_engine_is_left_for_another() -> None:
     engine = FakeEngine([P0], [D0, D1])
     async with gateway(engine, decode=[D0, D1]) as gw:
