@@ -49,21 +49,34 @@ def parse_header_value(value: str | None) -> Advert | None:
 
 
 class AdvertiseMiddleware:
-    """Adds ``x-turnkv-plugin`` to the start of every HTTP response; everything else passes through."""
+    """Adds ``x-turnkv-plugin`` to the start of every HTTP response; everything else passes through.
 
-    def __init__(self, app: ASGIApp, value: str) -> None:
+    ``value`` is the header's value, or a function that gives it (None: no header yet), for a server that
+    learns it after the middleware is in place (vLLM 0.33's endpoint plugins: ``endpoint``)."""
+
+    def __init__(self, app: ASGIApp, value: str | Callable[[], str | None]) -> None:
         self.app = app
-        self.raw = (HEADER.encode("latin-1"), value.encode("latin-1"))
+        self.value = value
+        self._raw: tuple[str, tuple[bytes, bytes]] | None = None
+
+    def header(self) -> tuple[bytes, bytes] | None:
+        value = self.value() if callable(self.value) else self.value
+        if value is None:
+            return None
+        if self._raw is None or self._raw[0] != value:
+            self._raw = (value, (HEADER.encode("latin-1"), value.encode("latin-1")))
+        return self._raw[1]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http":
+        raw = self.header() if scope.get("type") == "http" else None
+        if raw is None:
             await self.app(scope, receive, send)
             return
 
         async def send_with_header(message: Message) -> None:
             if message.get("type") == "http.response.start":
                 headers = list(message.get("headers") or [])
-                headers.append(self.raw)
+                headers.append(raw)
                 message["headers"] = headers
             await send(message)
 
