@@ -360,8 +360,9 @@ def sim_command(spec: EngineSpec, time_scale: float) -> tuple[list[str], dict[st
     ]  # vLLM runs without a reasoning parser
     if not spec.bidirectional:
         cmd.append("--no-bidirectional")
-    if spec.plugin:
-        cmd += ["--gpu", SIM_GPU]  # as the plugin says the one H200 every engine there shares
+    if spec.plugin:  # as the plugin says the GPU: the one H200 every engine there shares, or the one it is given
+        visible = spec.env.get("CUDA_VISIBLE_DEVICES", "").split(",")[0]
+        cmd += ["--gpu", SIM_GPU if not visible else f"{SIM_GPU[:-1]}{visible}"]
     for k, v in spec.kv_extra.items():
         if k == "decoder_kv_blocks_ttl":
             cmd += ["--decoder-kv-blocks-ttl", str(v)]

@@ -97,10 +97,15 @@ def pair(
     mem: float = 0.42,
     p_sim_extra: list[str] | None = None,
     d_sim_extra: list[str] | None = None,
+    gpus: tuple[str, str] | None = None,
 ) -> list[EngineSpec]:
-    """``*_sim_extra``: flags for the simulator only (e.g. a small ``--num-gpu-blocks`` on D)."""
+    """``*_sim_extra``: flags for the simulator only (e.g. a small ``--num-gpu-blocks`` on D); ``gpus``: P's
+    and D's ``CUDA_VISIBLE_DEVICES`` (None: both on the first GPU, sharing it)."""
     model = str(devlib.KIT / f"model-{size}-keep")
-    common = {"model": model, "mem": mem, "env": dict(env or {}), "kv_extra": dict(kv_extra or {})}
+    own = [{"CUDA_VISIBLE_DEVICES": g} for g in gpus] if gpus else [{}, {}]
+    base = {"model": model, "mem": mem, "kv_extra": dict(kv_extra or {})}
+    p_common = {**base, "env": {**dict(env or {}), **own[0]}}
+    d_common = {**base, "env": {**dict(env or {}), **own[1]}}
     return [
         EngineSpec(
             "p",
@@ -110,7 +115,7 @@ def pair(
             plugin=True,  # it says which GPU it computes on: the gateway's shared_gpu auto compares it with D's
             flags=list(p_flags or []),
             sim_extra=list(p_sim_extra or []),
-            **common,
+            **p_common,
         ),  # type: ignore[arg-type]
         EngineSpec(
             "d",
@@ -120,7 +125,7 @@ def pair(
             plugin=True,
             flags=list(d_flags or []),
             sim_extra=list(d_sim_extra or []),
-            **common,
+            **d_common,
         ),  # type: ignore[arg-type]
     ]
 

@@ -520,7 +520,9 @@ def start_engines(a: argparse.Namespace, res: dict[str, Any]) -> list[devlib.Eng
     extras: list[dict[str, object]] = [{"kv_lease_duration": a.kv_lease_s}] if a.kv_lease_s else []
     extras.append({})
     for kv_extra in extras:
-        specs = engines.pair(a.size, p_flags=p_flags, d_flags=d_flags, env=env, kv_extra=kv_extra, d_sim_extra=d_sim)
+        specs = engines.pair(
+            a.size, p_flags=p_flags, d_flags=d_flags, env=env, kv_extra=kv_extra, d_sim_extra=d_sim, gpus=a.gpus
+        )
         try:
             res["engine_start_s"] = {
                 s.name: devlib.start_engine(s, time_scale=a.sim_time_scale).get("start_s") for s in specs
@@ -711,6 +713,14 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="start D taking at most this many tokens a step (--max-num-batched-tokens and "
         "--long-prefill-token-threshold), and tell adaptive policies so (decode_chunk_tokens); 0: vLLM's defaults",
+    )
+    ap.add_argument(
+        "--gpus",
+        type=lambda v: tuple(v.split(",", 1)),
+        default=None,
+        metavar="P,D",
+        help="P's and D's CUDA_VISIBLE_DEVICES (e.g. 0,1: P and D apart, which shared_gpu auto then finds); "
+        "default: both on the first GPU",
     )
     ap.add_argument("--sim-d-blocks", type=int, default=0, help="simulator only: D's --num-gpu-blocks")
     ap.add_argument("--sim-time-scale", type=float, default=1.0, help="simulator only")
