@@ -38,14 +38,14 @@ turn, smallest first, within each mode (one gateway for them all). Each wave als
 (``--slo-ttft-ms``, ``--slo-tpot-ms``; ``turnkv.bench.goodput``) per second of the wave's wall time,
 the share that met them (attainment), and TPOT p50/p99.
 
-Meanwhile a thread reads D's, P's and the gateway's /metrics every ``--sample-s`` (D's KV usage,
-running and waiting requests; the gateway's pinned bytes, budget and capacity), at most one sample
+Meanwhile a thread (``load_metrics``) reads D's, P's and the gateway's /metrics every ``--sample-s`` (D's KV
+usage, running and waiting requests; the gateway's pinned bytes, budget and capacity), at most one sample
 per interval for the time budget. Written to OUT/load_<label>.json after every wave: per mode and wave,
 hung/failed/unsent turns, TTFT p50/p99 for turn 1 and for later turns (and per turn), ITL and latency
-percentiles, turnkv's decisions, NIXL transfers, the gateway's counters (releases by why, deadline
-misses, captures); per mode, the timeline, the gateway log's turn events (outcome, reason, capture)
-and its warnings, D's KV usage at rest; and each request as [start s, turn, TTFT ms, latency ms, 0 ok
-| 1 deadline | 2 failed], a few kB.
+percentiles, turnkv's decisions, NIXL transfers, the gateway's counters (releases by why, deadline misses,
+captures); per mode, the timeline, the gateway log's turn events (outcome, reason, capture) and its
+warnings, D's KV usage at rest; and each request as [start s, turn, TTFT ms, latency ms, 0 ok | 1 deadline |
+2 failed], a few kB.
 
 ``--time-budget-s`` bounds everything from this script's start: a mode starts only if its estimate
 (the workload model below, scaled by how the earlier waves of this run compared with theirs) fits,
@@ -62,7 +62,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 import zlib
 from collections import Counter
@@ -75,6 +74,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import devlib
 import engines
+from load_metrics import (
+    D_SERIES,
+    GW_SERIES,
+    Sampler,
+    counter_delta,
+    gateway_counters,
+    gateway_log_summary,
+    gpus_told,
+    log_size,
+    sums,
+    timeline,
+)
 
 if devlib.backend() == "vllm":  # aiohttp: the device image has it; vLLM's wheels in /root/site too
     sys.path += [devlib.GATEWAY_SITE, devlib.VLLM_SITE]
@@ -89,27 +100,6 @@ from turnkv.bench.workload import Conversation, WorkloadSpec
 GATEWAY_PORT = 8902
 DEFAULT_MODES = "plain,adaptive,adaptive-pull,colocated"
 SWEEP_MODES = "plain,vllm-multiturn,adaptive,adaptive-pull,colocated"
-D_SERIES = {
-    "d_kv": "vllm:kv_cache_usage_perc",
-    "d_run": "vllm:num_requests_running",
-    "d_wait": "vllm:num_requests_waiting",
-}
-P_SERIES = {"p_kv": "vllm:kv_cache_usage_perc", "p_wait": "vllm:num_requests_waiting"}
-GW_SERIES = {
-    "pinned": "turnkv_pinned_kv_bytes",
-    "budget": "turnkv_pinned_kv_budget_bytes",
-    "capacity": "turnkv_pinned_kv_capacity_bytes",
-    "handles": "turnkv_pinned_handles",
-}
-GW_COUNTERS = (
-    "turnkv_handle_releases_total",
-    "turnkv_first_token_deadline_misses_total",
-    "turnkv_handle_captures_total",
-    "turnkv_reuse_decisions_total",
-    "turnkv_upstream_errors_total",
-    "turnkv_retries_total",
-)
-MAX_TIMELINE_POINTS = 1500  # per mode, after downsampling
 MAX_REQUEST_ROWS = 3000  # per mode
 
 
@@ -179,165 +169,6 @@ def estimate_wave_s(
         at_once = max(1, min(n, shape.kv_tokens // max(ctx + answer, 1)))
         total += prefill + math.ceil(n / at_once) * answer * shape.step_s + (think if k < turns else 0.0)
     return total
-
-
-# -- /metrics sampling -------------------------------------------------------------------------------
-
-
-def _sums(url: str, series: dict[str, str], timeout: float = 2.0) -> dict[str, float]:
-    try:
-        text = devlib.get(url, "/metrics", timeout=timeout).raw
-    except OSError:
-        return {}
-    names = tuple(series.values())
-    sums: dict[str, float] = {}
-    for name, _, value in devlib.metric_samples(text, names):
-        sums[name] = sums.get(name, 0.0) + value
-    return {k: sums[v] for k, v in series.items() if v in sums}
-
-
-class Sampler:
-    """Reads the engines' and the gateway's /metrics every ``interval`` in its own thread, until
-    stopped or ``max_samples`` were taken (each read has a 2 s timeout)."""
-
-    def __init__(self, d: str, p: str | None, gw: str | None, t0: float, interval: float, max_samples: int) -> None:
-        self.d, self.p, self.gw, self.t0 = d, p, gw, t0
-        self.interval = interval
-        self.max_samples = max_samples
-        self.samples: list[dict[str, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="metrics-sampler", daemon=True)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while len(self.samples) < self.max_samples:
-            t = time.perf_counter()
-            row: dict[str, float] = {"t": round(t - self.t0, 2)}
-            row.update(_sums(self.d, D_SERIES))
-            if self.p:
-                row.update(_sums(self.p, P_SERIES))
-            if self.gw:
-                row.update(_sums(self.gw, GW_SERIES))
-            self.samples.append(row)
-            if self._stop.wait(max(0.0, self.interval - (time.perf_counter() - t))):
-                return
-
-
-def timeline(samples: list[dict[str, float]], max_points: int = MAX_TIMELINE_POINTS) -> dict[str, list[Any]]:
-    """Columns of the samples; where there are too many, each bucket of consecutive samples keeps its
-    first time and the largest value of each series (a short peak stays visible)."""
-    k = max(1, math.ceil(len(samples) / max_points))
-    keys = sorted({key for s in samples for key in s} - {"t"})
-    cols: dict[str, list[Any]] = {"t": []}
-    for key in keys:
-        cols[key] = []
-    for i in range(0, len(samples), k):
-        bucket = samples[i : i + k]
-        cols["t"].append(bucket[0]["t"])
-        for key in keys:
-            vals = [s[key] for s in bucket if key in s]
-            cols[key].append(round(max(vals), 4) if vals else None)
-    return cols
-
-
-# -- the gateway's counters and log -------------------------------------------------------------------
-
-
-def gateway_counters(url: str) -> dict[str, dict[str, float]]:
-    """The gateway's counters of interest, per family and label set (``k=v,k=v``)."""
-    try:
-        text = devlib.get(url, "/metrics", timeout=5).raw
-    except OSError:
-        return {}
-    out: dict[str, dict[str, float]] = {}
-    for name, labels, value in devlib.metric_samples(text, GW_COUNTERS):
-        if name not in GW_COUNTERS:
-            continue  # _created samples
-        key = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-        out.setdefault(name, {})[key] = value
-    return out
-
-
-def gpus_told(url: str, timeout_s: float = 6.0) -> dict[str, Any]:
-    """What the gateway's ``/ready`` says of the engines' GPUs (each engine's ``gpus``, the ``shared_gpu``
-    setting and the pairs it makes share one), once it has read both engines' (bounded: the fleet reads
-    ``/version`` at its first health probe); {} when it could not be read."""
-    deadline = time.monotonic() + timeout_s
-    body: dict[str, Any] = {}
-    while True:
-        try:
-            body = json.loads(devlib.get(url, "/ready", timeout=5).raw)
-        except (OSError, ValueError):
-            body = {}
-        engines = [*body.get("prefill", []), *body.get("decode", [])]
-        if (engines and all(e.get("gpus") for e in engines)) or time.monotonic() >= deadline:
-            break
-        time.sleep(0.5)
-    return {
-        "gpus": {e.get("url"): e.get("gpus") for e in engines},
-        "shared_gpu": body.get("shared_gpu"),
-    }
-
-
-def counter_delta(
-    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for fam, vals in after.items():
-        d = {k: v - before.get(fam, {}).get(k, 0.0) for k, v in vals.items()}
-        d = {k: round(v, 3) for k, v in d.items() if v}
-        if d:
-            out[fam] = d
-    return out
-
-
-def log_size(name: str) -> int:
-    f = devlib.log_dir() / f"{name}.log"
-    return f.stat().st_size if f.exists() else 0
-
-
-def gateway_log_summary(name: str, start: int, max_bytes: int = 64 * 1024 * 1024) -> dict[str, Any]:
-    """The turn events the gateway logged after byte ``start`` (counts of outcome, action, reason and
-    capture, per turn group), and its other events at warning level or above, by name."""
-    f = devlib.log_dir() / f"{name}.log"
-    counts: dict[str, Counter[str]] = {k: Counter() for k in ("outcome", "action", "reason", "capture")}
-    by_group: Counter[str] = Counter()
-    warnings: Counter[str] = Counter()
-    turns = 0
-    try:
-        with open(f, "rb") as fh:
-            fh.seek(start)
-            text = fh.read(max_bytes).decode("utf-8", "replace")
-    except OSError:
-        return {}
-    for line in text.splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if ev.get("event") == "turn":
-            turns += 1
-            for k, c in counts.items():
-                c[str(ev.get(k))] += 1
-            group = "turn 1" if ev.get("turn") in (None, 0, 1) else "later turns"
-            by_group[f"{group}: {ev.get('outcome')}/{ev.get('reason')}/{ev.get('capture')}"] += 1
-        elif ev.get("level") in ("warning", "error", "critical"):
-            warnings[str(ev.get("event"))[:80]] += 1
-    return {
-        "turn_events": turns,
-        **{k: dict(c.most_common()) for k, c in counts.items()},
-        "by_turn_group": dict(by_group.most_common(40)),
-        "warnings": dict(warnings.most_common(40)),
-    }
 
 
 # -- one wave --------------------------------------------------------------------------------------
@@ -478,10 +309,10 @@ def seed_for(label: str, mode: str, wave: int) -> int:
 def settle(d: str, timeout_s: float = 20.0) -> dict[str, float]:
     """Wait (bounded) until D runs and queues nothing; D's series as last read."""
     deadline = time.monotonic() + timeout_s
-    last = _sums(d, D_SERIES)
+    last = sums(d, D_SERIES)
     while time.monotonic() < deadline and (last.get("d_run", 0) or last.get("d_wait", 0)):
         time.sleep(0.5)
-        last = _sums(d, D_SERIES)
+        last = sums(d, D_SERIES)
     return last
 
 
@@ -646,7 +477,7 @@ def run_mode(
         # after the waves, before the gateway stops: what stays pinned at rest
         time.sleep(min(2.0, max(0.0, end - time.perf_counter())))
         if gw:
-            out["gateway_at_rest"] = _sums(gw, GW_SERIES)
+            out["gateway_at_rest"] = sums(gw, GW_SERIES)
             out["gateway_counters_total"] = counter_delta(counters[0], gateway_counters(gw))
     out["timeline"] = timeline(list(sampler.samples))
     if mode.gateway:
