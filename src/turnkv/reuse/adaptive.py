@@ -58,7 +58,7 @@ from turnkv.reuse.cost import (
     Action,
     CostParams,
     TurnFacts,
-    decode_step_s,
+    decode_step_now_s,
     estimate,
     prefill_s,
     prefill_work,
@@ -68,22 +68,18 @@ from turnkv.reuse.decision import Decision, Keep, PolicyParams, cheapest
 
 
 def decode_step_now_ms(facts: TurnFacts, costs: CostParams) -> float:
-    """D's step time now, without this turn (ms): as measured, else estimated from its batch and their
-    context, else from this prompt's length per stream."""
+    """D's step time now, without this turn (ms; ``reuse.cost.decode_step_now_s``)."""
     if facts.decode_step_ms is not None:
-        return facts.decode_step_ms
-    running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
-    context = facts.decode_context_tokens if facts.decode_context_tokens is not None else running * facts.prompt_tokens
-    return decode_step_s(costs, running, context) * 1e3
+        return facts.decode_step_ms  # as measured, not through seconds and back
+    return decode_step_now_s(costs, facts) * 1e3
 
 
 def step_added_ms(facts: TurnFacts, costs: CostParams) -> float:
     """What the longest step that prefills this turn adds to D's step (ms): the turn's chunk, and those of
     the other decode-local turns prefilling on D now (``TurnFacts.decode_prefills``) in the same step."""
-    running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
     added, _ = step_added_s(
         costs,
-        running,
+        facts.running,
         facts.prompt_tokens - facts.decode_cached_tokens,
         facts.decode_cached_tokens,
         facts.decode_prefills,
@@ -245,16 +241,14 @@ class AdaptivePolicy:
             return facts.decode_kv_usage
         if self.p.decode_kv_tokens is None:
             return None
-        running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
-        return running * facts.prompt_tokens / self.p.decode_kv_tokens
+        return facts.running * facts.prompt_tokens / self.p.decode_kv_tokens
 
     def itl_refusal(self, facts: TurnFacts, costs: CostParams) -> Reason | None:
         """Why D's running streams would not stay within their ITL while D prefills this turn (None: they
         would, or no stream runs there): the step that carries the turn's chunk (and those of the other
         decode-local turns prefilling on D) past the budget (``itl_budget``), or longer than D's decode
         step alone by more than the headroom (``itl_headroom``)."""
-        running = facts.decode_running if facts.decode_running is not None else facts.decode_busy
-        if running <= 0:
+        if facts.running <= 0:
             return None
         budget = facts.itl_budget_ms if facts.itl_budget_ms is not None else self.p.itl_budget_ms
         step, added = decode_step_now_ms(facts, costs), step_added_ms(facts, costs)

@@ -87,6 +87,11 @@ class TurnFacts:
     decode_prefill_tokens: int = 0
     shared_gpu: bool = False  # P and D share the GPU(s): P's prefills slow D's steps too (``reuse.load.shared_gpu``)
 
+    @property
+    def running(self) -> int:
+        """D's decode batch: as its metrics said (``decode_running``), else the streams counted busy there."""
+        return self.decode_running if self.decode_running is not None else self.decode_busy
+
 
 def prefill_s(p: CostParams, new: int, context: int) -> float:
     if new <= 0:
@@ -147,11 +152,8 @@ def estimate(p: CostParams, f: TurnFacts, block_size: int = 16) -> dict[Action, 
     if f.decode_local_possible:
         out[Action.DECODE_LOCAL] = dqueue + p.hop_s + prefill_s(p, L - hitd, hitd)
         if p.decode_chunk_tokens > 0:  # spread over steps, each as long as D's decode step at least
-            running = f.decode_running if f.decode_running is not None else f.decode_busy
-            _, steps = step_added_s(p, running, L - hitd, hitd)
-            ctx = f.decode_context_tokens if f.decode_context_tokens is not None else running * L
-            step = f.decode_step_ms / 1e3 if f.decode_step_ms is not None else decode_step_s(p, running, ctx)
-            out[Action.DECODE_LOCAL] += max(steps - 1, 0) * max(step, p.step_base_s)
+            _, steps = step_added_s(p, f.running, L - hitd, hitd)
+            out[Action.DECODE_LOCAL] += max(steps - 1, 0) * max(decode_step_now_s(p, f), p.step_base_s)
     return out
 
 
@@ -165,6 +167,15 @@ def decode_step_s(p: CostParams, running: int, context: int) -> float:
         + p.step_per_ctx_token_s * context
         + p.prefill_per_token_s * max(0, running - p.step_free_tokens)
     )
+
+
+def decode_step_now_s(p: CostParams, f: TurnFacts) -> float:
+    """D's step time now, without this turn: as measured, else estimated from its batch and the context
+    they read, else from this prompt's length per stream."""
+    if f.decode_step_ms is not None:
+        return f.decode_step_ms / 1e3
+    context = f.decode_context_tokens if f.decode_context_tokens is not None else f.running * f.prompt_tokens
+    return decode_step_s(p, f.running, context)
 
 
 def step_added_s(
