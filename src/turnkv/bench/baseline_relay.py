@@ -26,7 +26,7 @@ import orjson
 from aiohttp import web
 
 from turnkv import launch
-from turnkv.engine.vllm.handles import P_ONLY
+from turnkv.bench.client import prefill_request
 
 HOP_HEADERS = ("content-type", "accept")
 UPSTREAM_TIMEOUT_S = 120.0
@@ -63,10 +63,8 @@ def make_app(upstream: str, prefill: str | None = None) -> web.Application:
         headers = {k: v for k, v in request.headers.items() if k.lower() in HOP_HEADERS}
         if p_base is not None and request.method == "POST" and request.path == "/v1/chat/completions":
             req = orjson.loads(body)
-            p_req = {k: v for k, v in req.items() if k not in ("stream", "stream_options")}
-            p_req.update(max_tokens=1, stream=False, kv_transfer_params=P_ONLY)
             async with request.app[session_key].post(
-                p_base + "/v1/chat/completions", data=orjson.dumps(p_req), headers=headers
+                p_base + "/v1/chat/completions", data=orjson.dumps(prefill_request(req)), headers=headers
             ) as p:
                 answer = await p.read()
                 if p.status != 200:

@@ -23,9 +23,16 @@ from typing import Any
 import aiohttp
 
 from turnkv.bench.records import DECISION_HEADERS
-from turnkv.engine.vllm.handles import P_ONLY as _P_ONLY
+from turnkv.engine.vllm.handles import P_ONLY
 
 _VISIBLE = re.compile(rb'"(?:content|reasoning|reasoning_content)":"(?!")|"tool_calls":\[')
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """P's half of vLLM's P/D handshake for a chat request: one token, not streamed, ``do_remote_decode``."""
+    p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    p_body.update(max_tokens=1, stream=False, kv_transfer_params=P_ONLY)
+    return p_body
 
 
 def chat_url(base: str) -> str:
@@ -118,9 +125,7 @@ class TurnClient:
 
     async def _pd_direct(self, body: dict[str, Any], hdrs: dict[str, str], out: TurnOutcome) -> None:
         assert self.target.prefill is not None and self.target.decode is not None
-        p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        p_body.update(max_tokens=1, stream=False, kv_transfer_params=_P_ONLY)
-        p_data = _dumps(p_body)
+        p_data = _dumps(prefill_request(body))
         t0 = time.perf_counter()
         async with self.session.post(
             chat_url(self.target.prefill), data=p_data, headers=hdrs, timeout=self.timeout

@@ -434,7 +434,7 @@ def _ratio_table(configs: Sequence[ConfigResult], checks: list[tuple[str, str, f
             if cfg is None or "gateway_cpu_s" not in cfg.meta:
                 continue
             t = _cpu_ms(cfg)
-            floor = f"{t / f:.2f}x" if f == f else "-"
+            floor = "-" if math.isnan(f) else f"{t / f:.2f}x"
             target = f"{limit:g}x" if limit else "-"
             rows.append([label, name, f"{b:.3f}", f"{f:.3f}", f"{t:.3f}", f"{t / b:.2f}x", floor, target])
             if limit and label == LOADS[-1][0]:
