@@ -162,6 +162,12 @@ def _same_run(wave: dict[str, Any], mode: str, by_mode: dict[str, dict[str, Any]
     return None
 
 
+def best_baseline(goodput: dict[str, float | None]) -> str | None:
+    """The key in ``goodput`` of the baseline mode with the most goodput (None: no baseline ran)."""
+    baselines = [k for k in goodput if base(k) in BASELINES and goodput[k] is not None]
+    return max(baselines, key=lambda k: goodput[k] or 0.0) if baselines else None
+
+
 def targets(
     pts: dict[int, dict[str, dict[str, Any]]], ours: Sequence[str] = (OURS,)
 ) -> tuple[list[str], list[list[str]]]:
@@ -171,8 +177,8 @@ def targets(
     head += ["/ plain (ITL p99)", "plain compared"]
     body = []
     for n, by_mode in pts.items():
-        baseline = {k: _good(w) for k, w in by_mode.items() if base(k) in BASELINES}
-        best = max(baseline, key=lambda m: baseline[m] or 0.0) if baseline else None
+        good = {k: _good(w) for k, w in by_mode.items()}
+        best = best_baseline(good)
         for key in [k for k in by_mode if base(k) in ours]:
             w = by_mode[key]
             plain = _same_run(w, "plain", by_mode)
@@ -181,8 +187,8 @@ def targets(
                 [
                     str(n),
                     key,
-                    f"{best} ({_f(baseline[best], 2)}/s)" if best else "-",
-                    _ratio(_good(w), baseline.get(best) if best else None),
+                    f"{best} ({_f(good[best], 2)}/s)" if best else "-",
+                    _ratio(_good(w), good[best] if best else None),
                     _ratio(_good(w), _good(pw)),
                     _ratio(w["itl_ms"]["p99"], pw["itl_ms"]["p99"] if pw else None),
                     plain or "-",
@@ -194,12 +200,14 @@ def targets(
 # -- several rounds (gpu/load.py --rounds): the spread of each mode, and the ratios of its medians --------
 
 Get = Callable[[dict[str, Any]], float | None]
-FIGURES: dict[str, Get] = {
-    "goodput": _good,
-    "itl_p99": lambda w: w["itl_ms"]["p99"],
-    "later_ttft_p50": lambda w: w["ttft_ms"]["later turns"]["p50"],
-    "later_ttft_p99": lambda w: w["ttft_ms"]["later turns"]["p99"],
+# what the spread table and the plots read of a wave, and the digits the table shows
+FIGURES: dict[str, tuple[Get, int]] = {
+    "goodput": (_good, 2),
+    "itl_p99": (lambda w: w["itl_ms"]["p99"], 1),
+    "later_ttft_p50": (lambda w: w["ttft_ms"]["later turns"]["p50"], 0),
+    "later_ttft_p99": (lambda w: w["ttft_ms"]["later turns"]["p99"], 0),
 }
+Values = dict[int, dict[str, dict[str, float | None]]]  # conversations -> mode -> figure -> value
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -231,11 +239,7 @@ def spread(pts: dict[int, dict[str, dict[str, Any]]]) -> tuple[list[str], list[l
     for n, by_mode in pts.items():
         for mode, waves in by_base(by_mode).items():
             body.append(
-                [str(n), mode, str(len(waves))]
-                + [
-                    _spread(_values(waves, FIGURES[f]), 2 if f == "goodput" else 1 if f == "itl_p99" else 0)
-                    for f in FIGURES
-                ]
+                [str(n), mode, str(len(waves))] + [_spread(_values(waves, get), d) for get, d in FIGURES.values()]
             )
     return head, body
 
@@ -252,8 +256,7 @@ def spread_targets(
     for n, by_mode in pts.items():
         groups = by_base(by_mode)
         med = {m: _median(_values(ws, _good)) for m, ws in groups.items()}
-        baselines = {m: v for m, v in med.items() if m in BASELINES and v is not None}
-        best = max(baselines, key=lambda m: baselines[m]) if baselines else None
+        best = best_baseline(med)
         for mode in [m for m in groups if m in ours]:
             pairs = []
             for w in groups[mode]:
@@ -266,8 +269,8 @@ def spread_targets(
                 [
                     str(n),
                     mode,
-                    f"{best} ({_f(baselines[best], 2)}/s)" if best else "-",
-                    _ratio(med[mode], baselines.get(best) if best else None),
+                    f"{best} ({_f(med[best], 2)}/s)" if best else "-",
+                    _ratio(med[mode], med[best] if best else None),
                     _spread(good, 2) + f" of {len(good)}",
                     _spread(itl, 2) + f" of {len(itl)}",
                 ]
@@ -275,36 +278,42 @@ def spread_targets(
     return head, body
 
 
-def medians(pts: dict[int, dict[str, dict[str, Any]]]) -> dict[int, dict[str, dict[str, Any]]]:
-    """Each count's median wave per mode, as ``plot`` reads a wave."""
-    out: dict[int, dict[str, dict[str, Any]]] = {}
-    for n, by_mode in pts.items():
-        for mode, waves in by_base(by_mode).items():
-            m = {f: _median(_values(waves, get)) for f, get in FIGURES.items()}
-            out.setdefault(n, {})[mode] = {
-                "goodput": {"goodput_per_s": m["goodput"]},
-                "ttft_ms": {"later turns": {"p99": m["later_ttft_p99"]}},
-                "itl_ms": {"p99": m["itl_p99"]},
-            }
-    return out
+def figures(pts: dict[int, dict[str, dict[str, Any]]]) -> Values:
+    """Each wave's figures, by count and mode key."""
+    return {
+        n: {k: {f: get(w) for f, (get, _) in FIGURES.items()} for k, w in by_mode.items()} for n, by_mode in pts.items()
+    }
 
 
-def plot(pts: dict[int, dict[str, dict[str, Any]]], modes: Sequence[str], title: str, path: Path) -> None:
+def medians(pts: dict[int, dict[str, dict[str, Any]]]) -> Values:
+    """Each count's median figures per mode, over its rounds."""
+    return {
+        n: {
+            mode: {f: _median(_values(waves, get)) for f, (get, _) in FIGURES.items()}
+            for mode, waves in by_base(by_mode).items()
+        }
+        for n, by_mode in pts.items()
+    }
+
+
+PANELS = (
+    ("goodput, turns/s within the SLOs", "goodput"),
+    ("TTFT p99 of later turns, ms", "later_ttft_p99"),
+    ("ITL p99, ms", "itl_p99"),
+)
+
+
+def plot(values: Values, modes: Sequence[str], title: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    panels = (
-        ("goodput, turns/s within the SLOs", lambda w: w["goodput"].get("goodput_per_s")),
-        ("TTFT p99 of later turns, ms", lambda w: w["ttft_ms"]["later turns"]["p99"]),
-        ("ITL p99, ms", lambda w: w["itl_ms"]["p99"]),
-    )
-    for ax, (name, get) in zip(axes, panels, strict=True):
+    for ax, (name, figure) in zip(axes, PANELS, strict=True):
         for mode in modes:
-            xs = [n for n in pts if mode in pts[n]]
-            ys = [get(pts[n][mode]) for n in xs]
+            xs = [n for n in values if mode in values[n]]
+            ys = [values[n][mode][figure] for n in xs]
             ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o", label=mode)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("conversations at once")
@@ -356,7 +365,6 @@ def main(argv: list[str] | None = None) -> int:
     inputs = a.inputs or sorted(a.out.glob("load_G*.json"))
     results = [json.loads(p.read_text()) for p in inputs]
     a.out.mkdir(parents=True, exist_ok=True)
-    pts = points(results, slos[0])
     modes = list(dict.fromkeys(key for _, _, _, key in mode_keys(results)))
     several = any(int(m.get("round", 1)) > 1 for res in results for m in res.get("modes", []))
     sim = any(res.get("backend") == "sim" for res in results)
@@ -387,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
             print(md_table(rhead, rbody))
         if pts:
             name = "goodput.png" if i == 0 else f"goodput_tpot{slo[1]:g}.png"
-            shown, names = (medians(pts), list(dict.fromkeys(base(k) for k in modes))) if several else (pts, modes)
+            shown, names = (
+                (medians(pts), list(dict.fromkeys(base(k) for k in modes))) if several else (figures(pts), modes)
+            )
             plot(shown, names, f"{title}; goodput at {slo_name(slo)}" + (" (medians)" if several else ""), a.out / name)
             parts.append(f"\n![goodput, TTFT p99, ITL p99 against conversations]({name})\n")
         print(f"goodput at {slo_name(slo)}")

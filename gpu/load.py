@@ -302,6 +302,12 @@ def write(res: dict[str, Any], label: str) -> Path:
     return path
 
 
+def requests_key(mode: str, rnd: int) -> str:
+    """The key of a mode's run in the output (its request rows, ``requests_key``): the name, ``@round`` after
+    the first round."""
+    return mode if rnd == 1 else f"{mode}@{rnd}"
+
+
 def seed_for(label: str, mode: str, wave: int) -> int:
     return zlib.crc32(f"{label}:{mode}:{wave}".encode()) & 0x7FFFFFFF
 
@@ -384,7 +390,7 @@ def run_mode(
 ) -> dict[str, Any]:
     """One mode's waves (``rnd``: which round of ``--rounds``)."""
     t0 = time.perf_counter()
-    key = mode.name if rnd == 1 else f"{mode.name}@{rnd}"
+    key = requests_key(mode.name, rnd)
     out: dict[str, Any] = {"mode": mode.name, "round": rnd, "requests_key": key, "at_start": settle(d), "waves": []}
     gw_name = f"gw-{mode.name}"
     params = dict(mode.params)
@@ -590,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         res["requests"] = {}
         ratio: list[float] = []  # measured / estimated, per finished wave
         for rnd, mode in runs:
-            key = mode.name if rnd == 1 else f"{mode.name}@{rnd}"  # its request rows' key
+            key = requests_key(mode.name, rnd)
             est = [
                 estimate_wave_s(
                     n,

@@ -34,7 +34,7 @@
 # (process sessions of their own) until a later part stops them or the machine goes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G5}"
+part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G6}"
 : "${OUT:=${TURNKV_GPU_STATE:-/root/gpu-state}/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -124,15 +124,14 @@ case "$part" in
     [ "$part" = L3 ] && python3 gpu/engines.py down
     ;;
   G4|G5|G6)  # issue 11 again: shared_gpu found by the gateway (auto), and rounds of modes for this GPU's noise
-    load=(python3 gpu/load.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --p-cache on --turns 3 --waves 1
-          --conversations 8,16,32)
+    load=(python3 gpu/load.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --p-cache on --turns 3 --waves 1)
     case "$part" in
       G4) if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }; fi
-          load+=(--label G4_8-32 --modes adaptive,plain,colocated --rounds 3) ;;
-      G5) load+=(--label G5_8-32 --modes adaptive,plain,colocated,vllm-multiturn --rounds 2) ;;
+          load+=(--label G4_8-32 --conversations 8,16,32 --modes adaptive,plain,colocated --rounds 3) ;;
+      G5) load+=(--label G5_8-32 --conversations 8,16,32 --modes adaptive,plain,colocated,vllm-multiturn --rounds 2) ;;
       G6) if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }; fi
-          load=("${load[@]/8,16,32/16,32}")
-          load+=(--label G6_chunked_D --d-chunk 2048 --modes plain,adaptive-first,colocated,adaptive --rounds 2) ;;
+          load+=(--label G6_chunked_D --conversations 16,32 --d-chunk 2048
+                 --modes plain,adaptive-first,colocated,adaptive --rounds 2) ;;
     esac
     step "goodput_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
     [ "$part" = G4 ] || python3 gpu/engines.py down
