@@ -543,15 +543,19 @@ async def test_many_first_turns_at_once_on_a_busy_p_and_a_small_d_are_all_answer
         assert d.capacity_tokens is not None and gw.engine[D0].pinned_tokens <= d.capacity_tokens * share
 
 
-async def test_many_long_turns_at_once_on_a_shared_gpu_are_all_answered_right() -> None:
-    # P on D's GPU (shared_gpu), D running streams, its KV sized for the pins of about six conversations:
-    # thirteen send long turns together, which the headroom alone would send through P. Some run on D as
-    # shared_gpu; the others go where the policy puts them (itl_headroom where P would compute less). Every
-    # answer equals a colocated engine's (``Chat``), the conversations go on, and D's pins stay within their
-    # budget. The stall limit is lifted: the ITL checks are what is under test, and what the fake P taught
-    # the estimate must not decide it.
+@pytest.mark.parametrize("told", [True, False], ids=["setting", "auto_from_the_engines"])
+async def test_many_long_turns_at_once_on_a_shared_gpu_are_all_answered_right(told: bool) -> None:
+    # P on D's GPU (the setting shared_gpu, or left at auto with both engines naming the same GPU), D running
+    # streams, its KV sized for the pins of about six conversations: thirteen send long turns together, which
+    # the headroom alone would send through P. Some run on D as shared_gpu; the others go where the policy
+    # puts them (itl_headroom where P would compute less). Every answer equals a colocated engine's (``Chat``),
+    # the conversations go on, and D's pins stay within their budget. The stall limit is lifted: the ITL
+    # checks are what is under test, and what the fake P taught the estimate must not decide it.
     policy = {"name": "adaptive", "params": {"decode_local_max_stall_ms": 100_000}}
-    async with gateway(policy=policy, shared_gpu=True) as gw:
+    engine = FakeEngine([P0], [D0])
+    if not told:
+        engine[P0].gpus = engine[D0].gpus = frozenset({"GPU-0"})
+    async with gateway(engine, policy=policy, shared_gpu=True if told else "auto") as gw:
         sizing = await conversation(gw, session="sizing")
         gw.engine[D0].capacity_tokens = gw.engine[D0].pinned_tokens * 12
         chats = [Chat(gw, session=f"long{i}") for i in range(12)]
