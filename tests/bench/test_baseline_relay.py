@@ -1,5 +1,6 @@
-"""The bare relay the overhead suite measures turnkv against: it must relay, byte for byte, or its CPU
-figure is not a baseline. A real simulated engine and the relay as its own process on loopback."""
+"""The bare relays the overhead suite measures turnkv against: they must relay, byte for byte, or their CPU
+figures are not baselines. A real simulated engine and the relay as its own process on loopback, served by
+aiohttp.web and by uvicorn (a bare ASGI app, turnkv's server stack)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import aiohttp
 import pytest
 
 from turnkv import launch
+from turnkv.bench.baseline_relay import SERVERS
 
 pytestmark = pytest.mark.integration
 
@@ -24,11 +26,12 @@ BODY = {
 }
 
 
-@pytest.fixture(scope="module")
-def urls() -> Iterator[tuple[str, str]]:
+@pytest.fixture(scope="module", params=SERVERS)
+def urls(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     eng = launch.sim("colocated", "colocated", "--time-scale", "0", "--no-thinking")
     try:
-        relay = launch.spawn("relay", ["--upstream", eng.url], module="turnkv.bench.baseline_relay")
+        flags = ["--upstream", eng.url, "--server", request.param]
+        relay = launch.spawn("relay", flags, module="turnkv.bench.baseline_relay")
         try:
             yield eng.url, relay.url
         finally:
@@ -67,14 +70,16 @@ def _contents(data: bytes) -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def pd_urls() -> Iterator[tuple[str, str]]:
+@pytest.fixture(scope="module", params=SERVERS)
+def pd_urls(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     flags = ("--time-scale", "0", "--no-thinking", "--vllm-compat", "0.33")
     p = launch.sim("prefill", "prefill", *flags)
     d = launch.sim("decode", "decode", *flags)
     try:
         relay = launch.spawn(
-            "pd-relay", ["--prefill", p.url, "--upstream", d.url], module="turnkv.bench.baseline_relay"
+            "pd-relay",
+            ["--prefill", p.url, "--upstream", d.url, "--server", request.param],
+            module="turnkv.bench.baseline_relay",
         )
         try:
             yield p.url, relay.url

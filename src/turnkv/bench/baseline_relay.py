@@ -12,6 +12,9 @@ handshake vLLM's P/D proxies make): parse the request, send it to P with one tok
 upstream D, streaming D's answer back unparsed. JSON through orjson, as turnkv's hot path. No checks,
 errors passed through as the engines give them: a floor to measure turnkv's stateless turns against, not a
 router to deploy.
+
+``--server uvicorn`` serves the same relay as a bare ASGI app on uvicorn (``baseline_asgi``), the server
+stack turnkv runs on.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import orjson
 from aiohttp import web
 
 from turnkv import launch
+from turnkv.bench import baseline_asgi
 from turnkv.bench.client import prefill_request
 
 HOP_HEADERS = ("content-type", "accept")
+SERVERS = ("aiohttp", "uvicorn")
 UPSTREAM_TIMEOUT_S = 120.0
 
 
@@ -102,7 +107,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--upstream", required=True, help="engine base URL (http://127.0.0.1:PORT)")
     p.add_argument("--prefill", default=None, help="a prefill engine: relay chat requests as P/D (upstream: D)")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument(
+        "--server",
+        choices=SERVERS,
+        default="aiohttp",
+        help="aiohttp.web (default), or uvicorn with a bare ASGI app (baseline_asgi): turnkv's server stack",
+    )
     a = p.parse_args(argv)
+    if a.server == "uvicorn":
+        baseline_asgi.serve(a.upstream, a.port, a.prefill)
+        return
     try:  # the same event loop uvicorn picks for the gateway, when installed
         import uvloop
     except ImportError:

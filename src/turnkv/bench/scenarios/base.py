@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from turnkv import launch
 from turnkv.bench import procs
+from turnkv.bench.baseline_relay import SERVERS
 from turnkv.bench.client import Target
 from turnkv.bench.records import ConfigResult
 from turnkv.bench.redis_server import RedisServer
@@ -64,12 +65,15 @@ class Deployment:
     prefills: int = 1  # engines of each role (pd); colocated: engines side by side
     decodes: int = 1
     replicas: int = 1
+    relay_server: str = "aiohttp"  # relay, pd-relay: aiohttp.web, or uvicorn with a bare ASGI app (baseline_asgi)
 
     def __post_init__(self) -> None:
         if min(self.prefills, self.decodes, self.replicas) < 1:
             raise ValueError("a deployment has at least one engine of each kind it uses")
         if self.kind in ("pd-direct", "pd-relay") and (self.prefills, self.decodes) != (1, 1):
             raise ValueError(f"{self.kind} drives one P and one D")
+        if self.relay_server not in SERVERS:
+            raise ValueError(f"relay_server is one of {', '.join(SERVERS)}")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -85,7 +89,12 @@ class Deployment:
             "prefills": self.prefills,
             "decodes": self.decodes,
             "replica_engines": self.replicas,
+            "relay_server": self.relay_server,
         }
+
+    @property
+    def relay_flags(self) -> list[str]:
+        return [] if self.relay_server == "aiohttp" else ["--server", self.relay_server]
 
     def commands(self) -> list[str]:
         """The equivalent shell commands (ports are picked at start: shown as placeholders)."""
@@ -93,13 +102,15 @@ class Deployment:
         if self.kind == "colocated":
             return [f"turnkv sim --role colocated {e}".strip() + _times(self.replicas)]
         if self.kind == "relay":
-            return [f"turnkv sim --role colocated {e}".strip(), "python -m turnkv.bench.baseline_relay --upstream $E"]
+            relay = " ".join(["python -m turnkv.bench.baseline_relay --upstream $E", *self.relay_flags])
+            return [f"turnkv sim --role colocated {e}".strip(), relay]
         out = [
             f"turnkv sim --role prefill {e} {' '.join(self.prefill_flags)}".strip() + _times(self.prefills),
             f"turnkv sim --role decode {e} {' '.join(self.decode_flags)}".strip() + _times(self.decodes),
         ]
         if self.kind == "pd-relay":
-            out.append("python -m turnkv.bench.baseline_relay --prefill $P --upstream $D")
+            relay = "python -m turnkv.bench.baseline_relay --prefill $P --upstream $D"
+            out.append(" ".join([relay, *self.relay_flags]))
         if self.kind == "pd":
             redis = " --redis-url redis://127.0.0.1:$REDIS_PORT/0" if self.redis else ""
             env = "".join(f"{k}={v} " for k, v in self.gateway_env)
@@ -207,7 +218,7 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
             eng = launch.sim("colocated", "colocated", *d.engine_flags, log_dir=log_dir)
             started.append(eng)
             gateway = launch.spawn(
-                "relay", ["--upstream", eng.url], log_dir=log_dir, module="turnkv.bench.baseline_relay"
+                "relay", ["--upstream", eng.url, *d.relay_flags], log_dir=log_dir, module="turnkv.bench.baseline_relay"
             )
             started.append(gateway)
             target = Target(url=gateway.url)
@@ -222,7 +233,7 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
             elif d.kind == "pd-relay":
                 gateway = launch.spawn(
                     "relay",
-                    ["--prefill", ps[0].url, "--upstream", ds[0].url],
+                    ["--prefill", ps[0].url, "--upstream", ds[0].url, *d.relay_flags],
                     log_dir=log_dir,
                     module="turnkv.bench.baseline_relay",
                 )

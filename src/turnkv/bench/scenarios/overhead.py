@@ -172,6 +172,17 @@ def benches(conversations: int | None = None) -> list[Bench]:
             warmup=stateless_warmup,
         ),
         Bench(
+            Deployment("pd-relay", engine_flags=ZERO, decode_flags=D_MEMORY, pin=True, relay_server="uvicorn"),
+            _sweep(
+                "bare-pd-relay-uvicorn",
+                "ttft",
+                "the bare P/D relay as a plain ASGI app on uvicorn (turnkv's server stack, none of its code)",
+                False,
+                180,
+            ),
+            warmup=stateless_warmup,
+        ),
+        Bench(
             _direct(ZERO),
             _sweep("pd-direct", "ttft", "zero-cost P and D, the client runs the P/D handshake", False, 200),
             warmup=stateless_warmup,
@@ -419,25 +430,30 @@ def _cpu_ms(cfg: ConfigResult) -> float:
 
 def _ratio_table(configs: Sequence[ConfigResult], checks: list[tuple[str, str, float, float, str]]) -> list[str]:
     """turnkv's gateway CPU per request over the bare relay's at the same load (each against its own
-    zero-cost engines, both pinned alone on CPU 1), and over the bare P/D relay's (the handshake alone)."""
+    zero-cost engines, both pinned alone on CPU 1), and over the bare P/D relays' (the handshake alone, on
+    aiohttp.web and on uvicorn)."""
     by = {c.name: c for c in configs}
+
+    def cpu(name: str) -> float:
+        cfg = by.get(name)
+        return _cpu_ms(cfg) if cfg is not None and "gateway_cpu_s" in cfg.meta else math.nan
+
+    def over(t: float, base: float) -> str:
+        return "-" if _nan(base) else f"{t / base:.2f}x"
+
     rows = []
     for label, _ in LOADS:
-        base = by.get(f"bare-relay-{label}")
-        if base is None or "gateway_cpu_s" not in base.meta:
+        b, f, u = (cpu(f"{name}-{label}") for name in ("bare-relay", "bare-pd-relay", "bare-pd-relay-uvicorn"))
+        if _nan(b) and _nan(u):
             continue
-        b = _cpu_ms(base)
-        pd = by.get(f"bare-pd-relay-{label}")
-        f = _cpu_ms(pd) if pd is not None and "gateway_cpu_s" in pd.meta else math.nan
         for name, limit in RATIO_TARGETS:
-            cfg = by.get(f"{name}-{label}")
-            if cfg is None or "gateway_cpu_s" not in cfg.meta:
+            t = cpu(f"{name}-{label}")
+            if _nan(t):
                 continue
-            t = _cpu_ms(cfg)
-            floor = "-" if math.isnan(f) else f"{t / f:.2f}x"
             target = f"{limit:g}x" if limit else "-"
-            rows.append([label, name, f"{b:.3f}", f"{f:.3f}", f"{t:.3f}", f"{t / b:.2f}x", floor, target])
-            if limit and label == LOADS[-1][0]:
+            ms = ("-" if _nan(x) else f"{x:.3f}" for x in (b, f, u, t))
+            rows.append([label, name, *ms, over(t, b), over(t, f), over(t, u), target])
+            if limit and label == LOADS[-1][0] and not _nan(b):
                 checks.append(
                     (f"gateway CPU/request vs bare relay <= {limit:g}x", f"{name}-{label}", t / b, limit, "x")
                 )
@@ -450,11 +466,13 @@ def _ratio_table(configs: Sequence[ConfigResult], checks: list[tuple[str, str, f
         "front of one zero-cost engine, pinned to CPU 1 like the gateway; *ratio* = turnkv's CPU ms per "
         "request / the relay's at the same load. turnkv makes two engine calls per turn (P and D), the relay one. "
         "The bare P/D relay (the same with `--prefill`: vLLM's P/D handshake, orjson, no checks) makes turnkv's "
-        "two: *over P/D relay* = turnkv's CPU ms / its.",
+        "two: *over P/D relay* = turnkv's CPU ms / its. The uvicorn P/D relay is the same handshake as a bare "
+        "ASGI app on uvicorn, turnkv's server stack (`--server uvicorn`): *over uvicorn P/D relay* is what "
+        "turnkv's own code costs on that stack.",
         "",
         md_table(
-            ["load", "config", "bare relay CPU ms", "bare P/D relay CPU ms", "turnkv CPU ms", "ratio"]
-            + ["over P/D relay", "target"],
+            ["load", "config", "bare relay CPU ms", "bare P/D relay CPU ms", "uvicorn P/D relay CPU ms"]
+            + ["turnkv CPU ms", "ratio", "over P/D relay", "over uvicorn P/D relay", "target"],
             rows,
         ),
         "",
