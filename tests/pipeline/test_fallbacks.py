@@ -124,9 +124,12 @@ async def test_a_shutdown_past_its_drain_aborts_a_turn_waiting_on_p(stream: bool
         await gw.wait_for("P to have the call", lambda: gw.engine[P0].calls.count("prefill") == before + 1)
         gw.svc.drain.bind(asyncio.get_running_loop())
         gw.svc.drain.begin()
-        a = await asyncio.wait_for(task, 10)
+        await asyncio.wait({task}, timeout=10)  # not wait_for: cancelling the client would end the turn too
+        assert task.done(), "the abort did not end the turn's wait on P"
+        a = task.result()
         assert a.error is not None and a.error["code"] == "shutting_down"
         assert gw.turns[-1]["capture"] == "failed"
+        assert gw.engine[P0].hung == 0  # P's call was given up on, not left waiting
 
 
 async def test_a_client_that_leaves_mid_stream_aborts_d_and_frees_its_handle() -> None:

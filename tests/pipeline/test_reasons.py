@@ -155,6 +155,8 @@ async def test_a_record_that_cannot_serve_the_turn(edit: object, reason: str) ->
 
 async def test_a_restarted_decode_engine_holds_nothing() -> None:
     async with gateway() as gw:
+        # the record keeps the epoch the fleet has read by then: the check needs one to compare
+        await gw.wait_for("D's epoch to be read", lambda: view(gw, D0).epoch is not None)
         chat = await conversation(gw)
         gw.engine.restart(D0)
         epoch = gw.engine[D0].epoch

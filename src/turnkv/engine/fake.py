@@ -112,6 +112,7 @@ class Instance:
     queue_ms: float | None = None
     prefill_ms: float | None = None
     reads: int = 0
+    hung: int = 0  # calls hanging now (``Faults.hang``): one given up on is cancelled, and ends
     cached: set[int] = field(default_factory=set)  # hashes of the block-aligned prefixes it computed
     staged: dict[str, list[int]] = field(default_factory=dict)  # P: prompt KV prefilled for a D, by id
     pins: dict[str, Pin] = field(default_factory=dict)  # D: sequences pinned for a next turn, by id
@@ -205,10 +206,13 @@ class FakeEngine:
             return inst
         if f.hang > 0:
             f.hang -= 1
+            inst.hung += 1
             try:
                 await asyncio.wait_for(asyncio.Event().wait(), min(timeout_s or NEVER_S, NEVER_S))
             except TimeoutError:
                 raise UpstreamTimeout(f"{leg} engine timed out", leg=leg, instance=base) from None
+            finally:
+                inst.hung -= 1
         if f.busy > 0 and not (leg == "decode" and stream):
             f.busy -= 1
             await _behind(inst, leg, timeout_s)

@@ -15,8 +15,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import anyio
-
 from turnkv.engine.base import Collected, DecodeStream, NothingCollected
 from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamError, UpstreamUnavailable, retryable
 from turnkv.gateway.kv_admission import Ticket
@@ -29,7 +27,18 @@ from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action
 
 T = TypeVar("T")
-STOP_WAIT_S = 1.0  # how long a call given up on may take to stop (it was cancelled)
+STOP_WAIT_S = 1.0  # how long a leg given up on (a task of its own: ``ahead``) may take to stop
+
+
+@dataclass(eq=False)
+class _Wait:
+    """One ``until_aborted`` wait: the task it runs in, its deadline's timer, and why it was given up on."""
+
+    task: asyncio.Task[Any]
+    deadline: Deadline | None
+    started: float  # loop time the deadline counts from
+    timer: asyncio.TimerHandle | None = None
+    why: str | None = None  # "aborted" | "deadline" once given up on
 
 
 @dataclass
@@ -70,7 +79,7 @@ class TurnRun:
     opened: Opened | None = None  # the last answer D opened
     aborted: str | None = None  # why the gateway ended the turn early ("shutdown")
     ticket: Ticket | None = None  # its reservation on a decode engine's KV (gateway.kv_admission)
-    _calls: set[asyncio.Future[Any]] = field(default_factory=set)  # what ``until_aborted`` waits on now
+    _waits: set[_Wait] = field(default_factory=set)  # what ``until_aborted`` waits on now
     # told once P's next request has gone out (``ahead`` starts the render after it)
     on_prefill_sent: Callable[[], object] | None = None
 
@@ -122,8 +131,10 @@ class TurnRun:
     def abort(self, why: str) -> None:
         """End the turn early: its decode answer is closed (D aborts the request) and its steps stop."""
         self.aborted = why
-        for call in list(self._calls):
-            call.cancel()  # its waiter wakes and says ShuttingDown
+        for wait in list(self._waits):
+            if wait.why is None:
+                wait.why = "aborted"
+                wait.task.cancel()  # the call ends, and its wait says ShuttingDown
         if self.opened is not None and self.opened.stream is not None:
             self.opened.stream.abort()
 
@@ -141,48 +152,64 @@ class TurnRun:
     ) -> T:
         """``call``, unless the turn is aborted (``ShuttingDown``) or ``deadline`` passes first, counted from
         ``started`` (a loop time; default now) and renewed while the engine is busy (``FirstTokenDeadline``).
-        A call given up on, for whatever reason (this turn cancelled too), is cancelled and waited for
-        before this returns, so that nothing else reads what it was reading (an answer it opened is
-        closed). ``then`` is called once the call has taken its first step (a request it sends is out)."""
+        A call given up on is cancelled, and has ended when this raises (it runs in this task: no task of
+        its own, no second task waiting beside it); an answer it opened as it was given up on is closed.
+        A cancellation from outside (the client left) stays one. ``then`` is called once the call has taken
+        its first step (a request it sends is out)."""
         if self.aborted is not None:
             if inspect.iscoroutine(call):
                 call.close()
             self.check()
+        task = asyncio.current_task()
+        assert task is not None, "a turn runs in a task"
         loop = asyncio.get_running_loop()
-        started = loop.time() if started is None else started
-        until = None if deadline is None else started + deadline.first_s
-        # one task per call: an abort cancels it (no second task waiting for the abort beside it)
-        task = asyncio.ensure_future(call)
-        self._calls.add(task)
+        wait = _Wait(task, deadline, loop.time() if started is None else started)
+        if deadline is not None:
+            wait.timer = loop.call_at(wait.started + deadline.first_s, self._deadline_passed, wait)
+        self._waits.add(wait)
         if then is not None:
-            loop.call_soon(then)  # after the task's first step: the ready queue runs in order
+            loop.call_soon(then)  # after the call's first step, which runs before this task's next one
         try:
-            while True:
-                timeout = None if until is None else max(0.0, until - loop.time())
-                done, _ = await asyncio.wait((task,), timeout=timeout)
-                if task in done:
-                    if task.cancelled():
-                        self.check()  # the abort cancelled it
-                    return task.result()
-                now = loop.time()  # the deadline passed (without one only the call or the abort ends the wait)
-                assert deadline is not None, "a wait without a deadline has no timeout"
-                if not deadline.renews(self.svc.fleet.view(deadline.url), started, now):
-                    raise FirstTokenDeadline(
-                        f"the {deadline.leg} engine missed its first-token deadline",
-                        leg=deadline.leg,
-                        instance=deadline.url,
-                    )
-                self.svc.metrics.deadline_renewals.labels(deadline.leg).inc()  # busy, not stuck: wait on
-                until = now + deadline.first_s
+            result = await call
+        except asyncio.CancelledError:
+            if wait.why is None or task.uncancel() > 0:
+                raise  # not ours, or cancelled from outside too: not ours to turn into an answer
+            raise self._given_up(wait) from None
         finally:
-            self._calls.discard(task)
-            if not task.done():
-                task.add_done_callback(_close_answer)
-                task.cancel()
-                # shielded: a turn cancelled by its cancel scope (the client left) is cancelled again at
-                # every wait within it, and this wait must still end first
-                with anyio.move_on_after(STOP_WAIT_S, shield=True):
-                    await asyncio.wait({task})
+            self._waits.discard(wait)
+            if wait.timer is not None:
+                wait.timer.cancel()
+        if wait.why is not None:  # given up on as it returned: the cancellation has not reached it
+            if task.uncancel() > 0:
+                _close_answer(result)
+                raise asyncio.CancelledError
+            if wait.why == "aborted":
+                _close_answer(result)
+                raise self._given_up(wait)
+        return result
+
+    def _deadline_passed(self, wait: _Wait) -> None:
+        """The first-token deadline passed: renewed while the engine is busy, else the call is given up on."""
+        deadline = wait.deadline
+        assert deadline is not None, "a timer is armed only with a deadline"
+        now = asyncio.get_running_loop().time()
+        if wait.why is not None:
+            return
+        if deadline.renews(self.svc.fleet.view(deadline.url), wait.started, now):
+            self.svc.metrics.deadline_renewals.labels(deadline.leg).inc()  # busy, not stuck: wait on
+            wait.timer = asyncio.get_running_loop().call_at(now + deadline.first_s, self._deadline_passed, wait)
+            return
+        wait.why = "deadline"
+        wait.task.cancel()
+
+    def _given_up(self, wait: _Wait) -> Exception:
+        if wait.why == "aborted":
+            return ShuttingDown("the gateway is shutting down; send the turn again")
+        deadline = wait.deadline
+        assert deadline is not None, "only a wait with a deadline misses it"
+        return FirstTokenDeadline(
+            f"the {deadline.leg} engine missed its first-token deadline", leg=deadline.leg, instance=deadline.url
+        )
 
     def close_answer(self) -> None:
         """Give D's answer up and its in-flight place back: its connection back to the pool when it was read
@@ -194,7 +221,7 @@ class TurnRun:
             opened.slot.release()
 
 
-def _close_answer(task: asyncio.Future[Any]) -> None:
+def _close_answer(result: object) -> None:
     """A call given up on may still have opened an answer: close it (the engine aborts the request)."""
-    if not task.cancelled() and task.exception() is None and isinstance(task.result(), DecodeStream):
-        task.result().abort()
+    if isinstance(result, DecodeStream):
+        result.abort()
