@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
-from turnkv.engine.vllm.stream import DecodeCapture
+from turnkv.engine.vllm.stream import DecodeCapture, VllmDecodeStream
 from turnkv.gateway.sse import SSESplitter, frame
 
 
@@ -274,3 +275,87 @@ def test_splitter_agrees_with_the_plain_reading_on_mixed_streams(seed: int) -> N
         want += ref.feed(stream[i : i + n])
         i += n
     assert got == want and ours.pending == bool(ref.buf.strip())
+
+
+class _Content:
+    """aiohttp's response content, as ``VllmDecodeStream`` reads it: the reads D's bytes arrived in."""
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = reads
+
+    async def readany(self) -> bytes:
+        return self.reads.pop(0) if self.reads else b""
+
+
+class _Response:
+    def __init__(self, reads: list[bytes]) -> None:
+        self.content = _Content(reads)
+
+
+USAGE_CHUNK = b'{"id":"c","choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}}}'
+ERROR = b'{"error":{"message":"boom","code":500}}'
+FINISH = b'{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}],"kv_transfer_params":null}'
+EVENTS = [frame(TOKEN)] * 6 + [frame(THINK), frame(ROLE), frame(FINAL), frame(FINISH), frame(USAGE_CHUNK), frame(ERROR)]
+ODD = [b": keep-alive\n\n", b'data: {"a":\r\n\r\n', b"data: x\ndata: y\n\n", b"data: [DONE]\n\n"]
+
+
+async def _relayed(reads: list[bytes], cached: int | None, relayed: bool) -> tuple[bytes, DecodeCapture]:
+    cap = DecodeCapture(keep_token_ids=False, collect=False, cached_tokens=cached)
+    stream = VllmDecodeStream(_Response(list(reads)), cap)  # type: ignore[arg-type]
+    out = []
+    while True:
+        if relayed:
+            got = await stream.read_relayed()
+            if got is None:
+                break
+            out.append(got)
+        else:  # the base class's way: every event parsed and framed again
+            pieces = await stream.read()
+            if pieces is None:
+                break
+            out += [frame(body) for body, _, _ in pieces if body is not None]
+    return b"".join(out), cap
+
+
+@pytest.mark.parametrize("seed", range(30))
+async def test_a_stateless_answer_relayed_unsplit_is_the_answer_relayed_event_by_event(seed: int) -> None:
+    """The oracle is the parsed path: whatever reads D's bytes come in, what the client gets holds the same
+    events (the handle nulled, the usage corrected, the error and the finish noted), whichever reads went
+    through unsplit."""
+    rng = random.Random(seed)
+    stream = b"".join(rng.choice(EVENTS + ODD[:3]) for _ in range(30)) + ODD[3]
+    cuts = sorted(rng.sample(range(1, len(stream)), 12)) if seed % 3 else []  # some reads end mid-event
+    events_only = [e for e in re.split(b"(?<=\n\n)", stream) if e]  # or whole events per read, as vLLM sends
+    reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)] if cuts else events_only
+    cached = rng.choice([None, 0, 2])
+    fast, fast_cap = await _relayed(reads, cached, relayed=True)
+    slow, slow_cap = await _relayed(reads, cached, relayed=False)
+    assert SSESplitter().feed(fast) == SSESplitter().feed(slow)
+    assert (fast_cap.finish_reason, fast_cap.error) == (slow_cap.finish_reason, slow_cap.error)
+    assert b'"kv_transfer_params":{' not in fast
+
+
+async def test_a_read_of_token_events_goes_through_as_d_sent_it() -> None:
+    read = frame(TOKEN) * 3
+    out, _ = await _relayed([read, frame(FINAL), b"data: [DONE]\n\n"], None, relayed=True)
+    assert out.startswith(read)  # unchanged bytes: nothing was nulled or re-framed
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        frame(FINAL),  # the finish and the handle
+        frame(FINISH),
+        frame(ERROR),
+        frame(USAGE_CHUNK),  # the count to correct (cached is set)
+        b"data: [DONE]\n\n",
+        b": keep-alive\n\n" + frame(TOKEN),  # not a data line
+        b"data: x\ndata: y\n\n",  # an event of two lines
+        frame(TOKEN).replace(b"\n\n", b"\r\n\r\n"),
+        frame(TOKEN)[:-1],  # an event cut in two
+    ],
+)
+def test_a_read_with_anything_to_change_or_note_is_parsed(read: bytes) -> None:
+    assert not DecodeCapture(keep_token_ids=False, collect=False, cached_tokens=0).as_is(read)
+    assert DecodeCapture(keep_token_ids=False, collect=False, cached_tokens=0).as_is(frame(TOKEN) * 2)
+    assert not DecodeCapture(keep_token_ids=False, collect=True).as_is(frame(TOKEN))  # a collecting turn

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from turnkv.gateway.answer import AnswerAccumulator
+from turnkv.gateway.sse import frame
 
 # An engine's KV handle (vLLM: D's ``kv_transfer_params``): opaque outside the engine that made it,
 # stored verbatim with the conversation and handed back to the same engine family.
@@ -152,6 +153,15 @@ class DecodeStream(abc.ABC):
     @abc.abstractmethod
     async def read(self) -> list[Piece] | None:
         """The events of the next read, up to the end marker; None at the end (raises ``StreamBroken``)."""
+
+    async def read_relayed(self) -> bytes | None:
+        """The events of the next read as the client gets them, SSE-framed (b"" when the read held none to
+        forward), for the relay after the first output; None at the end (raises ``StreamBroken``). What it
+        collects is what ``read`` collects; an engine may skip parsing what needs none."""
+        pieces = await self.read()
+        if pieces is None:
+            return None
+        return b"".join(frame(body) for body, _, _ in pieces if body is not None)
 
     @abc.abstractmethod
     async def drain(self, timeout_s: float) -> None:

@@ -21,7 +21,7 @@ import orjson
 from turnkv import jsonwire
 from turnkv.engine.base import DecodeStream, Handle, Piece, StreamBroken
 from turnkv.gateway.answer import AnswerAccumulator
-from turnkv.gateway.sse import DONE, SSESplitter
+from turnkv.gateway.sse import DONE, SSESplitter, frame
 
 _PROMPT_IDS = b'"prompt_token_ids":['
 _OUTPUT_MARKS = (b'"content":"', b'"reasoning":"', b'"reasoning_content":"', b'"text":"')
@@ -142,6 +142,23 @@ class DecodeCapture:
         said = details["cached_tokens"]
         details["cached_tokens"] = min(self.cached_tokens, int(usage.get("prompt_tokens") or 0))
         return said, details["cached_tokens"]
+
+    def as_is(self, data: bytes) -> bool:
+        """Whether a read's bytes go to the client unchanged and unsplit: a relay-only capture (a stateless
+        turn), the read whole one-line ``data: `` events (as vLLM writes them), none of which ends the answer,
+        carries an error, the handle or a count to correct. Each test is a scan of the bytes, not a parse."""
+        if self.collect or not data.endswith(b"\n\n") or b"\r" in data:
+            return False
+        events = data.count(b"\n\n")  # each starts with "data: " and has no other line
+        if not data.startswith(b"data: ") or data.count(b"\n\ndata: ") != events - 1 or data.count(b"\n") != 2 * events:
+            return False
+        return (
+            b"[DONE]" not in data
+            and b'{"error"' not in data
+            and b'"kv_transfer_params":{' not in data
+            and b'"finish_reason":"' not in data
+            and not (self.cached_tokens is not None and b'"cached_tokens"' in data)
+        )
 
     def chunk(self, payload: bytes) -> tuple[bytes | None, bool]:
         """One SSE payload: the bytes to forward (None: nothing a client of plain vLLM would have got, so
@@ -275,15 +292,30 @@ class VllmDecodeStream(DecodeStream):
     def collected(self) -> DecodeCapture:
         return self._capture
 
-    async def read(self) -> list[Piece] | None:
+    async def _read_data(self) -> bytes | None:
         if self.done:
             return None
         try:
             data = await self._resp.content.readany()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise StreamBroken(type(exc).__name__) from exc
-        if not data:
+        return data or None
+
+    async def read(self) -> list[Piece] | None:
+        data = await self._read_data()
+        return None if data is None else self._pieces(data)
+
+    async def read_relayed(self) -> bytes | None:
+        """A read that holds whole one-line events only, none with anything to change or note, goes to the
+        client as D sent it, unsplit: the usual read of a stateless turn's answer (``DecodeCapture.as_is``)."""
+        data = await self._read_data()
+        if data is None:
             return None
+        if not self._splitter.pending and self._capture.as_is(data):
+            return data
+        return b"".join(frame(body) for body, _, _ in self._pieces(data) if body is not None)
+
+    def _pieces(self, data: bytes) -> list[Piece]:
         cap = self._capture
         out: list[Piece] = []
         for payload in self._splitter.feed(data):

@@ -69,10 +69,9 @@ async def _head(run: TurnRun, stream: DecodeStream) -> bytes | None:
 async def _tail(stream: DecodeStream) -> AsyncIterator[bytes]:
     """The rest of D's answer; everything one network read brought is written at once (under load D's
     events arrive in batches, and one write per batch instead of per event is most of a relay's cost)."""
-    while (pieces := await stream.read()) is not None:
-        out = [frame(body) for body, _, _ in pieces if body is not None]
+    while (out := await stream.read_relayed()) is not None:
         if out:
-            yield b"".join(out)
+            yield out
     if not stream.done:
         stream.collected.error = stream.collected.error or {"message": "decode stream ended without [DONE]"}
 
