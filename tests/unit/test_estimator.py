@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from turnkv.reuse.cost import CostParams, transfer_s
@@ -141,3 +143,41 @@ def test_pulls_of_one_size_keep_their_own_estimate_when_nothing_is_fitted() -> N
         est.observe_link("decode", 3e8, 0.002 + 3e8 / 100e9, 1)  # one size this way too: nothing fitted
         est.observe_link("prefill", 21e6, 0.002 + 21e6 / 20e9, 1)
     assert est.links()["pull"].bytes_per_s == pytest.approx(20e9, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_params_asked_every_turn_are_what_a_fit_of_everything_so_far_gives(seed: int) -> None:
+    """``params`` is fitted again only when something changed; the oracle is a new estimator given every
+    measurement so far at the same times, whose first answer is a fit by construction."""
+    rng = random.Random(seed)
+    clock = Clock()
+    est = CostEstimator(CostParams(), link_max_age_s=30.0, clock=clock)
+    log: list[tuple[float, str, tuple[float, ...]]] = []
+    for _ in range(60):
+        step = rng.random()
+        if step < 0.3:
+            args: tuple[float, ...] = (rng.choice([1e6, 45e6, 200e6]), rng.uniform(0.001, 0.2), 1.0)
+            log.append((clock.now, rng.choice(["prefill", "decode"]), args))
+        elif step < 0.55:
+            log.append((clock.now, "fill", (rng.randint(100, 9000), rng.randint(0, 9000), rng.uniform(0.01, 1))))
+        else:
+            clock.now += rng.choice([0.5, 5.0, 12.0])  # links age out past 30 s
+        if log and log[-1][0] == clock.now and step < 0.55:
+            _feed(est, log[-1])
+        twin_clock = Clock()
+        twin = CostEstimator(CostParams(), link_max_age_s=30.0, clock=twin_clock)
+        for entry in log:
+            twin_clock.now = entry[0]
+            _feed(twin, entry)
+        twin_clock.now = clock.now
+        assert est.params() == twin.params()
+
+
+def _feed(est: CostEstimator, entry: tuple[float, str, tuple[float, ...]]) -> None:
+    _, kind, a = entry
+    if kind == "fill":
+        est.observe_prefill(
+            new_tokens=int(a[0]), context_tokens=int(a[1]), pulled_tokens=0, seconds=a[2], block_size=16
+        )
+    else:
+        est.observe_link(kind, a[0], a[1], a[2])

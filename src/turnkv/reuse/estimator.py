@@ -26,6 +26,7 @@ Until enough varied points exist, the configured priors stand.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -52,10 +53,18 @@ class LinkEstimator:
         self._clock = clock
         # (bytes, seconds, count, when observed)
         self._points: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self.version = 0  # counts the measurements taken: what was derived from fewer is out of date
 
     def observe(self, mean_bytes: float, mean_seconds: float, count: float) -> None:
         if mean_bytes > 0 and mean_seconds > 0 and count > 0:
             self._points.append((mean_bytes, mean_seconds, count, self._clock()))
+            self.version += 1
+
+    def changes_at(self) -> float:
+        """When the oldest measurement counted now stops counting (``max_age_s``); infinity when never."""
+        if self.max_age_s is None or not self._points:
+            return math.inf
+        return self._points[0][3] + self.max_age_s
 
     def fresh(self) -> list[Point]:
         """The measurements still counted (all of them without ``max_age_s``), oldest dropped for good."""
@@ -111,10 +120,12 @@ class PrefillEstimator:
         self.prior = prior
         self._min = min_samples
         self._points: deque[tuple[int, int, float]] = deque(maxlen=window)  # (new, context, seconds)
+        self.version = 0
 
     def observe(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         if new_tokens > 0 and seconds > 0:
             self._points.append((new_tokens, context_tokens, seconds))
+            self.version += 1
 
     @property
     def samples(self) -> int:
@@ -151,6 +162,9 @@ class CostEstimator:
         self.pull = LinkEstimator(*prior.link(), max_age_s=link_max_age_s, clock=clock)  # D -> P, read by P
         self.push = LinkEstimator(*prior.link(push=True), max_age_s=link_max_age_s, clock=clock)  # P -> D
         self.prefill = PrefillEstimator(prior)
+        self._clock = clock
+        # params() as last computed, from the estimators' versions then, until a link point ages out
+        self._params: tuple[tuple[int, int, int], float, CostParams] | None = None
 
     def observe_link(self, reader_role: str, mean_bytes: float, mean_seconds: float, count: float) -> None:
         """Transfers an engine made since the last scrape: a prefill engine reads D's blocks (pulls)."""
@@ -178,6 +192,18 @@ class CostEstimator:
         self.prefill.observe(new_tokens, context_tokens, seconds - pull)
 
     def params(self) -> CostParams:
+        """The priors refined by what was measured. Fitted again only once something changed (a measurement
+        came, or one aged out): every turn asks, and a fit over the windows costs more than the rest of its
+        planning."""
+        versions = (self.pull.version, self.push.version, self.prefill.version)
+        cached = self._params
+        if cached is not None and cached[0] == versions and self._clock() < cached[1]:
+            return cached[2]
+        params = self._fit()
+        self._params = (versions, min(self.pull.changes_at(), self.push.changes_at()), params)
+        return params
+
+    def _fit(self) -> CostParams:
         links = self.links()
         hop, per_token, attn = self.prefill.params()
         return replace(
