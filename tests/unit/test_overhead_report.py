@@ -4,7 +4,7 @@ load, from the CPU seconds and request counts the suite records."""
 from __future__ import annotations
 
 from turnkv.bench.records import ConfigResult, RequestRecord
-from turnkv.bench.scenarios.overhead import _ratio_table
+from turnkv.bench.scenarios.overhead import _itl_table, _ratio_table
 
 
 def _config(name: str, cpu_s: float | None, requests: int = 100) -> ConfigResult:
@@ -50,3 +50,21 @@ def test_a_missing_pd_relay_shows_a_dash_and_no_relay_no_table() -> None:
     rows = _rows(_ratio_table([_config("bare-relay-c64", 0.2), _config("turnkv-stateless-c64", 0.3)], checks))
     assert rows["c64", "turnkv-stateless"] == ["2.000", "-", "-", "3.000", "1.50x", "-", "-", "1.15x"]
     assert _ratio_table([_config("turnkv-stateless-c64", 0.3)], []) == []
+
+
+def _itl(name: str, itl_ms: list[float]) -> ConfigResult:
+    recs = [RequestRecord(conversation=i, turn=1, start_s=0.0, ttft_ms=5.0, itl_ms=itl_ms) for i in range(4)]
+    return ConfigResult(name, "", {}, {}, recs, 1.0)
+
+
+def test_the_itl_table_says_what_turnkv_adds_over_direct_and_over_the_relay() -> None:
+    checks: list[tuple[str, str, float, float, str]] = []
+    by = {c.name: c for c in (_itl("itl-pd-direct", [20.0] * 99), _itl("itl-turnkv", [23.0] * 99))}
+    table = "\n".join(_itl_table(by, checks))
+    assert "Added ITL p99: +3.00 ms." in table and "bare P/D relay" not in table
+    assert [c[2] for c in checks] == [3.0]
+    by["itl-bare-pd-relay"] = _itl("itl-bare-pd-relay", [22.5] * 99)
+    table = "\n".join(_itl_table(by, []))
+    assert "| itl-bare-pd-relay |" in table
+    assert "ITL p99 through turnkv minus through the bare P/D relay: +0.50 ms." in table
+    assert _itl_table({"itl-turnkv": by["itl-turnkv"]}, []) == []
