@@ -175,11 +175,15 @@ class TurnRun:
             if wait.why is None or task.uncancel() > 0:
                 raise  # not ours, or cancelled from outside too: not ours to turn into an answer
             raise self._given_up(wait) from None
+        except Exception:
+            if wait.why is not None:
+                task.uncancel()  # the call took our cancellation and ended with an error of its own
+            raise
         finally:
             self._waits.discard(wait)
             if wait.timer is not None:
                 wait.timer.cancel()
-        if wait.why is not None:  # given up on as it returned: the cancellation has not reached it
+        if wait.why is not None:  # given up on, but the call took the cancellation itself and returned
             if task.uncancel() > 0:
                 _close_answer(result)
                 raise asyncio.CancelledError
