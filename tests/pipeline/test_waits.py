@@ -35,14 +35,19 @@ async def _turns_cancel_into_error() -> None:
         raise UpstreamUnavailable("the call ended its own way", leg="prefill") from None
 
 
+async def _nothing_pending() -> None:
+    """The turn's task carries no cancellation the wait asked for."""
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    await asyncio.sleep(0)  # a cancellation left pending would be thrown here
+
+
 async def test_a_missed_deadline_is_the_turns_error_and_leaves_no_cancellation() -> None:
     async with gateway() as gw:
         run = _run(gw.svc)
         with pytest.raises(FirstTokenDeadline):
             await run.until_aborted(_forever(), DEADLINE)
-        task = asyncio.current_task()
-        assert task is not None and task.cancelling() == 0
-        await asyncio.sleep(0)  # a cancellation left pending would be thrown here
+        await _nothing_pending()
 
 
 async def test_an_abort_ends_a_wait_and_leaves_no_cancellation() -> None:
@@ -51,8 +56,7 @@ async def test_an_abort_ends_a_wait_and_leaves_no_cancellation() -> None:
         asyncio.get_running_loop().call_soon(run.abort, "shutdown")
         with pytest.raises(ShuttingDown):
             await run.until_aborted(_forever())
-        task = asyncio.current_task()
-        assert task is not None and task.cancelling() == 0
+        await _nothing_pending()
 
 
 async def test_a_call_that_ends_its_own_way_when_given_up_on_keeps_its_error() -> None:
@@ -60,8 +64,7 @@ async def test_a_call_that_ends_its_own_way_when_given_up_on_keeps_its_error() -
         run = _run(gw.svc)
         with pytest.raises(UpstreamUnavailable):
             await run.until_aborted(_turns_cancel_into_error(), DEADLINE)
-        task = asyncio.current_task()
-        assert task is not None and task.cancelling() == 0
+        await _nothing_pending()
 
 
 async def test_a_cancellation_from_outside_stays_one() -> None:

@@ -137,10 +137,22 @@ def _turnkv(
     )
 
 
-def benches(conversations: int | None = None) -> list[Bench]:
+def _itl_bench(deployment: Deployment, name: str, how: str, seed: int) -> Bench:
+    """``STREAMS`` streams of 64 tokens at once on paced engines (20 ms steps): the ITL ``how`` they go."""
     streams = replace(
         BASE, conversations=STREAMS, concurrency=STREAMS, answer_tokens=64, system_tokens=200, session_header=False
     )
+    plan = ConfigPlan(
+        f"itl-{name}",
+        "itl",
+        f"paced engines (20 ms steps), {STREAMS} streams, {how}",
+        replace(streams, seed=seed),
+        {"overhead": f"itl-{name}"},
+    )
+    return Bench(deployment, (plan,), warmup=replace(WARMUP, session_header=False))
+
+
+def benches(conversations: int | None = None) -> list[Bench]:
     count = replace(BASE, conversations=conversations or 10, turns=4, concurrency=1, session_header=True, seed=77)
     stateless_warmup = replace(WARMUP, session_header=False)
     return [
@@ -198,45 +210,14 @@ def benches(conversations: int | None = None) -> list[Bench]:
             _sweep("turnkv-redis", "ttft", "turnkv, X-Session-ID, Redis store", True, 500),
             warmup=WARMUP,
         ),
-        Bench(
-            _direct(PACED),
-            (
-                ConfigPlan(
-                    "itl-pd-direct",
-                    "itl",
-                    f"paced engines (20 ms steps), {STREAMS} streams, pd-direct",
-                    replace(streams, seed=600),
-                    {"overhead": "itl-pd-direct"},
-                ),
-            ),
-            warmup=stateless_warmup,
-        ),
-        Bench(
+        _itl_bench(_direct(PACED), "pd-direct", "pd-direct", 600),
+        _itl_bench(
             Deployment("pd-relay", engine_flags=PACED, decode_flags=D_MEMORY, pin=True),
-            (
-                ConfigPlan(
-                    "itl-bare-pd-relay",
-                    "itl",
-                    f"paced engines (20 ms steps), {STREAMS} streams, through the bare P/D relay",
-                    replace(streams, seed=650),
-                    {"overhead": "itl-bare-pd-relay"},
-                ),
-            ),
-            warmup=stateless_warmup,
+            "bare-pd-relay",
+            "through the bare P/D relay",
+            650,
         ),
-        Bench(
-            _turnkv(PACED, pin=True),
-            (
-                ConfigPlan(
-                    "itl-turnkv",
-                    "itl",
-                    f"paced engines (20 ms steps), {STREAMS} streams, through turnkv",
-                    replace(streams, seed=700),
-                    {"overhead": "itl-turnkv"},
-                ),
-            ),
-            warmup=stateless_warmup,
-        ),
+        _itl_bench(_turnkv(PACED, pin=True), "turnkv", "through turnkv", 700),
         Bench(
             Deployment("colocated", engine_flags=ZERO, pin=True),
             _long("colocated", "zero-cost colocated engine, direct", False, 800),
