@@ -212,7 +212,8 @@ class DecodeCapture:
             redump = redump or patched is None
             payload = patched or payload
         visible = False
-        only_ours = False  # the chunk carried token ids the client did not ask for, and nothing else
+        # a choice whose chunk carried token ids the client did not ask for, and perhaps nothing else
+        ours: dict[str, Any] | None = None
         for choice in obj.get("choices") or []:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
@@ -220,13 +221,8 @@ class DecodeCapture:
             if isinstance(ids, list):
                 self.token_ids += ids
                 visible = visible or (bool(ids) and self.keep_token_ids)
-                only_ours = (
-                    not self.keep_token_ids
-                    and _empty(choice)
-                    and prompt_json is None
-                    and "prompt_token_ids" not in obj
-                    and not obj.get("usage")
-                )
+                chunk_bare = prompt_json is None and "prompt_token_ids" not in obj and not obj.get("usage")
+                ours = choice if not self.keep_token_ids and chunk_bare else None
                 if not self.keep_token_ids:
                     choice["token_ids"] = None
                     nulled = _null_list(payload, b'"token_ids":[')
@@ -247,7 +243,7 @@ class DecodeCapture:
             if choice.get("finish_reason") is not None:
                 self.finish_reason = str(choice["finish_reason"])
                 visible = True
-        if only_ours and not visible:
+        if ours is not None and not visible and _empty(ours):  # (only then: most chunks show text)
             return None, False
         if not redump:
             return payload, visible
