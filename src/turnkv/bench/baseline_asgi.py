@@ -16,10 +16,10 @@ import aiohttp
 import orjson
 
 from turnkv import launch
+from turnkv.bench import baseline_relay
 from turnkv.bench.client import prefill_request
 
-HOP_HEADERS = (b"content-type", b"accept")
-UPSTREAM_TIMEOUT_S = 120.0
+HOP_HEADERS = tuple(h.encode() for h in baseline_relay.HOP_HEADERS)
 Scope = dict[str, Any]
 Message = dict[str, Any]
 
@@ -42,10 +42,7 @@ class AsgiRelay:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self.session = aiohttp.ClientSession(
-                    timeout=aiohttp.ClientTimeout(total=UPSTREAM_TIMEOUT_S),
-                    connector=aiohttp.TCPConnector(limit=0),
-                )
+                self.session = baseline_relay.upstream_session()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.session is not None:

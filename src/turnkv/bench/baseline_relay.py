@@ -29,12 +29,18 @@ import orjson
 from aiohttp import web
 
 from turnkv import launch
-from turnkv.bench import baseline_asgi
 from turnkv.bench.client import prefill_request
 
 HOP_HEADERS = ("content-type", "accept")
 SERVERS = ("aiohttp", "uvicorn")
 UPSTREAM_TIMEOUT_S = 120.0
+
+
+def upstream_session() -> aiohttp.ClientSession:
+    """The relays' client to the engines: no connection limit, one timeout for a whole call."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=UPSTREAM_TIMEOUT_S), connector=aiohttp.TCPConnector(limit=0)
+    )
 
 
 def make_app(upstream: str, prefill: str | None = None) -> web.Application:
@@ -45,10 +51,7 @@ def make_app(upstream: str, prefill: str | None = None) -> web.Application:
     session_key = web.AppKey("session", aiohttp.ClientSession)
 
     async def start(app: web.Application) -> None:
-        app[session_key] = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=UPSTREAM_TIMEOUT_S),
-            connector=aiohttp.TCPConnector(limit=0),
-        )
+        app[session_key] = upstream_session()
 
     async def stop(app: web.Application) -> None:
         await app[session_key].close()
@@ -115,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     a = p.parse_args(argv)
     if a.server == "uvicorn":
+        from turnkv.bench import baseline_asgi  # it builds on this module
+
         baseline_asgi.serve(a.upstream, a.port, a.prefill)
         return
     try:  # the same event loop uvicorn picks for the gateway, when installed

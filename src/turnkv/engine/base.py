@@ -140,6 +140,11 @@ class NothingCollected:
     handle: None = None
 
 
+def framed(pieces: Sequence[Piece]) -> bytes:
+    """What the client gets of a read's pieces: each forwarded body SSE-framed, in one buffer."""
+    return b"".join(frame(body) for body, _, _ in pieces if body is not None)
+
+
 class DecodeStream(abc.ABC):
     """An open streamed answer, read one network read at a time (so back-pressure reaches the engine)."""
 
@@ -159,9 +164,7 @@ class DecodeStream(abc.ABC):
         forward), for the relay after the first output; None at the end (raises ``StreamBroken``). What it
         collects is what ``read`` collects; an engine may skip parsing what needs none."""
         pieces = await self.read()
-        if pieces is None:
-            return None
-        return b"".join(frame(body) for body, _, _ in pieces if body is not None)
+        return None if pieces is None else framed(pieces)
 
     @abc.abstractmethod
     async def drain(self, timeout_s: float) -> None:

@@ -19,9 +19,9 @@ import aiohttp
 import orjson
 
 from turnkv import jsonwire
-from turnkv.engine.base import DecodeStream, Handle, Piece, StreamBroken
+from turnkv.engine.base import DecodeStream, Handle, Piece, StreamBroken, framed
 from turnkv.gateway.answer import AnswerAccumulator
-from turnkv.gateway.sse import DONE, SSESplitter, frame
+from turnkv.gateway.sse import DONE, SSESplitter
 
 _PROMPT_IDS = b'"prompt_token_ids":['
 _OUTPUT_MARKS = (b'"content":"', b'"reasoning":"', b'"reasoning_content":"', b'"text":"')
@@ -309,7 +309,7 @@ class VllmDecodeStream(DecodeStream):
             return None
         if not self._splitter.pending and self._capture.as_is(data):
             return data
-        return b"".join(frame(body) for body, _, _ in self._pieces(data) if body is not None)
+        return framed(self._pieces(data))
 
     def _pieces(self, data: bytes) -> list[Piece]:
         cap = self._capture
