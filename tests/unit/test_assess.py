@@ -14,7 +14,7 @@ from turnkv.reuse.assess import (
     TemplateClass,
     assess,
 )
-from turnkv.reuse.chain import chain_of
+from turnkv.reuse.chain import chain_of, proves, sequence_digest
 from turnkv.state.base import Claim, ClaimStatus
 from turnkv.state.record import ConversationRecord
 
@@ -141,3 +141,28 @@ def test_release_pulls_nothing() -> None:
     assert h["remote_num_tokens"] == 0
     assert h["remote_block_ids"] == HANDLE["remote_block_ids"]
     assert (h["do_remote_decode"], h["do_remote_prefill"]) == (True, False)
+
+
+@pytest.mark.parametrize(
+    "prompt", [NEXT, SEQ[:N], SEQ[: N + 1], STRIPPED, [9, *NEXT[1:]], SEQ[:9], [*SEQ[: N - 1], 0, 1, 2]]
+)
+def test_a_proof_by_the_records_digest_assesses_as_the_chain_does(prompt: list[int]) -> None:
+    rec = dataclasses.replace(REC, tokens_digest=sequence_digest(SEQ[:N]))
+    claim = Claim(ClaimStatus.FOUND, rec)
+    by_chain = assess(
+        claim, prompt, tenant="t", now=50.0, decode=UP, echoed=SAME, template=TemplateClass.PRESERVES, block_size=BS
+    )
+    proved = proves(rec.tokens_digest, rec.num_tokens, prompt)
+    assert proved is (prompt[:N] == SEQ[:N])
+    by_digest = assess(
+        claim,
+        prompt,
+        tenant="t",
+        now=50.0,
+        decode=UP,
+        echoed=SAME,
+        template=TemplateClass.PRESERVES,
+        block_size=BS,
+        proved=proved,
+    )
+    assert by_digest == by_chain

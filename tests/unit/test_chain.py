@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import random
 from array import array
 
 import pytest
 
-from turnkv.reuse.chain import DIGEST_SIZE, ChainBuilder, agreement, chain_of
+from turnkv.reuse.chain import DIGEST_SIZE, ChainBuilder, agreement, chain_of, proves, sequence_digest
 
 BS = 4
 SEQ = list(range(100, 110))  # 10 tokens: blocks [100..103] [104..107] [108 109]
@@ -85,3 +86,43 @@ def test_the_chain_is_the_documented_blake2b_chain() -> None:
         ).digest()
         expected += prev
     assert chain_of(SEQ, BS) == expected
+
+
+def test_a_sequence_digest_proves_exactly_the_prompts_that_start_with_the_sequence() -> None:
+    # the oracle: the ids themselves; random stored sequences and prompts that keep, cut, extend or
+    # change them anywhere
+    rng = random.Random(5)
+    for _ in range(400):
+        stored = [rng.randrange(200_000) for _ in range(rng.randrange(1, 60))]
+        prompt = list(stored) + [rng.randrange(200_000) for _ in range(rng.randrange(0, 5))]
+        how = rng.randrange(4)
+        if how == 1:
+            i = rng.randrange(len(stored))
+            prompt[i] = prompt[i] + rng.choice([1, -1, 100_000])
+        elif how == 2:
+            prompt = prompt[: rng.randrange(len(stored))]
+        elif how == 3:
+            prompt.insert(rng.randrange(len(stored)), rng.randrange(200_000))
+        expected = prompt[: len(stored)] == stored
+        assert proves(sequence_digest(stored), len(stored), prompt) is expected, (stored, prompt)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [1.0, 2, 3, 9],  # the same numbers, not all ints
+        [True, 2, 3, 9],
+        ["1", 2, 3, 9],
+        [1, 2],  # shorter
+    ],
+)
+def test_only_the_same_ints_are_proved(prompt: list[object]) -> None:
+    assert not proves(sequence_digest([1, 2, 3]), 3, prompt)  # type: ignore[arg-type]
+
+
+def test_a_sequence_digest_is_its_documented_blake2b() -> None:
+    # stored records keep it: the format must not change with how it is computed
+    expected = hashlib.blake2b(b"[1,2,3]", digest_size=16, person=b"turnkv-ids").digest()
+    assert sequence_digest([1, 2, 3]) == sequence_digest((1, 2, 3)) == expected
+    assert sequence_digest([2**70]) is None
+    assert not proves(None, 3, [1, 2, 3]) and not proves(expected, 0, [1, 2, 3])

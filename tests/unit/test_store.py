@@ -5,11 +5,13 @@ Cluster, TLS) is in tests/integration/test_store_redis.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from collections.abc import AsyncIterator
 
 import fakeredis
 import fakeredis.aioredis
+import orjson
 import pytest
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import SSLConnection
@@ -17,6 +19,7 @@ from redis.asyncio.connection import SSLConnection
 from tests.store_contract import SHORT_MARKER_TTL_S, Backend, RedisContract, StoreContract, rec
 from turnkv.config import ConfigError, load_settings
 from turnkv.errors import StoreBusy, StoreError
+from turnkv.reuse.chain import sequence_digest
 from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus
 from turnkv.state.breaker import BreakerPolicy
 from turnkv.state.guard import StoreGuard
@@ -53,8 +56,19 @@ class TestRedisStoreOnFakeredis(StoreContract, RedisContract):
 
 
 def test_record_round_trip() -> None:
-    for r in (rec(), rec(pin=None, unpinned="budget"), rec(epoch=12.5)):
+    with_digest = dataclasses.replace(rec(), tokens_digest=sequence_digest(list(range(40))))
+    for r in (rec(), rec(pin=None, unpinned="budget"), rec(epoch=12.5), with_digest):
         assert ConversationRecord.from_json(r.to_json()) == r
+
+
+def test_records_written_without_a_digest_or_with_members_added_later_are_read() -> None:
+    # a record of a gateway before tokens_digest (the chain decides its turns), and one of a later gateway
+    # that added a member within this format version: read, that member left out
+    raw = orjson.loads(rec().to_json())
+    assert "tokens_digest" not in raw
+    assert ConversationRecord.from_json(orjson.dumps(raw)).tokens_digest is None
+    raw["a_later_member"] = 1
+    assert ConversationRecord.from_json(orjson.dumps(raw)) == rec()
 
 
 def test_record_of_another_format_is_refused() -> None:

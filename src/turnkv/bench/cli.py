@@ -187,7 +187,9 @@ def _report(a: argparse.Namespace) -> int:
 def _profile(a: argparse.Namespace) -> int:
     from turnkv.bench.profile import profile_gateway
 
-    text = profile_gateway(_out_dir(a, "profile"), requests=a.requests, concurrency=a.concurrency, session=a.session)
+    text = profile_gateway(
+        _out_dir(a, "profile"), requests=a.requests, concurrency=a.concurrency, session=a.session, redis=a.redis
+    )
     print(text[:4000])
     return 0
 
@@ -289,6 +291,7 @@ def add_bench_parser(sub: Any) -> None:
     pr.add_argument("--requests", type=int, default=600)
     pr.add_argument("--concurrency", type=int, default=8)
     pr.add_argument("--session", action="store_true", help="send X-Session-ID")
+    pr.add_argument("--redis", action="store_true", help="a redis-server of its own as the store (implies --session)")
     pr.set_defaults(func=_profile)
 
     rep = bsub.add_parser("report", help="rebuild the report from results.json files (merged in order)")

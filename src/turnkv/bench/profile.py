@@ -22,13 +22,17 @@ from pathlib import Path
 
 from turnkv import launch
 from turnkv.bench.client import Target
+from turnkv.bench.redis_server import RedisServer
 from turnkv.bench.runner import run_load
 from turnkv.bench.scenarios.overhead import BASE, D_MEMORY, GATEWAY, GW_ENV, ZERO
 
 
-def profile_gateway(out: Path, *, requests: int, concurrency: int, session: bool) -> str:
+def profile_gateway(out: Path, *, requests: int, concurrency: int, session: bool, redis: bool = False) -> str:
+    """``redis``: the store is a redis-server of the run's own (session ids are sent then)."""
     out.mkdir(parents=True, exist_ok=True)
     prof = out / "gateway.prof"
+    session = session or redis
+    store = RedisServer().start() if redis else None
     p = launch.sim("prefill", "prefill", *ZERO, log_dir=out)
     d = launch.sim("decode", "decode", *ZERO, *D_MEMORY, log_dir=out)
     try:
@@ -45,6 +49,7 @@ def profile_gateway(out: Path, *, requests: int, concurrency: int, session: bool
                     "--decode",
                     d.url,
                     *GATEWAY,
+                    *(("--redis-url", store.url) if store else ()),
                     "--port",
                     "0",
                 ],
@@ -65,11 +70,13 @@ def profile_gateway(out: Path, *, requests: int, concurrency: int, session: bool
     finally:
         d.stop()
         p.stop()
+        if store is not None:
+            store.close()
     buf = io.StringIO()
     errors = sum(1 for r in records if not r.ok)
     buf.write(
         f"{len(records)} requests ({errors} failed), {concurrency} concurrent, "
-        f"{'with' if session else 'without'} session ids\n"
+        f"{'with' if session else 'without'} session ids{', Redis store' if redis else ''}\n"
     )
     stats = pstats.Stats(str(prof), stream=buf)
     stats.sort_stats("tottime").print_stats(25)

@@ -134,7 +134,10 @@ def assess(
     template: TemplateClass,
     block_size: int,
     prompt_chain: ChainBuilder | None = None,
+    proved: bool = False,
 ) -> Assessment:
+    """``prompt_chain``: the prompt's chain when the caller has it; ``proved``: the caller found that the
+    prompt starts with the record's whole sequence by its digest (``chain.proves``). Both only save work."""
     why = record_unusable(claim, tenant=tenant, now=now, decode=decode)
     if why is not None:
         return _none(why, claim.record if why in _RECORD_KEPT else None)
@@ -142,6 +145,8 @@ def assess(
     assert r is not None
     if r.block_size != block_size:
         return _none(Reason.BLOCK_SIZE_CHANGED, r, releasable=True)
+    if proved:
+        return Assessment(r, r.num_tokens, True, Reason.FULL_MATCH, True)
     a = agreement(r.chain, r.num_tokens, prompt, block_size, prompt_chain)
     if a.full:
         return Assessment(r, a.tokens, True, Reason.FULL_MATCH, True)

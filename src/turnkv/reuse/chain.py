@@ -4,6 +4,12 @@ A chain has one 8-byte digest per block of ``block_size`` tokens, the last block
 ``d[i] = blake2b(d[i-1] + tokens of block i)``, so equal digests at block ``i`` mean equal tokens up
 to the end of that block. Only digests are stored, never tokens. Because each digest is made from
 the one before it, a prompt's chain, built once per turn, answers every comparison of that turn.
+
+A stored sequence also keeps one digest of itself whole (``sequence_digest``). Where a prompt is expected
+to start with all of it (a pull's check, between P's answer and D's request), that one digest proves it
+(``proves``) in about a fifth of the time the prompt's chain takes (32k tokens: about 1 ms against 5 on
+the bench machine), and the chain is built later, off the critical path. It can only prove: a prompt it
+does not prove is compared block by block, which finds where it differs.
 """
 
 from __future__ import annotations
@@ -13,9 +19,13 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import orjson
+
 DIGEST_SIZE = 8
 _ROOT = b"\x00" * DIGEST_SIZE
 _PERSON = b"turnkv-chain"
+_SEQ_PERSON = b"turnkv-ids"
+SEQUENCE_DIGEST_SIZE = 16
 
 
 _HASH = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_PERSON)  # a template, copied per link: never updated
@@ -74,6 +84,26 @@ class ChainBuilder:
 
 def chain_of(tokens: Sequence[int], block_size: int) -> bytes:
     return ChainBuilder(block_size).extend(tokens).digests()
+
+
+def sequence_digest(tokens: Sequence[int]) -> bytes | None:
+    """One digest of a whole sequence of ids: blake2b over its compact JSON text (orjson writes it in one
+    call). The text of a list of ints is theirs alone (a float, bool or string reads differently), so equal
+    digests mean equal sequences of ints. None for what orjson cannot write (an int beyond 64 bits)."""
+    try:
+        text = orjson.dumps(tokens if isinstance(tokens, list) else list(tokens))
+    except (orjson.JSONEncodeError, TypeError):
+        return None
+    return hashlib.blake2b(text, digest_size=SEQUENCE_DIGEST_SIZE, person=_SEQ_PERSON).digest()
+
+
+def proves(stored_digest: bytes | None, stored_tokens: int, prompt: Sequence[int]) -> bool:
+    """Whether ``prompt`` provably starts with the whole stored sequence of ``stored_tokens`` ids, by the
+    sequence's digest. False says only that this did not prove it (no digest, a shorter prompt, or a
+    difference somewhere): ``agreement`` says how far they agree."""
+    if stored_digest is None or stored_tokens <= 0 or len(prompt) < stored_tokens:
+        return False
+    return sequence_digest(prompt[:stored_tokens]) == stored_digest
 
 
 @dataclass(frozen=True)

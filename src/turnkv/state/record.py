@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from turnkv import jsonwire
@@ -49,6 +49,9 @@ class ConversationRecord:
     # "no_handle_in_stream"); D's blocks may still sit in its prefix cache, so decode-local can use them
     unpinned: str | None = None
     answer_calls: int = 0  # tool calls the last answer made (to tell a rewrite as text from an edit)
+    # one digest of all ``num_tokens`` ids (``chain.sequence_digest``): proves a prompt starts with them in
+    # one call, where the chain takes one per block; None in records written before it (the chain decides)
+    tokens_digest: bytes | None = None
 
     @property
     def pin_id(self) -> str | None:
@@ -62,6 +65,10 @@ class ConversationRecord:
     def to_json(self) -> str:
         d = asdict(self)
         d["chain"] = base64.b64encode(self.chain).decode()
+        if self.tokens_digest is None:
+            del d["tokens_digest"]  # as records without it were written
+        else:
+            d["tokens_digest"] = base64.b64encode(self.tokens_digest).decode()
         d["v"] = FORMAT_VERSION
         return jsonwire.dumps(d).decode()
 
@@ -71,4 +78,11 @@ class ConversationRecord:
         if d.pop("v", None) != FORMAT_VERSION:
             raise ValueError("record written by another format version")
         d["chain"] = base64.b64decode(d["chain"])
-        return cls(**d)
+        if d.get("tokens_digest") is not None:
+            d["tokens_digest"] = base64.b64decode(d["tokens_digest"])
+        # a member a later gateway added within this format version (one that only helps, as tokens_digest
+        # did) is left out; a change that alters what a record means takes a new FORMAT_VERSION
+        return cls(**{k: v for k, v in d.items() if k in _FIELDS})
+
+
+_FIELDS = frozenset(f.name for f in fields(ConversationRecord))

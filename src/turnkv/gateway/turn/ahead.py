@@ -30,8 +30,9 @@ record is usable. Then:
 
   - ``prefill`` (the default): the prompt ids P computed from, which P returns with its answer
     (``return_token_ids``, in every vLLM version). No render call at all: P renders the messages once, for
-    its own prefill, as under vLLM's multi-turn proxy. The check (the ids' hash chain against the record)
-    then runs between P's answer and D's request (1-2 ms of gateway CPU at 16k tokens), and P's answer
+    its own prefill, as under vLLM's multi-turn proxy. The check then runs between P's answer and D's
+    request: the ids' first tokens against the record's digest of its whole sequence, one call
+    (``chain.proves``; the hash chain, one hash per block, only where that does not prove them), and P's answer
     carries the ids (about 1.5 ms more of P's CPU at 16k), where the render call cost P 8 ms of CPU at
     16k and 21 ms at 32k beside its pull and prefill; on the simulator that CPU lands on P's leg, since it
     renders in the event loop that runs its engine (BENCHMARKS.md §3). vLLM renders in its API server's

@@ -29,7 +29,7 @@ from turnkv.gateway.turn.direct import enabled as direct_enabled
 from turnkv.gateway.turn.plan import facts, room, turn_load
 from turnkv.gateway.turn.results import Capture
 from turnkv.gateway.turn.run import TurnRun
-from turnkv.reuse.chain import ChainBuilder
+from turnkv.reuse.chain import ChainBuilder, sequence_digest
 from turnkv.reuse.decision import Keep
 from turnkv.state.record import ConversationRecord
 
@@ -77,10 +77,11 @@ def build_record(run: TurnRun) -> ConversationRecord | Capture:
     rendered = run.rendered
     if rendered.prompt_ids is not None and prompt != rendered.prompt_ids:
         svc.metrics.render_mismatch.inc()
+    held_ids = (prompt + cap.token_ids)[:n]
     if rendered.chain is not None and prompt == rendered.prompt_ids and n >= len(prompt):
         chain = rendered.chain.copy().extend(cap.token_ids[: n - len(prompt)])
     else:
-        chain = ChainBuilder(s.block_size).extend((prompt + cap.token_ids)[:n])
+        chain = ChainBuilder(s.block_size).extend(held_ids)
     answer, reasoning = cap.answer.digests()
     messages = turn.messages
     # what a later direct turn is held against; not needed where no turn can be direct
@@ -106,6 +107,7 @@ def build_record(run: TurnRun) -> ConversationRecord | Capture:
         bytes_per_token=bytes_per_token(messages, len(prompt)) if direct else None,
         unpinned=unpinned,
         answer_calls=len(cap.answer.calls),
+        tokens_digest=sequence_digest(held_ids),
     )
 
 

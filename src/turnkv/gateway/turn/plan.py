@@ -170,6 +170,7 @@ def _assess(svc: Services, turn: Turn, rendered: Rendered) -> Assessment | None:
         template=svc.catalog.template.cls,
         block_size=svc.settings.block_size,
         prompt_chain=rendered.chain,
+        proved=rendered.proved,
     )
     if rec is not None and not svc.policy.checks_tokens and a.releasable:
         # the unchecked baseline believes the handle covers the prompt, as vLLM's example proxy does

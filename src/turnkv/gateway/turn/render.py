@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from array import array
 
 from turnkv.errors import ClientError, StoreBusy, StoreError, UpstreamError, UpstreamStatus
 from turnkv.gateway.answer import last_assistant
@@ -26,7 +27,7 @@ from turnkv.gateway.turn import direct, plan
 from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Next, Plan, Rendered
 from turnkv.reuse.assess import Reason
-from turnkv.reuse.chain import ChainBuilder
+from turnkv.reuse.chain import ChainBuilder, proves
 from turnkv.state.base import Claim, ClaimStatus
 
 
@@ -145,11 +146,27 @@ def _judged(
         return failed
     if isinstance(rendered, BaseException):
         return dataclasses.replace(failed, failure=rendered)
+    record = claim.record if claim is not None else None
+    # the usual later turn: the ids start with the record's whole sequence, proved by its digest in one
+    # call; the chain (one hash per block) is then built by CAPTURE, after D has started
+    proved = record is not None and proves(record.tokens_digest, record.num_tokens, rendered)
     try:
-        chain = ChainBuilder(svc.settings.block_size).extend(rendered)
+        if proved:
+            assert record is not None
+            array("q", rendered[record.num_tokens :])  # the rest are 64-bit ints too (the digest says the first are)
+            chain = None
+        else:
+            chain = ChainBuilder(svc.settings.block_size).extend(rendered)
     except (TypeError, OverflowError):  # ids that are not integers
         svc.metrics.upstream_errors.labels(leg, "protocol").inc()
         return failed
     return Rendered(
-        Next.PLAN, why, prompt_ids=rendered, chain=chain, claim=claim, claimed=_claimed(claim), seconds=seconds
+        Next.PLAN,
+        why,
+        prompt_ids=rendered,
+        chain=chain,
+        proved=proved,
+        claim=claim,
+        claimed=_claimed(claim),
+        seconds=seconds,
     )

@@ -42,7 +42,8 @@ class Rendered:
     next: Next
     reason: Reason  # why the turn reuses nothing, as far as RENDER can tell
     prompt_ids: Sequence[int] | None = None
-    chain: ChainBuilder | None = None  # the hash chain of ``prompt_ids``
+    chain: ChainBuilder | None = None  # the hash chain of ``prompt_ids``, when it was needed before D
+    proved: bool = False  # ``prompt_ids`` start with the claimed record's whole sequence (``chain.proves``)
     claim: Claim | None = None  # None: not claimed (no conversation) or the store failed
     claimed: bool = False  # the store holds this turn's in-flight marker
     seconds: float = 0.0  # render and claim, side by side
