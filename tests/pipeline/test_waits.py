@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from tests.pipeline.harness import P0, gateway
+from tests.pipeline.harness import D0, P0, Chat, Gateway, gateway
 from turnkv.engine.base import CallMeta
 from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamUnavailable
 from turnkv.gateway.services import Services
@@ -90,3 +90,52 @@ async def test_a_cancellation_from_outside_stays_one_when_an_abort_comes_with_it
         asyncio.get_running_loop().call_soon(both)
         await asyncio.wait({waiting})
         assert waiting.cancelled()
+
+
+N = 12  # conversations at once
+
+
+async def _conversations(gw: Gateway, *, stream: bool) -> list[Chat]:
+    chats = [Chat(gw, session=f"c{i}", stream=stream) for i in range(N)]
+    firsts = await asyncio.gather(*(c.say(f"question {i}") for i, c in enumerate(chats)))
+    assert all(a.status == 200 and a.error is None for a in firsts)
+    return chats
+
+
+async def test_a_shutdown_ends_many_turns_waiting_on_p_at_once() -> None:
+    # every later turn's call to P hangs; the shutdown's abort must end each wait, and leave no call hanging
+    async with gateway(drain_s=0.0, timeouts={"prefill_first_token_s": 30.0}) as gw:
+        chats = await _conversations(gw, stream=False)
+        gw.engine.faults(P0, hang=N, leg="prefill")
+        turns = [asyncio.create_task(c.say("and then?")) for c in chats]
+        await gw.wait_for("every turn to wait on P", lambda: gw.engine[P0].hung == N)
+        gw.svc.drain.bind(asyncio.get_running_loop())
+        gw.svc.drain.begin()
+        await asyncio.wait(turns, timeout=10)  # not wait_for: cancelling the clients would end the turns too
+        assert all(t.done() for t in turns), "the abort did not end every turn's wait on P"
+        errors = [t.result().error for t in turns]
+        assert all(e is not None and e["code"] == "shutting_down" for e in errors), errors
+        assert gw.engine[P0].hung == 0  # each call was given up on, none left waiting
+
+
+async def test_many_turns_whose_d_streams_stall_each_end_and_their_conversations_go_on() -> None:
+    # D's streams open and show nothing: each turn misses its first-token deadline and runs once more; a
+    # rerun may meet a stall too (which turn's call meets one is the scheduler's), and then ends with an
+    # OpenAI error. Either way no turn hangs, no stream stays open, and every conversation's next turn works
+    async with gateway(timeouts={"decode_first_token_s": 0.25}) as gw:
+        chats = await _conversations(gw, stream=True)
+        gw.engine.faults(D0, stall=N)
+        answers = await asyncio.gather(*(c.say("and then?") for c in chats))
+        for a in answers:
+            assert a.done, a.events[-1:]  # ended as OpenAI streams end, with or without an error
+            assert a.error is None or a.error["code"], a.error
+        answered = [a for a in answers if a.error is None]
+        assert answered, "no turn got its answer after a stall"
+        # every stall was met (N turns made at least N calls) and each stalled stream given up on once
+        assert gw.metric("turnkv_first_token_deadline_misses_total", leg="decode") == N
+        await gw.wait_for("D's streams to close", lambda: gw.engine[D0].running == 0)
+        for c, a in zip(chats, answers, strict=True):
+            if a.error is not None:
+                c.messages.pop()  # the client sends that turn again
+        again = await asyncio.gather(*(c.say("once more") for c in chats))
+        assert all(a.error is None and a.done for a in again)
