@@ -98,12 +98,16 @@ def pair(
     p_sim_extra: list[str] | None = None,
     d_sim_extra: list[str] | None = None,
     gpus: tuple[str, str] | None = None,
+    max_model_len: int | None = None,
 ) -> list[EngineSpec]:
     """``*_sim_extra``: flags for the simulator only (e.g. a small ``--num-gpu-blocks`` on D); ``gpus``: P's
-    and D's ``CUDA_VISIBLE_DEVICES`` (None: both on the first GPU, sharing it)."""
+    and D's ``CUDA_VISIBLE_DEVICES`` (None: both on the first GPU, sharing it); ``max_model_len``: both
+    engines' ``--max-model-len`` (None: EngineSpec's default, so that engines started without it are reused)."""
     model = str(devlib.KIT / f"model-{size}-keep")
     own = [{"CUDA_VISIBLE_DEVICES": g} for g in gpus] if gpus else [{}, {}]
-    base = {"model": model, "mem": mem, "kv_extra": dict(kv_extra or {})}
+    base: dict[str, object] = {"model": model, "mem": mem, "kv_extra": dict(kv_extra or {})}
+    if max_model_len is not None:
+        base["max_model_len"] = max_model_len
     p_common = {**base, "env": {**dict(env or {}), **own[0]}}
     d_common = {**base, "env": {**dict(env or {}), **own[1]}}
     return [

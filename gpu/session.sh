@@ -28,13 +28,18 @@
 #   bash gpu/session.sh G6   setup, 8b pair with D taking at most 2,048 tokens a step (prefills in
 #                            chunks); 16, 32 conversations: plain, adaptive-first, colocated, adaptive, in
 #                            rounds; stops both                                                         ~9.5 min
+#   bash gpu/session.sh R1   setup, 8b pair (--max-model-len 40960, CUDA IPC GET, P cache off); TTFT of
+#                            pull turns 2-5 at 2k, 16k, 32k: vllm-multiturn, always-pull, always-pull-beside
+#                            in rounds (A B C A B C), 5 reps; engines kept up for R2                  ~9.5 min
+#   bash gpu/session.sh R2   the same engines, 5 more rounds (seed 12); stops both                    ~9.5 min
+# (R1, R2: TURNKV_TTFT_ARGS adds flags to ttft.py's command line, e.g. smaller sizes on the simulator)
 # (L1-L3, G1-G2: gpu/load.py; TURNKV_LOAD_ARGS adds flags to its command line, e.g. smaller sizes on the simulator)
 # Every step has its own time limit so the call ends well inside the tool's 10 minutes and the
 # results (and engine logs) are always packed into $OUT. Engines started here outlive the call
 # (process sessions of their own) until a later part stops them or the machine goes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G6}"
+part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G6, R1, R2}"
 : "${OUT:=${TURNKV_GPU_STATE:-/root/gpu-state}/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -101,6 +106,19 @@ case "$part" in
     step ttft_ipc_on "$(left 575)" python3 gpu/ttft.py --label ipc_cache_on --p-cache on --histories 16384 \
       --modes never-pull,always-pull,adaptive-pull,adaptive --time-budget-s "$(left 500)"
     python3 gpu/engines.py down
+    ;;
+  R1|R2)  # render ahead: pull turns' TTFT against vLLM's multi-turn proxy, the check on P's ids or beside it
+    ttft=(python3 gpu/ttft.py --p-cache off --histories 2048,16384,32768
+          --modes vllm-multiturn,always-pull,always-pull-beside --turns 5 --user-tokens 200 --answer-tokens 64
+          --reps 5 --order rounds --max-model-len 40960 --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y)
+    case "$part" in
+      R1) if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }; fi
+          ttft+=(--label ra_cache_off) ;;
+      R2) ttft+=(--label ra_cache_off_2 --seed 12) ;;
+    esac
+    # the same engine flags in both parts: R2 reuses R1's engines (devlib compares the command lines)
+    step "ttft_$part" "$(left 575)" "${ttft[@]}" --time-budget-s "$(left 500)" ${TURNKV_TTFT_ARGS:-}
+    [ "$part" = R2 ] && python3 gpu/engines.py down
     ;;
   L4)  # (fresh machine) setup, then 64 conversations again: adaptive first, then plain P/D, same engines
     step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }

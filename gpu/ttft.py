@@ -10,7 +10,18 @@ conversations share a prefix):
 * ``plain``: through turnkv without a conversation id: vLLM's standard P/D (P recomputes, D pulls P's KV);
 * ``always-pull``, ``never-pull``, ``decode-local``, ``adaptive``: turnkv's policies (``X-Session-ID``);
 * ``adaptive-pull``: ``adaptive`` with decode-local off, so it chooses between pulling and recomputing;
+* ``vllm-multiturn``: the gateway as vLLM's multi-turn proxy (policy ``vllm-multiturn``: every later turn
+  pulls the previous handle with the messages, nothing checked): the baseline for the two below;
+* ``always-pull-beside``: ``always-pull`` with the gateway setting ``ahead_check: render`` (the token check
+  on a render call sent beside P's leg), where ``always-pull`` as shipped checks the prompt ids P returns;
 * ``colocated``: straight to D without P: one instance doing prefill and decode.
+
+``--order modes`` (the default) runs history by history, mode by mode, the reps of a mode back to back;
+``--order rounds`` runs history by history, rep by rep, every mode once per rep (A B C A B C), so that the
+modes alternate against this GPU's drift. Each run row says its history, mode, rep and round, the
+conversation id it sent, the byte range of the gateway's log (STATE_DIR/logs/gw-ttft.log) its turns were
+logged in, and those turn events (ahead, render_ms, prefill_ms, ...). The summary gives, per history and
+mode, the median TTFT of turns 2..N over all reps, and its ratio to ``vllm-multiturn``'s at that history.
 
 Each turn streams (``max_tokens`` answer words, ``ignore_eos``, greedy over one-token words so the
 answer re-tokenizes exactly, as a real model's mostly does); TTFT is measured by this client, at the
@@ -18,7 +29,10 @@ first chunk with generated text. turnkv's decision headers are kept per turn. NI
 from both engines' /metrics around each conversation (P reads D's blocks when it pulls; D reads P's
 every turn), and the engines' "KV Transfer metrics" log lines are collected at the end.
 
-Writes OUT/ttft_<label>.json. A time budget stops starting conversations before the call's limit.
+Writes OUT/ttft_<label>.json (after every conversation). A time budget (counted from this script's start,
+engine start included) stops starting conversations before the call's limit: none starts past it, nor one
+that the slowest conversation seen so far at its history (or, before any, at a shorter one) would carry
+past it.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import argparse
 import json
 import random
 import re
+import statistics
 import sys
 import time
 import uuid
@@ -40,8 +55,39 @@ import engines
 
 M = devlib.MODEL_NAME
 MODES = ("plain", "always-pull", "never-pull", "adaptive", "decode-local", "colocated")
-POLICY_PARAMS = {"adaptive-pull": ("adaptive", {"decode_local": False})}
+# mode -> (the gateway's policy, the policy's params, more gateway settings); plain and colocated send no
+# conversation id (colocated no gateway at all): their policy is never asked
+MODE_TABLE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    # plain P/D: no conversation at all (the gateway would otherwise find each one from its history, as load.py says)
+    "plain": ("adaptive", {}, {"conversation_from_history": False}),
+    "colocated": ("adaptive", {}, {}),
+    "always-pull": ("always-pull", {}, {}),
+    "never-pull": ("never-pull", {}, {}),
+    "adaptive": ("adaptive", {}, {}),
+    "decode-local": ("decode-local", {}, {}),
+    "adaptive-pull": ("adaptive", {"decode_local": False}, {}),
+    "vllm-multiturn": ("vllm-multiturn", {}, {}),
+    "always-pull-beside": ("always-pull", {}, {"ahead_check": "render"}),
+}
+BASELINE = "vllm-multiturn"  # the summary's ratios are to this mode's median at the same history
+GATEWAY = "gw-ttft"
 GATEWAY_PORT = 8901
+# what each turn event of the gateway's log keeps in the JSON
+GW_FIELDS = (
+    "turn",
+    "outcome",
+    "action",
+    "reason",
+    "ahead",
+    "render_ms",
+    "prefill_ms",
+    "ttft_ms",
+    "tokens_planned_pull",
+    "tokens_cached",
+    "prompt_tokens",
+    "capture",
+    "divergence",
+)
 XFER_LINE = re.compile(r"KV Transfer metrics: .*")
 
 
@@ -110,6 +156,45 @@ def log_size(name: str) -> int:
     return f.stat().st_size if f.exists() else 0
 
 
+def gateway_turns(start: int, end: int) -> list[dict[str, Any]]:
+    """The turn events the gateway logged between bytes ``start`` and ``end`` of its log, trimmed to GW_FIELDS."""
+    f = devlib.STATE_DIR / "logs" / f"{GATEWAY}.log"
+    try:
+        with open(f, "rb") as fh:
+            fh.seek(start)
+            text = fh.read(max(end - start, 0)).decode("utf-8", "replace")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and ev.get("event") == "turn":
+            out.append({k: ev.get(k) for k in GW_FIELDS})
+    return out
+
+
+def run_order(histories: list[int], modes: list[str], reps: int, order: str) -> list[tuple[int, str, int]]:
+    """(history, mode, rep) in the order they run: ``modes``: the reps of a mode back to back; ``rounds``: one
+    of each mode per rep (A B C A B C)."""
+    if order == "rounds":
+        return [(h, m, r) for h in histories for r in range(reps) for m in modes]
+    return [(h, m, r) for h in histories for m in modes for r in range(reps)]
+
+
+def estimate_s(runs: list[dict[str, Any]], history: int) -> float:
+    """How long a conversation at ``history`` may take: the slowest seen at it, else the slowest at a shorter
+    history (not scaled: a conversation's time is mostly fixed costs, the gateway's start and the decode
+    steps, and the step's limit leaves 75 s past the budget for the rest); 0 before any ran."""
+    same = [r["seconds"] for r in runs if r["history"] == history]
+    shorter = [r["seconds"] for r in runs if r["history"] < history]
+    return float(max(same or shorter or [0.0]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--label", default="cache_on")
@@ -121,6 +206,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--user-tokens", type=int, default=300)
     ap.add_argument("--answer-tokens", type=int, default=100)
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument(
+        "--order",
+        choices=["modes", "rounds"],
+        default="modes",
+        help="modes: per history, each mode's reps back to back; rounds: per history, per rep, each mode once",
+    )
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="both engines' --max-model-len (default: devlib.EngineSpec's, 32768)",
+    )
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument(
         "--ucx",
@@ -136,10 +233,21 @@ def main(argv: list[str] | None = None) -> int:
         help="start no conversation after this many seconds (engine start included)",
     )
     a = ap.parse_args(argv)
-    t_start = time.perf_counter()
+    t_start = time.perf_counter()  # the budget counts from here: engine start included
+    modes = [m for m in a.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODE_TABLE]
+    if unknown:
+        ap.error(f"unknown modes {unknown}; known: {', '.join(MODE_TABLE)}")
+    histories = [int(h) for h in a.histories.split(",") if h]
     p_flags = [] if a.p_cache == "on" else ["--no-enable-prefix-caching"]
-    specs = engines.pair(a.size, p_flags=p_flags, env=dict(kv.split("=", 1) for kv in a.ucx))
-    starts = {s.name: devlib.start_engine(s).get("start_s") for s in specs}
+    specs = engines.pair(
+        a.size, p_flags=p_flags, env=dict(kv.split("=", 1) for kv in a.ucx), max_model_len=a.max_model_len
+    )
+    starts, waited = {}, {}
+    for s in specs:  # start_s: the engine's own start (an earlier call's, where it was kept up and reused)
+        t_engine = time.perf_counter()
+        starts[s.name] = devlib.start_engine(s).get("start_s")
+        waited[s.name] = round(time.perf_counter() - t_engine, 1)
     p, d = specs[0].url, specs[1].url
     pairs = devlib.words_for(p, 3000)
     words = [w for w, _ in pairs]
@@ -151,66 +259,134 @@ def main(argv: list[str] | None = None) -> int:
         "label": a.label,
         "args": vars(a),
         "engine_start_s": starts,
+        "engine_wait_s": waited,  # this call's wait for each engine (about 0 where it was reused)
         "engines": {s.name: devlib.vllm_command(s)[0] for s in specs},
         "runs": [],
         "skipped": [],
     }
-    settings = {"health_interval_s": 1.0, "scrape_interval_s": 2.0}
+    # full decision headers: each turn's row also gets P's time (x-turnkv-prefill-ms), its cached and
+    # planned-pull token counts, the prompt's length
+    settings: dict[str, Any] = {"health_interval_s": 1.0, "scrape_interval_s": 2.0, "decision_headers": "full"}
     if a.size == "1b":
         settings["kv_bytes_per_token"] = 2 * 28 * 8 * 128 * 2
-    modes = [m for m in a.modes.split(",") if m]
-    for history in (int(h) for h in a.histories.split(",")):
-        for mode in modes:
-            for rep in range(a.reps):
-                if time.perf_counter() - t_start > a.time_budget_s:
-                    res["skipped"].append({"history": history, "mode": mode, "rep": rep})
-                    continue
-                policy, params = POLICY_PARAMS.get(mode, ("adaptive" if mode in ("plain", "colocated") else mode, {}))
-                gw_settings = {**settings, "policy": {"name": policy, "params": params}}
-                before = {"p": devlib.metrics(p), "d": devlib.metrics(d)}
-                t0 = time.perf_counter()
-                kw = {"history": history, "turns": a.turns, "user": a.user_tokens, "answer": a.answer_tokens}
-                if mode == "colocated":
-                    rows = conversation_turns(d, words, allowed, rng, session=None, **kw)
-                else:
-                    with devlib.gateway("gw-ttft", GATEWAY_PORT, [p], [d], policy=policy, settings=gw_settings) as gw:
-                        session = None if mode == "plain" else f"{mode}-{history}-{uuid.uuid4().hex[:8]}"
-                        rows = conversation_turns(gw, words, allowed, rng, session=session, **kw)
-                after = {"p": devlib.metrics(p), "d": devlib.metrics(d)}
-                run = {
-                    "history": history,
-                    "mode": mode,
-                    "rep": rep,
-                    "p_cache": a.p_cache,
-                    "turns": rows,
-                    "seconds": round(time.perf_counter() - t0, 1),
-                    "nixl_p_reads": devlib.nixl_delta(before["p"], after["p"]),
-                    "nixl_d_reads": devlib.nixl_delta(before["d"], after["d"]),
-                }
-                res["runs"].append(run)
-                devlib.log(
-                    f"{a.label} h={history} {mode}: TTFT ms by turn {[r['ttft_ms'] for r in rows]} "
-                    f"(P pulled {run['nixl_p_reads']['bytes'] / 1e6:.0f} MB at "
-                    f"{run['nixl_p_reads']['gb_per_s'] or 0:.2f} GB/s)"
-                )
-                devlib.write_json(devlib.out_dir() / f"ttft_{a.label}.json", res)
+    plan = run_order(histories, modes, a.reps, a.order)
+    for i, (history, mode, rep) in enumerate(plan):
+        elapsed = time.perf_counter() - t_start
+        est = estimate_s(res["runs"], history)
+        if elapsed > a.time_budget_s or elapsed + est > a.time_budget_s:
+            why = "budget" if elapsed > a.time_budget_s else f"would end past the budget (est. {est:.0f} s)"
+            res["skipped"].append({"history": history, "mode": mode, "rep": rep, "why": why})
+            continue
+        policy, params, extra = MODE_TABLE[mode]
+        gw_settings = {**settings, **extra, "policy": {"name": policy, "params": params}}
+        before = {"p": devlib.metrics(p), "d": devlib.metrics(d)}
+        t0 = time.perf_counter()
+        kw = {"history": history, "turns": a.turns, "user": a.user_tokens, "answer": a.answer_tokens}
+        session = None if mode in ("plain", "colocated") else f"{mode}-{history}-r{rep}-{uuid.uuid4().hex[:8]}"
+        gw_log: list[int] | None = None
+        if mode == "colocated":
+            rows = conversation_turns(d, words, allowed, rng, session=None, **kw)
+        else:
+            gw_log = [log_size(GATEWAY), 0]
+            with devlib.gateway(GATEWAY, GATEWAY_PORT, [p], [d], policy=policy, settings=gw_settings) as gw:
+                rows = conversation_turns(gw, words, allowed, rng, session=session, **kw)
+            gw_log[1] = log_size(GATEWAY)  # stopped: its last turn event is written
+        after = {"p": devlib.metrics(p), "d": devlib.metrics(d)}
+        run = {
+            "history": history,
+            "mode": mode,
+            "rep": rep,
+            "seq": i,  # position in the run order
+            "order": a.order,
+            "p_cache": a.p_cache,
+            "policy": None if mode in ("plain", "colocated") else policy,
+            "gateway_settings": extra,
+            "session": session,
+            "started_s": round(t0 - t_start, 1),
+            "turns": rows,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "nixl_p_reads": devlib.nixl_delta(before["p"], after["p"]),
+            "nixl_d_reads": devlib.nixl_delta(before["d"], after["d"]),
+            "gateway_log": None if gw_log is None else {"file": f"logs/{GATEWAY}.log", "bytes": gw_log},
+            "gateway_turns": [] if gw_log is None else gateway_turns(*gw_log),
+        }
+        res["runs"].append(run)
+        aheads = [r.get("ahead") for r in rows[1:]]
+        devlib.log(
+            f"{a.label} h={history} {mode} rep {rep}: TTFT ms by turn {[r['ttft_ms'] for r in rows]} "
+            f"ahead {aheads} render ms {[t['render_ms'] for t in run['gateway_turns'][1:]]} "
+            f"(P pulled {run['nixl_p_reads']['bytes'] / 1e6:.0f} MB at "
+            f"{run['nixl_p_reads']['gb_per_s'] or 0:.2f} GB/s)"
+        )
+        devlib.write_json(devlib.out_dir() / f"ttft_{a.label}.json", res)
     res["kv_transfer_log_lines"] = {s.name: engine_lines(s.name, logs0[s.name])[-40:] for s in specs}
     res["seconds"] = round(time.perf_counter() - t_start, 1)
+    res["summary"] = by_history_mode(res["runs"])
     devlib.write_json(devlib.out_dir() / f"ttft_{a.label}.json", res)
     print(json.dumps(summary(res), indent=1))
     return 0
 
 
+def later_ttfts(run: dict[str, Any]) -> list[float]:
+    """TTFT of a run's turns 2..N that answered."""
+    return [t["ttft_ms"] for t in run["turns"][1:] if t.get("ttft_ms") is not None and t["status"] == 200]
+
+
+def by_history_mode(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per history and mode: the median TTFT of turns 2..N over all reps (each turn one sample), the
+    median of the reps' own medians, how many turns and reps, turnkv's decisions on those turns, and the
+    ratio of the median to ``vllm-multiturn``'s at the same history (None where it did not run)."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["history"], r["mode"]), []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    medians: dict[tuple[int, str], float | None] = {}
+    for (history, mode), rs in sorted(groups.items()):
+        per_run = [later_ttfts(r) for r in rs]
+        later = [x for v in per_run for x in v]
+        per_rep = [statistics.median(v) for v in per_run if v]
+        med = statistics.median(later) if later else None
+        medians[(history, mode)] = med
+        decisions: dict[str, int] = {}
+        for r in rs:
+            for t in r["turns"][1:]:
+                k = f"{t.get('outcome')}/{t.get('action')}/ahead={t.get('ahead')}"
+                decisions[k] = decisions.get(k, 0) + 1
+        renders = [g["render_ms"] for r in rs for g in r.get("gateway_turns", [])[1:] if g.get("render_ms") is not None]
+        out[f"{history} {mode}"] = {
+            "history": history,
+            "mode": mode,
+            "reps": len(rs),
+            "later_turns": len(later),
+            "ttft_ms_median_turns_2_n": None if med is None else round(med, 1),
+            "ttft_ms_median_of_rep_medians": round(statistics.median(per_rep), 1) if per_rep else None,
+            "ttft_ms_min_max": [min(later), max(later)] if later else None,
+            "decisions_turns_2_n": decisions,
+            "gateway_render_ms_median": round(statistics.median(renders), 2) if renders else None,
+        }
+    for row in out.values():
+        base = medians.get((row["history"], BASELINE))
+        med = medians[(row["history"], row["mode"])]
+        row[f"ratio_to_{BASELINE}"] = round(med / base, 3) if med is not None and base else None
+    return out
+
+
 def summary(res: dict[str, Any]) -> dict[str, Any]:
-    table = {f"{r['history']} {r['mode']}": [t["ttft_ms"] for t in r["turns"]] for r in res["runs"]}
+    table = {f"{r['history']} {r['mode']} rep {r['rep']}": [t["ttft_ms"] for t in r["turns"]] for r in res["runs"]}
     rates = [
         r[k]["gb_per_s"]
         for r in res["runs"]
         for k in ("nixl_p_reads", "nixl_d_reads")
         if r[k]["gb_per_s"] and r[k]["bytes"] > 10e6
     ]
+    rows = res.get("summary") or by_history_mode(res["runs"])
     return {
         "label": res["label"],
+        "median_ttft_ms_turns_2_n": {
+            k: f"{v['ttft_ms_median_turns_2_n']} ms over {v['later_turns']} turns of {v['reps']} reps, "
+            f"{v[f'ratio_to_{BASELINE}']}x {BASELINE}"
+            for k, v in rows.items()
+        },
         "ttft_ms_by_turn": table,
         "nixl_gb_per_s": sorted(round(x, 3) for x in rates),
         "skipped": res["skipped"],
