@@ -4,7 +4,7 @@
 #          (structlog, redis; checked against ../shared/device/wheels.txt and the image's package list),
 #          and the vllm-turnkv plugin as a wheel. Ignored through .git/info/exclude.
 #   .stage/kit  must exist (../shared/device/make_bundle.sh writes it with the chunks .stage/c0..c6).
-# Re-run after changing plugins/vllm-turnkv. Needs pip with network access (PyPI) for the two wheels
+# Re-run after changing plugins/vllm-turnkv. Needs pip with network access (PyPI) for the three wheels
 # and for the plugin's build backend (setuptools, in pip's isolated build environment).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -15,9 +15,11 @@ rm -rf .whl && mkdir -p .whl
 
 # turnkv's requirements (pyproject.toml) that the device lacks: the image has aiohttp, jinja2, pyyaml,
 # prometheus-client, anyio; vLLM's wheels bring starlette, uvicorn, pydantic, pydantic-settings,
-# python-dotenv, openai. Neither wheel below has a dependency on Python 3.12.
+# python-dotenv, openai. structlog and redis are pure Python; orjson is compiled (a manylinux wheel for
+# CPython 3.12).
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform any -d .whl 'structlog==26.1.0' 'redis==8.1.0'
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl \
+  'structlog==26.1.0' 'redis==8.1.0' 'orjson==3.13.0'
 
 # the plugin: a pure-Python wheel (installing a wheel on the device needs no build backend)
 "$py" -m pip wheel -q --no-deps -w .whl plugins/vllm-turnkv
