@@ -474,6 +474,35 @@ def log_dir() -> Path:
     return d
 
 
+def log_size(name: str) -> int:
+    """The size of ``name``'s log (an engine's or a gateway's): where what it logs next starts."""
+    f = log_dir() / f"{name}.log"
+    return f.stat().st_size if f.exists() else 0
+
+
+def log_text(name: str, start: int, max_bytes: int = -1) -> str:
+    """What ``name``'s log holds from byte ``start`` on (at most ``max_bytes``); "" when it cannot be read."""
+    try:
+        with open(log_dir() / f"{name}.log", "rb") as fh:
+            fh.seek(start)
+            return fh.read(max_bytes).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def log_events(name: str, start: int, max_bytes: int = -1) -> Iterator[dict[str, Any]]:
+    """The JSON events (one per line, as the gateway logs) in ``name``'s log from byte ``start`` on."""
+    for line in log_text(name, start, max_bytes).splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict):
+            yield ev
+
+
 def _spawn(name: str, cmd: list[str], env: dict[str, str], url: str, timeout_s: float) -> dict[str, Any]:
     (STATE_DIR / "procs").mkdir(parents=True, exist_ok=True)
     rec_file = _state_file(name)

@@ -82,7 +82,6 @@ from load_metrics import (
     gateway_counters,
     gateway_log_summary,
     gpus_told,
-    log_size,
     sums,
     timeline,
 )
@@ -405,7 +404,7 @@ def run_mode(
     if not mode.session:
         # plain P/D: no conversation at all (the gateway would otherwise find each one from its history)
         settings["conversation_from_history"] = False
-    log0 = log_size(gw_name)
+    log0 = devlib.log_size(gw_name)
     with contextlib.ExitStack() as stack:
         gw: str | None = None
         if mode.gateway:

@@ -155,11 +155,6 @@ def counter_delta(
     return out
 
 
-def log_size(name: str) -> int:
-    f = devlib.log_dir() / f"{name}.log"
-    return f.stat().st_size if f.exists() else 0
-
-
 def gateway_log_summary(name: str, start: int, max_bytes: int = 64 * 1024 * 1024) -> dict[str, Any]:
     """The turn events the gateway logged after byte ``start`` (counts of outcome, action, reason and
     capture, per turn group), and its other events at warning level or above, by name."""
@@ -168,19 +163,9 @@ def gateway_log_summary(name: str, start: int, max_bytes: int = 64 * 1024 * 1024
     by_group: Counter[str] = Counter()
     warnings: Counter[str] = Counter()
     turns = 0
-    try:
-        with open(f, "rb") as fh:
-            fh.seek(start)
-            text = fh.read(max_bytes).decode("utf-8", "replace")
-    except OSError:
+    if not f.exists():
         return {}
-    for line in text.splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
+    for ev in devlib.log_events(name, start, max_bytes):
         if ev.get("event") == "turn":
             turns += 1
             for k, c in counts.items():

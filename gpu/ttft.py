@@ -141,41 +141,13 @@ def conversation_turns(
 
 def engine_lines(name: str, start: int) -> list[str]:
     """The "KV Transfer metrics" lines an engine logged after byte ``start`` of its log."""
-    f = devlib.STATE_DIR / "logs" / f"{name}.log"
-    try:
-        with open(f, "rb") as fh:
-            fh.seek(start)
-            text = fh.read().decode("utf-8", "replace")
-    except OSError:
-        return []
-    return [m.group(0) for m in XFER_LINE.finditer(text)]
-
-
-def log_size(name: str) -> int:
-    f = devlib.STATE_DIR / "logs" / f"{name}.log"
-    return f.stat().st_size if f.exists() else 0
+    return [m.group(0) for m in XFER_LINE.finditer(devlib.log_text(name, start))]
 
 
 def gateway_turns(start: int, end: int) -> list[dict[str, Any]]:
     """The turn events the gateway logged between bytes ``start`` and ``end`` of its log, trimmed to GW_FIELDS."""
-    f = devlib.STATE_DIR / "logs" / f"{GATEWAY}.log"
-    try:
-        with open(f, "rb") as fh:
-            fh.seek(start)
-            text = fh.read(max(end - start, 0)).decode("utf-8", "replace")
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(ev, dict) and ev.get("event") == "turn":
-            out.append({k: ev.get(k) for k in GW_FIELDS})
-    return out
+    events = devlib.log_events(GATEWAY, start, max(end - start, 0))
+    return [{k: ev.get(k) for k in GW_FIELDS} for ev in events if ev.get("event") == "turn"]
 
 
 def run_order(histories: list[int], modes: list[str], reps: int, order: str) -> list[tuple[int, str, int]]:
@@ -253,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     words = [w for w, _ in pairs]
     allowed = [i for _, i in pairs[:400]]
     rng = random.Random(a.seed)
-    logs0 = {s.name: log_size(s.name) for s in specs}
+    logs0 = {s.name: devlib.log_size(s.name) for s in specs}
     res: dict[str, Any] = {
         "backend": devlib.backend(),
         "label": a.label,
@@ -287,10 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "colocated":
             rows = conversation_turns(d, words, allowed, rng, session=None, **kw)
         else:
-            gw_log = [log_size(GATEWAY), 0]
+            gw_log = [devlib.log_size(GATEWAY), 0]
             with devlib.gateway(GATEWAY, GATEWAY_PORT, [p], [d], policy=policy, settings=gw_settings) as gw:
                 rows = conversation_turns(gw, words, allowed, rng, session=session, **kw)
-            gw_log[1] = log_size(GATEWAY)  # stopped: its last turn event is written
+            gw_log[1] = devlib.log_size(GATEWAY)  # stopped: its last turn event is written
         after = {"p": devlib.metrics(p), "d": devlib.metrics(d)}
         run = {
             "history": history,
