@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from turnkv.reuse.chain import chain_of
+from turnkv.reuse.chain import chain_of, sequence_digest
 from turnkv.state.base import ClaimStatus, ConversationStore, PinEntry, Pinned
 from turnkv.state.record import ConversationRecord
 from turnkv.state.redis import RedisStore
@@ -65,6 +65,7 @@ def rec(
         history_digest="h",
         bytes_per_token=3.5,
         unpinned=unpinned if pin is None else None,
+        tokens_digest=sequence_digest(list(range(tokens))),
     )
 
 
