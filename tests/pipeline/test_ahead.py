@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tests.pipeline.harness import P0, P1, Chat, Gateway, gateway
+from tests.store_contract import rec
 from turnkv.engine.fake import FakeEngine
+from turnkv.gateway.turn import render
+from turnkv.state.base import Claim, ClaimStatus
 
 
 async def _second_turn_on_a_new_p(gw: Gateway) -> Chat:
@@ -43,3 +46,21 @@ async def test_a_pull_ahead_is_checked_on_the_ids_p_returns_else_on_a_render(
         assert (a.outcome, a.action, a.reason) == ("full", "pull", "full_match")
         assert int(a.headers["x-turnkv-matched-tokens"]) > 0
         assert sum(engine[p].calls.count("render") for p in (P0, P1)) == before + renders
+
+
+@pytest.mark.parametrize(
+    ("tail", "proved", "reason"),
+    [([7, 8], True, "no_session"), ([7, "8"], False, "render_failed"), ([7, 2**70], False, "render_failed")],
+)
+async def test_ids_the_records_digest_proves_are_checked_to_be_ints_past_it(
+    tail: list[object], proved: bool, reason: str
+) -> None:
+    # the digest proves the record's tokens; what P returned past them must still be 64-bit ints, or P's
+    # answer is a protocol error, as ids the chain cannot take always were
+    record = rec(tokens=40)  # D's sequence: ids 0..39, with their digest
+    assert record.tokens_digest is not None
+    async with gateway() as gw:
+        ids = [*range(40), *tail]
+        checked = render.from_prefill(gw.svc, ids, Claim(ClaimStatus.FOUND, record))
+        assert (checked.proved, checked.reason.value) == (proved, reason)
+        assert gw.metric("turnkv_upstream_errors_total", leg="prefill", kind="protocol") == (0 if proved else 1)
