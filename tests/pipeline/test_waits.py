@@ -118,12 +118,18 @@ async def test_a_shutdown_ends_many_turns_waiting_on_p_at_once() -> None:
         assert gw.engine[P0].hung == 0  # each call was given up on, none left waiting
 
 
-async def test_many_turns_whose_d_streams_stall_each_end_and_their_conversations_go_on() -> None:
+@pytest.mark.parametrize("small_d", [False, True])
+async def test_many_turns_whose_d_streams_stall_each_end_and_their_conversations_go_on(small_d: bool) -> None:
     # D's streams open and show nothing: each turn misses its first-token deadline and runs once more; a
     # rerun may meet a stall too (which turn's call meets one is the scheduler's), and then ends with an
-    # OpenAI error. Either way no turn hangs, no stream stays open, and every conversation's next turn works
+    # OpenAI error. Either way no turn hangs, no stream stays open, and every conversation's next turn works;
+    # also on a D whose KV holds the pins of a third of the conversations only
     async with gateway(timeouts={"decode_first_token_s": 0.25}) as gw:
         chats = await _conversations(gw, stream=True)
+        d = gw.engine[D0]
+        if small_d:
+            d.capacity_tokens = d.pinned_tokens // 3
+            await gw.wait_for("D's capacity to be read", lambda: gw.svc.pins.capacity(D0) == d.capacity_tokens)
         gw.engine.faults(D0, stall=N)
         answers = await asyncio.gather(*(c.say("and then?") for c in chats))
         for a in answers:
@@ -139,3 +145,5 @@ async def test_many_turns_whose_d_streams_stall_each_end_and_their_conversations
                 c.messages.pop()  # the client sends that turn again
         again = await asyncio.gather(*(c.say("once more") for c in chats))
         assert all(a.error is None and a.done for a in again)
+        if small_d:
+            await gw.wait_for("D's pins to fit its KV", lambda: d.pinned_tokens <= (d.capacity_tokens or 0))
