@@ -5,6 +5,7 @@ cancellation, and a cancellation from outside (the client left) stays one."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -42,11 +43,21 @@ async def _nothing_pending() -> None:
     await asyncio.sleep(0)  # a cancellation left pending would be thrown here
 
 
-async def test_a_missed_deadline_is_the_turns_error_and_leaves_no_cancellation() -> None:
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (_forever, FirstTokenDeadline),  # a missed deadline is the turn's error
+        (_turns_cancel_into_error, UpstreamUnavailable),  # a call that ends its own way keeps its error
+    ],
+    ids=["missed_deadline", "call_ends_its_own_way"],
+)
+async def test_a_wait_given_up_on_at_its_deadline_ends_with_an_error_and_leaves_no_cancellation(
+    call: Callable[[], Awaitable[None]], error: type[Exception]
+) -> None:
     async with gateway() as gw:
         run = _run(gw.svc)
-        with pytest.raises(FirstTokenDeadline):
-            await run.until_aborted(_forever(), DEADLINE)
+        with pytest.raises(error):
+            await run.until_aborted(call(), DEADLINE)
         await _nothing_pending()
 
 
@@ -56,14 +67,6 @@ async def test_an_abort_ends_a_wait_and_leaves_no_cancellation() -> None:
         asyncio.get_running_loop().call_soon(run.abort, "shutdown")
         with pytest.raises(ShuttingDown):
             await run.until_aborted(_forever())
-        await _nothing_pending()
-
-
-async def test_a_call_that_ends_its_own_way_when_given_up_on_keeps_its_error() -> None:
-    async with gateway() as gw:
-        run = _run(gw.svc)
-        with pytest.raises(UpstreamUnavailable):
-            await run.until_aborted(_turns_cancel_into_error(), DEADLINE)
         await _nothing_pending()
 
 
