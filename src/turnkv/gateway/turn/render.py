@@ -149,11 +149,12 @@ def _judged(
     record = claim.record if claim is not None else None
     # the usual later turn: the ids start with the record's whole sequence, proved by its digest in one
     # call; the chain (one hash per block) is then built by CAPTURE, after D has started
-    proved = record is not None and proves(record.tokens_digest, record.num_tokens, rendered)
+    proved_tokens = (
+        record.num_tokens if record is not None and proves(record.tokens_digest, record.num_tokens, rendered) else 0
+    )
     try:
-        if proved:
-            assert record is not None
-            array("q", rendered[record.num_tokens :])  # the rest are 64-bit ints too (the digest says the first are)
+        if proved_tokens:
+            array("q", rendered[proved_tokens:])  # the rest are 64-bit ints too (the digest says the first are)
             chain = None
         else:
             chain = ChainBuilder(svc.settings.block_size).extend(rendered)
@@ -165,7 +166,7 @@ def _judged(
         why,
         prompt_ids=rendered,
         chain=chain,
-        proved=proved,
+        proved=proved_tokens > 0,
         claim=claim,
         claimed=_claimed(claim),
         seconds=seconds,
