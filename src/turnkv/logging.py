@@ -34,6 +34,7 @@ def make_logger(name: str = "turnkv", *, json: bool = True) -> Any:
         if json
         else structlog.processors.KeyValueRenderer(key_order=["event"], sort_keys=False)
     )
+    # bound once here: the lazy proxy ``wrap_logger`` returns assembles a new logger on every call
     return structlog.wrap_logger(
         logging.getLogger(name),
         processors=[
@@ -42,7 +43,7 @@ def make_logger(name: str = "turnkv", *, json: bool = True) -> Any:
             _drop_none,
             renderer,
         ],
-    )
+    ).bind()
 
 
 def _drop_none(logger: Any, method: str, event: MutableMapping[str, Any]) -> dict[str, Any]:

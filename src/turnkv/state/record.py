@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from turnkv import jsonwire
@@ -63,7 +63,8 @@ class ConversationRecord:
         return self.reasoning_digest is not None
 
     def to_json(self) -> str:
-        d = asdict(self)
+        # the members as they are (not ``asdict``, which deep-copies the handle's lists to dump them once)
+        d = {name: getattr(self, name) for name in _NAMES}
         d["chain"] = base64.b64encode(self.chain).decode()
         if self.tokens_digest is None:
             del d["tokens_digest"]  # as records without it were written
@@ -85,4 +86,5 @@ class ConversationRecord:
         return cls(**{k: v for k, v in d.items() if k in _FIELDS})
 
 
-_FIELDS = frozenset(f.name for f in fields(ConversationRecord))
+_NAMES = tuple(f.name for f in fields(ConversationRecord))
+_FIELDS = frozenset(_NAMES)
