@@ -245,6 +245,7 @@ def nixl_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, f
         "transfers": count,
         "bytes": nbytes,
         "xfer_s": secs,
+        "post_s": d["vllm:nixl_post_time_seconds_sum"],
         "gb_per_s": (nbytes / secs / 1e9) if secs > 0 else None,
         "failed": d["vllm:nixl_num_failed_transfers_total"],
         "expired": d["vllm:nixl_num_kv_expired_reqs_total"],

@@ -18,9 +18,11 @@ conversations share a prefix):
 
 ``--order modes`` (the default) runs history by history, mode by mode, the reps of a mode back to back;
 ``--order rounds`` runs history by history, rep by rep, every mode once per rep (A B C A B C), so that the
-modes alternate against this GPU's drift. Each run row says its history, mode, rep and round, the
-conversation id it sent, the byte range of the gateway's log (STATE_DIR/logs/gw-ttft.log) its turns were
-logged in, and those turn events (ahead, render_ms, prefill_ms, ...). The summary gives, per history and
+modes alternate against this GPU's drift; ``--order abba`` as rounds, every other rep in reverse (A B B A),
+so that no mode always runs first in its round (what comes of a conversation's place shows up as such).
+Each run row says its history, mode, rep and round, the conversation id it sent, the byte range of the
+gateway's log (STATE_DIR/logs/gw-ttft.log) its turns were logged in, and those turn events (ahead,
+render_ms, prefill_ms, ...); each turn's row its NIXL reads on P and on D. The summary gives, per history and
 mode, the median TTFT of turns 2..N over all reps, and its ratio to ``vllm-multiturn``'s at that history.
 
 Each turn streams (``max_tokens`` answer words, ``ignore_eos``, greedy over one-token words so the
@@ -102,8 +104,10 @@ def conversation_turns(
     user: int,
     answer: int,
     session: str | None,
+    engines: tuple[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """One conversation against ``url`` (the gateway, or D itself); a row per turn."""
+    """One conversation against ``url`` (the gateway, or D itself); a row per turn. With ``engines`` (P's and
+    D's URLs) each row also gets the turn's NIXL reads on each (their /metrics read between turns)."""
     msgs: list[dict[str, Any]] = [{"role": "system", "content": " ".join(rng.choice(words) for _ in range(history))}]
     rows = []
     for k in range(turns):
@@ -118,6 +122,7 @@ def conversation_turns(
             "stream": True,
         }
         hdrs = {"x-session-id": session} if session else {}
+        before = None if engines is None else [devlib.metrics(e) for e in engines]
         rep = devlib.post(url, "/v1/chat/completions", body, headers=hdrs)
         text = "".join(
             ((c.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
@@ -131,6 +136,9 @@ def conversation_turns(
             "total_ms": round(rep.seconds * 1e3, 1),
             **{h[len("x-turnkv-") :]: v for h, v in rep.headers.items() if h.startswith("x-turnkv-")},
         }
+        if engines is not None and before is not None:
+            after = [devlib.metrics(e) for e in engines]
+            row["nixl_p"], row["nixl_d"] = (devlib.nixl_delta(b, a) for b, a in zip(before, after, strict=True))
         rows.append(row)
         if rep.status != 200:
             row["error"] = rep.raw[:300]
@@ -152,9 +160,11 @@ def gateway_turns(start: int, end: int) -> list[dict[str, Any]]:
 
 def run_order(histories: list[int], modes: list[str], reps: int, order: str) -> list[tuple[int, str, int]]:
     """(history, mode, rep) in the order they run: ``modes``: the reps of a mode back to back; ``rounds``: one
-    of each mode per rep (A B C A B C)."""
+    of each mode per rep (A B C A B C); ``abba``: as rounds, odd reps in reverse (A B C C B A)."""
     if order == "rounds":
         return [(h, m, r) for h in histories for r in range(reps) for m in modes]
+    if order == "abba":
+        return [(h, m, r) for h in histories for r in range(reps) for m in (modes if r % 2 == 0 else modes[::-1])]
     return [(h, m, r) for h in histories for m in modes for r in range(reps)]
 
 
@@ -180,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument(
         "--order",
-        choices=["modes", "rounds"],
+        choices=["modes", "rounds", "abba"],
         default="modes",
-        help="modes: per history, each mode's reps back to back; rounds: per history, per rep, each mode once",
+        help="modes: per history, each mode's reps back to back; rounds: per history, per rep, each mode once; "
+        "abba: rounds, every other one in reverse",
     )
     ap.add_argument(
         "--max-model-len",
@@ -261,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             gw_log = [devlib.log_size(GATEWAY), 0]
             with devlib.gateway(GATEWAY, GATEWAY_PORT, [p], [d], policy=policy, settings=gw_settings) as gw:
-                rows = conversation_turns(gw, words, allowed, rng, session=session, **kw)
+                rows = conversation_turns(gw, words, allowed, rng, session=session, engines=(p, d), **kw)
             gw_log[1] = devlib.log_size(GATEWAY)  # stopped: its last turn event is written
         after = {"p": devlib.metrics(p), "d": devlib.metrics(d)}
         run = {
