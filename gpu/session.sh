@@ -39,7 +39,7 @@
 # (process sessions of their own) until a later part stops them or the machine goes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G6, R1, R2}"
+part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G6, R1, R2, P1}"
 : "${OUT:=${TURNKV_GPU_STATE:-/root/gpu-state}/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -105,6 +105,12 @@ case "$part" in
     python3 gpu/engines.py down
     step ttft_ipc_on "$(left 575)" python3 gpu/ttft.py --label ipc_cache_on --p-cache on --histories 16384 \
       --modes never-pull,always-pull,adaptive-pull,adaptive --time-budget-s "$(left 500)"
+    python3 gpu/engines.py down
+    ;;
+  P1)  # (fresh machine) setup, then P alone: what return_token_ids and a salt of its own cost P's request
+    if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/device_setup.sh || { pack; exit 1; }; fi
+    step p_ids "$(left 560)" python3 gpu/p_ids.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y \
+      --time-budget-s "$(left 480)" ${TURNKV_P_IDS_ARGS:-}
     python3 gpu/engines.py down
     ;;
   R1|R2)  # render ahead: pull turns' TTFT against vLLM's multi-turn proxy, the check on P's ids or beside it
