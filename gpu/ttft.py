@@ -122,21 +122,21 @@ def conversation_turns(
             "stream": True,
         }
         hdrs = {"x-session-id": session} if session else {}
-        before = None if engines is None else [devlib.metrics(e) for e in engines]
+        before = [devlib.metrics(e) for e in engines or ()]
         rep = devlib.post(url, "/v1/chat/completions", body, headers=hdrs)
         text = "".join(
             ((c.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
             for c in devlib.chunks(rep)
             if isinstance(c, dict) and c.get("choices")
         )
-        row = {
+        row: dict[str, Any] = {
             "turn": k + 1,
             "status": rep.status,
             "ttft_ms": None if rep.first_token_s is None else round(rep.first_token_s * 1e3, 1),
             "total_ms": round(rep.seconds * 1e3, 1),
             **{h[len("x-turnkv-") :]: v for h, v in rep.headers.items() if h.startswith("x-turnkv-")},
         }
-        if engines is not None and before is not None:
+        if engines is not None:
             after = [devlib.metrics(e) for e in engines]
             row["nixl_p"], row["nixl_d"] = (devlib.nixl_delta(b, a) for b, a in zip(before, after, strict=True))
         rows.append(row)
@@ -161,10 +161,9 @@ def gateway_turns(start: int, end: int) -> list[dict[str, Any]]:
 def run_order(histories: list[int], modes: list[str], reps: int, order: str) -> list[tuple[int, str, int]]:
     """(history, mode, rep) in the order they run: ``modes``: the reps of a mode back to back; ``rounds``: one
     of each mode per rep (A B C A B C); ``abba``: as rounds, odd reps in reverse (A B C C B A)."""
-    if order == "rounds":
-        return [(h, m, r) for h in histories for r in range(reps) for m in modes]
-    if order == "abba":
-        return [(h, m, r) for h in histories for r in range(reps) for m in (modes if r % 2 == 0 else modes[::-1])]
+    if order in ("rounds", "abba"):
+        flip = order == "abba"
+        return [(h, m, r) for h in histories for r in range(reps) for m in (modes[::-1] if flip and r % 2 else modes)]
     return [(h, m, r) for h in histories for m in modes for r in range(reps)]
 
 
