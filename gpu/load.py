@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-lease-s",
         type=int,
         default=180,
-        help="kv_lease_duration on both engines (README, Decode memory); 0 leaves vLLM's 30 s",
+        help="kv_lease_duration on both engines (docs/decode-memory.md); 0 leaves vLLM's 30 s",
     )
     ap.add_argument(
         "--time-budget-s",

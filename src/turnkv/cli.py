@@ -1,4 +1,4 @@
-"""The ``turnkv`` command: serve, sim, demo, bench and check-template."""
+"""The ``turnkv`` command: serve, sim, demo, bench, check-template and settings."""
 
 from __future__ import annotations
 
@@ -64,6 +64,12 @@ def _check_template(args: argparse.Namespace) -> int:
     return asyncio.run(check(args.engine, args.model))
 
 
+def _settings(args: argparse.Namespace) -> int:
+    from turnkv.settings_doc import main
+
+    return main()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from turnkv.sim.settings import add_sim_arguments
 
@@ -99,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--engine", required=True, metavar="URL", help="an engine (or render service) base URL")
     check.add_argument("--model", default=None, help="model name (default: the engine's first)")
     check.set_defaults(func=_check_template)
+
+    settings = sub.add_parser("settings", help="print the settings reference (docs/configuration.md) as Markdown")
+    settings.set_defaults(func=_settings)
 
     from turnkv.bench.cli import add_bench_parser
 

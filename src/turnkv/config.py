@@ -31,7 +31,7 @@ class Timeouts(BaseModel):
     render_s: float = Field(30.0, gt=0, description="whole render call")
     prefill_s: float = Field(300.0, gt=0, description="whole prefill call, KV pull included")
     decode_read_s: float = Field(300.0, gt=0, description="longest silence between two decode chunks")
-    health_s: float = Field(1.0, gt=0)
+    health_s: float = Field(1.0, gt=0, description="one health probe of an engine")
     redis_s: float = Field(0.25, gt=0, description="one Redis command; past it that call runs without state")
     redis_connect_s: float = Field(
         1.0, gt=0, description="opening one Redis connection (TCP, and TLS); a new connection is not a slow command"
@@ -50,7 +50,7 @@ class Timeouts(BaseModel):
 
 
 class DecodeMemory(BaseModel):
-    """How much decode KV stored handles may pin, and when they are given back (README: Decode memory)."""
+    """How much decode KV stored handles may pin, and when they are given back (docs/decode-memory.md)."""
 
     model_config = ConfigDict(frozen=True)
     pin_budget_share: float = Field(
@@ -82,8 +82,7 @@ class DecodeMemory(BaseModel):
         "weigh",
         pattern="^(weigh|refuse)$",
         description="requests waiting on a decode engine: weigh (its queue against P's: decode-local only when "
-        "D's is not the longer, reuse.room) or refuse (any request waiting on D refuses decode-local, as before "
-        "issue 11's change)",
+        "D's is not the longer, reuse.room) or refuse (any request waiting on D refuses decode-local)",
     )
     pressure_keep_share: float = Field(
         0.1, ge=0, le=1, description="under pressure, pins are released down to this share of capacity"
@@ -98,7 +97,7 @@ class DecodeMemory(BaseModel):
         0.0,
         ge=0,
         le=1,
-        description="decode admission (off by default: README, Decode memory): turns in flight on a decode engine "
+        description="decode admission (off by default: docs/decode-memory.md): turns in flight on a decode engine "
         "may reserve (prompt and answer tokens) this share of its KV capacity, less "
         "what stored handles pin; others wait in the gateway (0: no admission control; 0.9 when on)",
     )
@@ -145,26 +144,28 @@ def _default_filters() -> list[RoutingPlugin]:
 
 
 class RoutingProfile(BaseModel):
-    """How a request's engine is chosen: filters, then weighted scorers, then a picker (README: Routing)."""
+    """How a request's engine is chosen: filters, then weighted scorers, then a picker (docs/configuration.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    filters: list[RoutingPlugin] = Field(default_factory=_default_filters)
-    scorers: list[RoutingPlugin] = Field(default_factory=list)
-    picker: RoutingPlugin = Field(default_factory=lambda: RoutingPlugin(type="max-score"))
+    filters: list[RoutingPlugin] = Field(default_factory=_default_filters, description="engines left out, in order")
+    scorers: list[RoutingPlugin] = Field(default_factory=list, description="weighted scores of those left")
+    picker: RoutingPlugin = Field(
+        default_factory=lambda: RoutingPlugin(type="max-score"), description="the pick among the scored"
+    )
 
 
 class CostPriors(BaseModel):
     """What the cost model assumes until it has measured the engines (the project's H200 host)."""
 
     model_config = ConfigDict(frozen=True)
-    link_fixed_ms: float = Field(2.0, ge=0)
+    link_fixed_ms: float = Field(2.0, ge=0, description="fixed cost of one KV transfer D -> P, ms")
     link_gbps: float = Field(0.43, gt=0, description="KV transfer bandwidth D -> P (pulls), GB/s")
     push_link_fixed_ms: float | None = Field(None, ge=0, description="P -> D; default: as D -> P")
     push_link_gbps: float | None = Field(None, gt=0, description="P -> D bandwidth, GB/s; default: as D -> P")
-    prefill_us_per_token: float = Field(25.0, ge=0)
+    prefill_us_per_token: float = Field(25.0, ge=0, description="prefill compute per new token, µs")
     prefill_attn_ns: float = Field(1.2, ge=0, description="per new token per token of context")
-    prefill_floor_ms: float = Field(10.0, ge=0)
-    hop_ms: float = Field(3.0, ge=0)
+    prefill_floor_ms: float = Field(10.0, ge=0, description="the least a prefill call costs, ms")
+    hop_ms: float = Field(3.0, ge=0, description="one extra engine call (a P/D hop), ms")
     recompute_threshold: int = Field(64, ge=0, description="the engines' kv_recompute_threshold")
     link_max_age_s: float | None = Field(
         30.0,
@@ -177,7 +178,7 @@ class CostPriors(BaseModel):
 
 class Limits(BaseModel):
     """What one client may hold at the edge. A legitimate client sends its headers in one round trip and its
-    body at link speed; these bound what a stalled or trickling one costs (README, "Security and limits")."""
+    body at link speed; these bound what a stalled or trickling one costs (docs/security.md)."""
 
     model_config = ConfigDict(frozen=True)
     header_timeout_s: float = Field(
@@ -253,14 +254,15 @@ class Cors(BaseModel):
     model_config = ConfigDict(frozen=True)
     allow_origins: list[str] = Field(default_factory=list, description='origins allowed, or ["*"]')
     allow_headers: list[str] = Field(
-        default_factory=lambda: ["authorization", "content-type", "x-session-id", "x-request-id"]
+        default_factory=lambda: ["authorization", "content-type", "x-session-id", "x-request-id"],
+        description="request headers a browser may send",
     )
-    allow_credentials: bool = False
-    max_age_s: int = Field(600, ge=0)
+    allow_credentials: bool = Field(False, description="let browsers send cookies and credentials")
+    max_age_s: int = Field(600, ge=0, description="how long a browser may cache a preflight answer")
 
 
 class Settings(BaseSettings):
-    """Everything ``turnkv serve`` needs. See README.md for each field's meaning."""
+    """Everything ``turnkv serve`` needs (docs/configuration.md, generated from this model)."""
 
     model_config = SettingsConfigDict(
         env_prefix="TURNKV_", env_nested_delimiter="__", frozen=True, extra="forbid", hide_input_in_errors=True
@@ -314,8 +316,8 @@ class Settings(BaseSettings):
         "required", pattern="^(required|optional|none)$", description="verification of the server's certificate"
     )
     redis_tls_check_hostname: bool = Field(True, description="check the server certificate's host name")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="address the gateway listens on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="port the gateway listens on")
     workers: int = Field(
         1,
         ge=1,
@@ -358,11 +360,11 @@ class Settings(BaseSettings):
     decision_headers: Literal["basic", "full"] = Field(
         "basic",
         description="basic: x-turnkv-outcome/action/reason; full: also token counts and prefill time, "
-        "which tell a client about the engines' caches (README, Security and limits)",
+        "which tell a client about the engines' caches (docs/security.md)",
     )
-    limits: Limits = Field(default_factory=Limits)
-    cors: Cors = Field(default_factory=Cors)
-    max_session_id_length: int = Field(256, ge=8, le=4096)
+    limits: Limits = Field(default_factory=Limits, description="what one client may hold at the edge")
+    cors: Cors = Field(default_factory=Cors, description="browser access")
+    max_session_id_length: int = Field(256, ge=8, le=4096, description="longest conversation id a client may send")
     conversation_from_history: bool = Field(
         True,
         description="a request that names no conversation (no header, "
@@ -375,7 +377,7 @@ class Settings(BaseSettings):
         description="how long /v1/responses keeps a response for "
         "previous_response_id and GET (store: false keeps none)",
     )
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest request body; larger: 413")
     block_size: int = Field(16, ge=1, description="the engines' --block-size")
     decoder_kv_blocks_ttl: float = Field(480.0, gt=0, description="the engines' decoder_kv_blocks_ttl")
     expiry_margin_s: float = Field(10.0, ge=0, description="forget a handle this long before P would decline it")
@@ -402,7 +404,7 @@ class Settings(BaseSettings):
         description="release D handles nobody will use (stateless turns...) at "
         "the cost of a 1-token request to a prefill engine",
     )
-    decode_memory: DecodeMemory = Field(default_factory=DecodeMemory)
+    decode_memory: DecodeMemory = Field(default_factory=DecodeMemory, description="decode KV pinned by handles")
     drain_s: float = Field(
         30.0, ge=0, description="on SIGTERM: how long in-flight turns may finish; the rest end with an error event"
     )
@@ -423,34 +425,34 @@ class Settings(BaseSettings):
     routing_profiles: dict[str, RoutingProfile] = Field(
         default_factory=dict, description="routing profiles of one's own, by name"
     )
-    policy: PolicySettings = Field(default_factory=PolicySettings)
+    policy: PolicySettings = Field(default_factory=PolicySettings, description="the reuse policy")
     shared_gpu: bool | Literal["auto"] = Field(
         "auto",
         description="P and D run on the same GPU(s) (two engines splitting one device): P's prefills slow D's "
-        "steps as D's own do, which the adaptive policy's ITL checks then weigh (README, Goodput under load). "
+        "steps as D's own do, which the adaptive policy's ITL checks then weigh (docs/load.md). "
         "auto: where both engines say which GPUs they compute on (turnkv's vLLM plugin), whether any is the "
         "same; otherwise false",
     )
-    costs: CostPriors = Field(default_factory=CostPriors)
-    timeouts: Timeouts = Field(default_factory=Timeouts)
-    health_interval_s: float = Field(2.0, gt=0)
+    costs: CostPriors = Field(default_factory=CostPriors, description="the cost model's priors")
+    timeouts: Timeouts = Field(default_factory=Timeouts, description="per engine and Redis call")
+    health_interval_s: float = Field(2.0, gt=0, description="how often each engine's health is probed")
     scrape_interval_s: float = Field(5.0, gt=0, description="how often engine /metrics are read")
     store_retry_s: float = Field(
         1.0,
         gt=0,
         description="once Redis counts as down (store_breaker), skip it this long, then let one call probe it",
     )
-    store_breaker: StoreBreaker = Field(default_factory=StoreBreaker)
-    max_connections: int = Field(1024, ge=1)
+    store_breaker: StoreBreaker = Field(default_factory=StoreBreaker, description="when Redis counts as down")
+    max_connections: int = Field(1024, ge=1, description="open connections to the engines, per gateway process")
     engine_keep_alive_s: float = Field(
         4.0,
         gt=0,
         description="an idle connection to an engine is reused only within this. Below vLLM's own keep-alive "
         "(VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a connection the engine is closing is never sent a request",
     )
-    template_audit: bool = True
-    log_level: str = "info"
-    log_json: bool = True
+    template_audit: bool = Field(True, description="classify the model's chat template at start (/ready)")
+    log_level: str = Field("info", description="debug, info, warning or error")
+    log_json: bool = Field(True, description="one JSON object a log line; false: plain text")
 
     @field_validator("prefill", "decode", mode="after")
     @classmethod

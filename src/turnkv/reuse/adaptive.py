@@ -89,7 +89,7 @@ def step_added_ms(facts: TurnFacts, costs: CostParams) -> float:
 
 
 class AdaptiveParams(PolicyParams):
-    decode_local: bool = True
+    decode_local: bool = Field(True, description="turns may run on the D that holds the conversation")
     decode_local_max_new_tokens: int = Field(
         8192, ge=0, description="larger deltas always go through P (unless D prefills in chunks)"
     )

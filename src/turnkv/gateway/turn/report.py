@@ -14,7 +14,7 @@ from turnkv.gateway.turn.run import TurnRun
 
 def headers(run: TurnRun) -> dict[str, str]:
     """The turn's decision, for clients and benchmarks that want to see it. Token counts and prefill time
-    tell a client about the engines' caches (README, Security and limits): only with decision_headers full."""
+    tell a client about the engines' caches (docs/security.md): only with decision_headers full."""
     plan, prefilled = run.plan, run.prefilled
     h = {
         "x-request-id": run.turn.request_id,
