@@ -8,9 +8,10 @@ same object in process), and a way to let time pass for the stores' TTLs.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from turnkv.reuse.chain import chain_of, sequence_digest
 from turnkv.state.base import ClaimStatus, ConversationStore, PinEntry, Pinned
@@ -35,17 +36,8 @@ def rec(
     turn: int = 2,
     unpinned: str | None = None,
 ) -> ConversationRecord:
-    handle = (
-        None
-        if pin is None
-        else {
-            "remote_request_id": pin,
-            "remote_engine_id": "e",
-            "remote_block_ids": [1, 2],
-            "remote_num_tokens": tokens,
-            "do_remote_prefill": True,
-        }
-    )
+    # opaque to the store, and the same for every pin: the store tells pins apart by their pin id alone
+    handle = None if pin is None else {"engine": "e", "blocks": [1, 2], "tokens": tokens}
     return ConversationRecord(
         tenant="t",
         decode_url=url,
@@ -66,6 +58,7 @@ def rec(
         bytes_per_token=3.5,
         unpinned=unpinned if pin is None else None,
         tokens_digest=sequence_digest(list(range(tokens))),
+        pin_id=pin,
     )
 
 
@@ -186,7 +179,7 @@ class StoreContract:
         assert await s.pinned([D1]) == {D1: Pinned(1, 10)}
         for k in ("old", "mid"):
             got = await backend.other.claim(k, owner="t")
-            assert got.record == dataclasses.replace(records[k], handle=None, unpinned="budget")
+            assert got.record == records[k].unpin("budget")
         assert (await s.claim("new", owner="t")).record == records["new"]
 
     async def test_evict_within_budget_takes_nothing(self, backend: Backend) -> None:
@@ -282,6 +275,25 @@ class StoreContract:
 class RedisContract:
     """What only a store of separate steps can show: the orders in ``state.redis`` hold under races."""
 
+    async def test_a_record_is_stored_as_gateways_of_its_format_version_read_and_write_it(
+        self, backend: Backend
+    ) -> None:
+        """A rolling upgrade shares Redis between gateway versions: a record's hash holds the record's JSON
+        (no member for the pin id), the handle and, beside them, the pin id (``p``) and its index (``i``),
+        as earlier gateways wrote them (they took the pin id out of the handle themselves); such a hash is
+        read with that pin id. A handle without a pin id is corrupt, never used."""
+        s = backend.store
+        assert isinstance(s, RedisStore)
+        redis: Any = s._redis  # decodes to str
+        await s.put("new", rec("p1"), LONG_TTL_S)
+        stored: dict[str, str] = await redis.hgetall(s.conversation_key("new"))
+        assert set(stored) == {"r", "h", "p", "i"} and stored["p"] == "p1"
+        assert "pin_id" not in json.loads(stored["r"]) and json.loads(stored["h"]) == rec("p1").handle
+        await redis.hset(s.conversation_key("earlier"), mapping=stored)
+        assert (await s.claim("earlier", owner="t")).record == rec("p1")
+        await redis.hset(s.conversation_key("broken"), mapping={k: v for k, v in stored.items() if k != "p"})
+        assert (await s.claim("broken", owner="t")).status is ClaimStatus.CORRUPT
+
     async def test_evict_skips_a_record_claimed_between_pick_and_cas(self, backend: Backend) -> None:
         s = backend.store
         assert isinstance(s, RedisStore)
@@ -289,7 +301,7 @@ class RedisContract:
         await s.put("replaced", rec("p2", stored_at=2.0), LONG_TTL_S)
         await s.put("idle", rec("p3", stored_at=3.0), LONG_TTL_S)
         more, picked = await s._pick(D1, 0)
-        assert not more and [e.key for e, _ in picked] == ["claimed", "replaced", "idle"]
+        assert not more and [e.key for e in picked] == ["claimed", "replaced", "idle"]
         claim = await backend.other.claim("claimed", owner="turn")  # a turn claims between the two steps
         await backend.other.put("replaced", rec("p4", stored_at=4.0), LONG_TTL_S)  # another stores the next pin
         assert keys(await s._strip(picked, "budget")) == ["idle"]

@@ -3,7 +3,7 @@ digests): with orjson, which parses and encodes our payloads several times faste
 
 ``dumps`` gives the bytes ``json.dumps(obj, ensure_ascii=False, separators=(",", ":"))`` gives, in the
 same key order, except for floats in exponent form (orjson writes 1e-05 as 0.00001) and NaN/Infinity
-(null): where a client sees re-encoded bytes (gateway/sse.py, engine/vllm/stream.py) the stdlib stays.
+(null): where a client sees re-encoded bytes (openai/sse.py, engine/vllm/stream.py) the stdlib stays.
 What orjson cannot encode (integers past 64 bits, which only the stdlib parser makes) falls back to the
 stdlib with the same options, so nothing that encoded before fails now.
 """

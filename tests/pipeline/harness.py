@@ -21,7 +21,7 @@ from turnkv.engine.fake import MODEL, FakeEngine
 from turnkv.errors import StoreBusy, StoreError
 from turnkv.gateway.app import create_app
 from turnkv.gateway.services import Services
-from turnkv.gateway.sse import DONE, SSESplitter
+from turnkv.openai.sse import DONE, SSESplitter
 from turnkv.state.base import Claim, ConversationStore
 from turnkv.state.memory import MemoryStore
 from turnkv.state.record import ConversationRecord

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from turnkv.engine.vllm.handles import release_handle, trim_handle
+from turnkv.openai.answer import EchoedAnswer
 from turnkv.reuse.assess import (
-    EchoedAnswer,
     EngineView,
     Reason,
     TemplateClass,
@@ -51,6 +51,7 @@ REC = ConversationRecord(
     turn=1,
     created_at=0.0,
     expires_at=100.0,
+    pin_id="r1",
 )
 NEXT = SEQ + [70, 71, 72]  # the next turn's prompt, extending D's sequence
 SAME = EchoedAnswer("A", True, "R")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from turnkv.errors import ClientError
-from turnkv.gateway.answer import answer_digest, echoed_answer
 from turnkv.gateway.identity import conversation_of
+from turnkv.openai.answer import answer_digest, echoed_answer
 
 OPTS = {"session_headers": ["x-session-id", "x-agent-session"], "tenant": "anonymous", "max_length": 64}
 

@@ -45,6 +45,7 @@ def record(i: int, tokens: int = 1000, *, stored_at: float = 0.0) -> Conversatio
         turn=2,
         created_at=stored_at or now,
         expires_at=now + 400,
+        pin_id=f"req-{i}",
     )
 
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from turnkv.engine.vllm.stream import DecodeCapture, VllmDecodeStream
-from turnkv.gateway.sse import SSESplitter, frame
+from turnkv.openai.sse import SSESplitter, frame
 
 
 def _some(payload: bytes | None) -> bytes:

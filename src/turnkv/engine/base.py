@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from turnkv.gateway.answer import AnswerAccumulator
-from turnkv.gateway.sse import frame
+from turnkv.openai.answer import AnswerAccumulator
+from turnkv.openai.sse import frame
 
 # An engine's KV handle (vLLM: D's ``kv_transfer_params``): opaque outside the engine that made it,
 # stored verbatim with the conversation and handed back to the same engine family.

@@ -46,7 +46,7 @@ from turnkv.engine.base import (
     StreamBroken,
 )
 from turnkv.errors import UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
-from turnkv.gateway.answer import AnswerAccumulator
+from turnkv.openai.answer import AnswerAccumulator
 from turnkv.sim.chat import ChatTemplate, Delta, OutputParser, RenderError
 from turnkv.sim.oracle import ROOT_KV, Generator, Sampling, kv_extend, kv_step, opens_thinking
 from turnkv.sim.tokenizer import Tokenizer
@@ -348,7 +348,7 @@ class FakeEngine:
         return HandleFacts(tokens=n, engine_id=str(handle["engine"]))
 
     def pin_id(self, handle: Handle) -> str:
-        return str(handle.get("remote_request_id"))  # the store's pin index reads this key (state/record.py)
+        return str(handle.get("remote_request_id"))
 
     def pins_memory(self, handle: Handle) -> bool:
         return "remote_request_id" in handle

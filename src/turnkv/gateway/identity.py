@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from turnkv import jsonwire
 from turnkv.errors import ClientError
-from turnkv.gateway.answer import last_assistant
+from turnkv.openai.answer import last_assistant
 
 _ID = re.compile(r"[A-Za-z0-9._:@/+=\-]+\Z")  # \Z, not $: "id\n" is not "id" (used with match)
 BODY_FIELDS = ("session_id", "conversation_id")

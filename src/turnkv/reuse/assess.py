@@ -13,6 +13,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from turnkv.openai.answer import EchoedAnswer
 from turnkv.reuse.chain import ChainBuilder, agreement
 from turnkv.state.base import Claim, ClaimStatus
 from turnkv.state.record import ConversationRecord
@@ -64,16 +65,6 @@ class TemplateClass(enum.StrEnum):
     DROPS_REASONING = "drops_reasoning"
     REWRITES_HISTORY = "rewrites_history"
     UNKNOWN = "unknown"
-
-
-@dataclass(frozen=True)
-class EchoedAnswer:
-    """The previous answer as the client sent it back (digests of its stripped text)."""
-
-    answer_digest: str
-    has_reasoning: bool
-    reasoning_digest: str | None
-    calls: int = 0  # tool calls it carries
 
 
 @dataclass(frozen=True)

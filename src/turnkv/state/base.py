@@ -56,7 +56,8 @@ class PinEntry:
     key: str  # the conversation's store key
     decode_url: str
     tokens: int
-    handle: dict[str, Any]  # D's kv_transfer_params: what a release sends back
+    handle: dict[str, Any]  # D's handle: what a release sends back
+    pin_id: str  # the handle's pin id (``ConversationRecord.pin_id``): which pin of the conversation it is
     stored_at: float  # wall clock; idle since then
     expires_at: float  # wall clock; past it the handle is not used (D frees it soon after)
     engine_epoch: float | None  # the engine's process start time when it made the handle

@@ -59,13 +59,14 @@ class MemoryStore:
         self._data[key] = (self._clock() + ttl_s, record)
         if record.handle is not None:
             self._pins.setdefault(record.decode_url, {})[key] = PinEntry(
-                key,
-                record.decode_url,
-                record.num_tokens,
-                record.handle,
-                record.created_at,
-                record.expires_at,
-                record.engine_epoch,
+                key=key,
+                decode_url=record.decode_url,
+                tokens=record.num_tokens,
+                handle=record.handle,
+                pin_id=str(record.pin_id),
+                stored_at=record.created_at,
+                expires_at=record.expires_at,
+                engine_epoch=record.engine_epoch,
             )
 
     async def release(self, key: str, *, owner: str) -> None:
@@ -91,13 +92,9 @@ class MemoryStore:
             del pins[e.key]
             total -= e.tokens
             item = self._live(e.key)
-            if (
-                item is None
-                or not isinstance(item[1], ConversationRecord)
-                or item[1].pin_id != str(e.handle.get("remote_request_id"))
-            ):
+            if item is None or not isinstance(item[1], ConversationRecord) or item[1].pin_id != e.pin_id:
                 continue  # claimed or replaced meanwhile: not ours to release
-            self._data[e.key] = (item[0], dataclasses.replace(item[1], handle=None, unpinned=why))
+            self._data[e.key] = (item[0], item[1].unpin(why))
             out.append(e)
         return out
 
@@ -106,11 +103,7 @@ class MemoryStore:
         out: list[PinEntry] = []
         for e in list(pins.values()):
             item = self._live(e.key)
-            gone = (
-                item is None
-                or not isinstance(item[1], ConversationRecord)
-                or item[1].pin_id != str(e.handle.get("remote_request_id"))
-            )
+            gone = item is None or not isinstance(item[1], ConversationRecord) or item[1].pin_id != e.pin_id
             other_epoch = epoch is not None and e.engine_epoch is not None and e.engine_epoch != epoch
             if gone or other_epoch or e.expires_at <= now:
                 del pins[e.key]

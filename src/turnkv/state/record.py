@@ -1,25 +1,22 @@
 """What turnkv remembers about a conversation between two turns, and how it is written down.
 
 A record names the decode engine that holds the conversation's KV, the handle that engine
-returned (its ``kv_transfer_params``, verbatim), the hash chain of the tokens those blocks hold,
-and what is needed to explain a refusal later (where the last answer started, digests of its
-text). Records are single-use: a turn claims one and stores the next.
+returned (opaque, verbatim) with its pin id (what the engine says tells that pin from any other:
+``Engine.pin_id``, asked when CAPTURE built the record; the stores key the pin index by it and never
+look inside a handle), the hash chain of the tokens those blocks hold, and what is needed to explain a
+refusal later (where the last answer started, digests of its text). Records are single-use: a turn
+claims one and stores the next.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from turnkv import jsonwire
 
 FORMAT_VERSION = 3  # 2: explicit chaining, d[i] = H(d[i-1] + block i); 3: optional handle
-
-
-def text_digest(text: str | None) -> str:
-    return hashlib.blake2b((text or "").encode(), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -52,11 +49,18 @@ class ConversationRecord:
     # one digest of all ``num_tokens`` ids (``chain.sequence_digest``): proves a prompt starts with them in
     # one call, where the chain takes one per block; None in records written before it (the chain decides)
     tokens_digest: bytes | None = None
+    # the handle's pin id (``Engine.pin_id``): what tells this pin from the conversation's next one; set with
+    # the handle and only with it. Not in the JSON of a record stored without its handle (the Redis store
+    # keeps handle and pin id beside the record)
+    pin_id: str | None = None
 
-    @property
-    def pin_id(self) -> str | None:
-        """The handle's request id on D: what tells this pin from the conversation's next one."""
-        return None if self.handle is None else str(self.handle.get("remote_request_id"))
+    def __post_init__(self) -> None:
+        if (self.handle is None) != (self.pin_id is None):
+            raise ValueError("a record holds a handle together with its pin id, or neither")
+
+    def unpin(self, why: str) -> ConversationRecord:
+        """This record without its handle (D's blocks released or left to its prefix cache), saying why."""
+        return replace(self, handle=None, pin_id=None, unpinned=why)
 
     @property
     def had_reasoning(self) -> bool:
@@ -70,6 +74,8 @@ class ConversationRecord:
             del d["tokens_digest"]  # as records without it were written
         else:
             d["tokens_digest"] = base64.b64encode(self.tokens_digest).decode()
+        if self.pin_id is None:
+            del d["pin_id"]
         d["v"] = FORMAT_VERSION
         return jsonwire.dumps(d).decode()
 

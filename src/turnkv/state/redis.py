@@ -140,13 +140,13 @@ _CLAIM = """
 local t = redis.call('TYPE', KEYS[1])['ok']
 if t == 'none' then return {'missing'} end
 if t ~= 'hash' then return {'corrupt'} end
-local v = redis.call('HMGET', KEYS[1], 'm', 'r', 'h', 'u')
+local v = redis.call('HMGET', KEYS[1], 'm', 'r', 'h', 'u', 'p')
 if v[1] then return {'in_flight'} end
 if not v[2] then return {'corrupt'} end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'm', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {'found', v[2], v[3] or '', v[4] or ''}
+return {'found', v[2], v[3] or '', v[4] or '', v[5] or ''}
 """
 
 # ARGV: record JSON, handle JSON, pin id ('' = no handle), index id, ttl ms.
@@ -294,10 +294,6 @@ class _Index:
     keys: tuple[str, str, str]  # sorted set, entries, token total
 
 
-def _pin_of(handle: dict[str, Any]) -> str:
-    return str(handle.get("remote_request_id"))
-
-
 class RedisStore:
     def __init__(
         self,
@@ -391,7 +387,7 @@ class RedisStore:
         if record is not None and record.handle is not None:
             try:
                 async with self._op("claim"):
-                    await self._eval(UNPIN, self._index(record.decode_url).keys, [key, _pin_of(record.handle)])
+                    await self._eval(UNPIN, self._index(record.decode_url).keys, [key, str(record.pin_id)])
             except StoreError as exc:
                 # the claim stands (the turn owns the handle); the entry left behind is an
                 # orphan that evict's CAS refuses and prune drops
@@ -408,10 +404,10 @@ class RedisStore:
         """Put's steps: the record, then (when it holds a handle) its index entry."""
         k = self.conversation_key(key)
         ttl_ms = max(1, int(ttl_s * 1000))
-        body = dataclasses.replace(record, handle=None).to_json()
-        if record.handle is None:
+        body = dataclasses.replace(record, handle=None, pin_id=None).to_json()
+        if record.handle is None or record.pin_id is None:
             return [(PUT, [k], [body, "", "", "", ttl_ms])]
-        pin = _pin_of(record.handle)
+        pin = record.pin_id
         index = self._index(record.decode_url)
         entry = jsonwire.dumps(
             {
@@ -466,18 +462,18 @@ class RedisStore:
                 break
         return out
 
-    async def _pick(self, decode_url: str, keep_tokens: int) -> tuple[bool, list[tuple[PinEntry, str]]]:
-        """Evict's first step: entries off the index, idle longest first (at most ``EVICT_BATCH``),
-        with their pin ids; whether more must go."""
+    async def _pick(self, decode_url: str, keep_tokens: int) -> tuple[bool, list[PinEntry]]:
+        """Evict's first step: entries off the index, idle longest first (at most ``EVICT_BATCH``);
+        whether more must go."""
         more, flat = await self._eval(EVICT_PICK, self._index(decode_url).keys, [keep_tokens, EVICT_BATCH])
         return bool(int(more)), [_entry(decode_url, str(flat[i]), str(flat[i + 1])) for i in range(0, len(flat), 2)]
 
-    async def _strip(self, picked: Sequence[tuple[PinEntry, str]], why: str) -> list[PinEntry]:
+    async def _strip(self, picked: Sequence[PinEntry], why: str) -> list[PinEntry]:
         """Evict's second step: the CAS on each record; the entries whose record gave up its handle."""
         if not picked:
             return []
-        stripped = await self._batch([(STRIP, [self.conversation_key(e.key)], [pin, why]) for e, pin in picked])
-        return [e for (e, _), ok in zip(picked, stripped, strict=True) if int(ok) == 1]
+        stripped = await self._batch([(STRIP, [self.conversation_key(e.key)], [e.pin_id, why]) for e in picked])
+        return [e for e, ok in zip(picked, stripped, strict=True) if int(ok) == 1]
 
     async def prune(self, decode_url: str, *, now: float, epoch: float | None) -> list[PinEntry]:
         index = self._index(decode_url)
@@ -486,13 +482,13 @@ class RedisStore:
             entries = {k: _entry(decode_url, k, v) for k, v in raw.items()}
             doomed = {
                 k
-                for k, (e, _) in entries.items()
+                for k, e in entries.items()
                 if e.expires_at <= now or (epoch is not None and e.engine_epoch is not None and e.engine_epoch != epoch)
             }
             ask = [k for k in entries if k not in doomed]
             for i in range(0, len(ask), PRUNE_CHUNK):
                 chunk = ask[i : i + PRUNE_CHUNK]
-                holds = await self._batch([(HOLDS, [self.conversation_key(k)], [entries[k][1]]) for k in chunk])
+                holds = await self._batch([(HOLDS, [self.conversation_key(k)], [entries[k].pin_id]) for k in chunk])
                 doomed.update(k for k, h in zip(chunk, holds, strict=True) if int(h) != 1)
             out: list[PinEntry] = []
             todo = [k for k in entries if k in doomed]
@@ -502,7 +498,7 @@ class RedisStore:
                 for k in chunk:
                     args += [k, raw[k]]
                 dropped = await self._eval(DROP, index.keys, args)
-                out.extend(entries[k][0] for k, d in zip(chunk, dropped, strict=True) if int(d) == 1)
+                out.extend(entries[k] for k, d in zip(chunk, dropped, strict=True) if int(d) == 1)
         return out
 
     async def put_doc(self, key: str, value: str, ttl_s: float) -> None:
@@ -699,23 +695,25 @@ def _claim_of(res: Sequence[Any]) -> Claim:
         return Claim(ClaimStatus.IN_FLIGHT)
     if status == "found":
         try:
-            return Claim(ClaimStatus.FOUND, _decode(str(res[1]), str(res[2]), str(res[3])))
+            return Claim(ClaimStatus.FOUND, _decode(str(res[1]), str(res[2]), str(res[3]), str(res[4])))
         except (ValueError, TypeError, KeyError):
             pass
     return Claim(ClaimStatus.CORRUPT)
 
 
-def _decode(body: str, handle: str, unpinned: str) -> ConversationRecord:
+def _decode(body: str, handle: str, unpinned: str, pin_id: str) -> ConversationRecord:
+    """A claimed record: its JSON, with the handle and its pin id stored beside it (a handle without a
+    pin id is corrupt: ``ValueError``)."""
     record = ConversationRecord.from_json(body)
     if handle:
-        return dataclasses.replace(record, handle=jsonwire.loads_lenient(handle))
+        return dataclasses.replace(record, handle=jsonwire.loads_lenient(handle), pin_id=pin_id or None)
     if unpinned:
         return dataclasses.replace(record, unpinned=unpinned)
     return record
 
 
-def _entry(decode_url: str, key: str, raw: str) -> tuple[PinEntry, str]:
-    """An index entry and its pin id."""
+def _entry(decode_url: str, key: str, raw: str) -> PinEntry:
+    """An index entry."""
     try:
         d = jsonwire.loads_lenient(raw)
         return PinEntry(
@@ -723,10 +721,11 @@ def _entry(decode_url: str, key: str, raw: str) -> tuple[PinEntry, str]:
             decode_url=decode_url,
             tokens=int(d["tokens"]),
             handle=dict(d["handle"]),
+            pin_id=str(d["pin"]),
             stored_at=float(d["stored_at"]),
             expires_at=float(d["expires_at"]),
             engine_epoch=None if d["epoch"] is None else float(d["epoch"]),
-        ), str(d["pin"])
+        )
     except (ValueError, TypeError, KeyError) as exc:
         raise StoreError(f"redis: unreadable pin index entry for {key!r}: {exc}") from exc
 

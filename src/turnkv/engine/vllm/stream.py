@@ -20,8 +20,8 @@ import orjson
 
 from turnkv import jsonwire
 from turnkv.engine.base import DecodeStream, Handle, Piece, StreamBroken, framed
-from turnkv.gateway.answer import AnswerAccumulator
-from turnkv.gateway.sse import DONE, SSESplitter
+from turnkv.openai.answer import AnswerAccumulator
+from turnkv.openai.sse import DONE, SSESplitter
 
 _PROMPT_IDS = b'"prompt_token_ids":['
 _OUTPUT_MARKS = (b'"content":"', b'"reasoning":"', b'"reasoning_content":"', b'"text":"')

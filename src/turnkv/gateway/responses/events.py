@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnkv.gateway.answer import reasoning_of
 from turnkv.gateway.responses import translate
 from turnkv.gateway.responses.models import ResponsesBody
+from turnkv.openai.answer import reasoning_of
 
 Event = dict[str, Any]
 

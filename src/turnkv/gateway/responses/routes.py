@@ -26,9 +26,9 @@ from turnkv.gateway.requests import ChatBody, check_model, check_output_length, 
 from turnkv.gateway.responses import events, models, translate
 from turnkv.gateway.routes import _body, _request_id, principal, services
 from turnkv.gateway.services import Services
-from turnkv.gateway.sse import DONE, SSESplitter
 from turnkv.gateway.turn.driver import run_turn
 from turnkv.gateway.turn.request import Turn
+from turnkv.openai.sse import DONE, SSESplitter
 
 log = logging.getLogger("turnkv.responses")
 

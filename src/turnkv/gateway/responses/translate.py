@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.errors import ClientError
-from turnkv.gateway.answer import reasoning_of
 from turnkv.gateway.responses.models import NOT_FORWARDED, ResponsesBody
+from turnkv.openai.answer import reasoning_of
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")

@@ -13,7 +13,6 @@ its reuse. Ends the turn with its log event and metrics (``report``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -108,6 +107,7 @@ def build_record(run: TurnRun) -> ConversationRecord | Capture:
         unpinned=unpinned,
         answer_calls=len(cap.answer.calls),
         tokens_digest=sequence_digest(held_ids),
+        pin_id=None if h is None else svc.engine.pin_id(h),
     )
 
 
@@ -153,13 +153,13 @@ async def finish(run: TurnRun, *, ok: bool) -> Capture:
     new_handle = run.collected.handle
     if isinstance(rec, ConversationRecord) and rec.handle is not None and _crowded(svc, rec):
         _release(svc, rec.handle, "decode_crowded")  # its blocks go to the turns waiting on D
-        rec = dataclasses.replace(rec, handle=None, unpinned="decode_crowded")
+        rec = rec.unpin("decode_crowded")
     keep = Keep.PULL
     if isinstance(rec, ConversationRecord) and rec.handle is not None:
         keep = _keeps_pin(run, rec)
         if not keep.kept:
             _leave(svc, rec.decode_url, rec.handle, rec.num_tokens, "not_needed")  # then in D's prefix cache
-            rec = dataclasses.replace(rec, handle=None, unpinned="not_needed")
+            rec = rec.unpin("not_needed")
     old = run.rendered.record
     spent = run.journal.handle_spent
     result: Capture

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from turnkv import jsonwire
-from turnkv.gateway.answer import echoed_answer, last_assistant
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.request import Turn
-from turnkv.reuse.assess import EchoedAnswer, TemplateClass
+from turnkv.openai.answer import EchoedAnswer, echoed_answer, last_assistant
+from turnkv.reuse.assess import TemplateClass
 
 # Text bytes per token: measured on the conversation itself at each capture (its messages' bytes over
 # its prompt's tokens), and used with a margin; before any measurement, a low guess (English runs ~4,

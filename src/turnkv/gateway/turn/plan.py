@@ -26,11 +26,11 @@ import time
 from dataclasses import replace
 
 from turnkv.engine.base import HandleUse
-from turnkv.gateway.answer import echoed_answer
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.direct import Candidate, continuation, history_digest, size_guess
 from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Ahead, Plan, Rendered
+from turnkv.openai.answer import echoed_answer
 from turnkv.reuse.assess import (
     Assessment,
     EngineView,

@@ -21,11 +21,11 @@ import time
 from array import array
 
 from turnkv.errors import ClientError, StoreBusy, StoreError, UpstreamError, UpstreamStatus
-from turnkv.gateway.answer import last_assistant
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn import direct, plan
 from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Next, Plan, Rendered
+from turnkv.openai.answer import last_assistant
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.chain import ChainBuilder, proves
 from turnkv.state.base import Claim, ClaimStatus

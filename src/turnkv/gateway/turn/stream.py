@@ -25,10 +25,10 @@ from starlette.types import Receive, Scope, Send
 from turnkv.engine.base import DecodeStream, StreamBroken
 from turnkv.errors import FirstTokenDeadline, GatewayError, ShuttingDown, UpstreamProtocolError, UpstreamTimeout
 from turnkv.gateway.errors import sse_error_event
-from turnkv.gateway.sse import DONE, frame
 from turnkv.gateway.turn import capture
 from turnkv.gateway.turn.results import Opened
 from turnkv.gateway.turn.run import TurnRun
+from turnkv.openai.sse import DONE, frame
 
 DRAIN_TIMEOUT_S = 1.0
 DONE_FRAME = frame(DONE)  # the relay's last yield: RelayResponse ends the HTTP body with it, in one write

@@ -1,4 +1,5 @@
-"""Digests of an answer's text, as streamed and as a client sends it back, to explain a refusal.
+"""An OpenAI chat answer: its text collected from stream deltas or a whole message, and digests of it,
+as streamed and as a client sends it back, to explain a refusal.
 
 The token chain decides whether KV may be reused; these digests only say why it may not: the
 client edited the answer, dropped its reasoning, or sent the same text that now tokenizes
@@ -7,13 +8,25 @@ differently. Whitespace at the ends and JSON formatting of tool arguments are no
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnkv.reuse.assess import EchoedAnswer
-from turnkv.state.record import text_digest
+
+def text_digest(text: str | None) -> str:
+    return hashlib.blake2b((text or "").encode(), digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True)
+class EchoedAnswer:
+    """The previous answer as the client sent it back (digests of its stripped text)."""
+
+    answer_digest: str
+    has_reasoning: bool
+    reasoning_digest: str | None
+    calls: int = 0  # tool calls it carries
 
 
 def _canonical_args(args: Any) -> str:
