@@ -22,7 +22,7 @@ _SORTED = orjson.OPT_NON_STR_KEYS | orjson.OPT_SORT_KEYS
 
 def loads(raw: bytes | bytearray | str) -> Any:
     """Parse strict JSON: no NaN/Infinity, no lone surrogates, no BOM; integers past 64 bits come back as
-    floats (``gateway/requests.py`` re-reads such a body with the stdlib)."""
+    floats (``gateway/body.py`` re-reads such a body with the stdlib)."""
     return orjson.loads(raw)
 
 

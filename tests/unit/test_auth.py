@@ -12,7 +12,6 @@ from pydantic import ValidationError
 
 from turnkv.config import ConfigError, Settings, load_settings
 from turnkv.errors import ClientError, Forbidden, Overloaded, TenantLimit, Unauthorized
-from turnkv.gateway.admission import Admission
 from turnkv.gateway.auth import (
     ANONYMOUS,
     Authenticator,
@@ -25,6 +24,7 @@ from turnkv.gateway.auth import (
     parse_keys,
     require_admin,
 )
+from turnkv.gateway.inflight import InFlightLimits
 
 ENGINES: dict[str, Any] = {"prefill": ["http://127.0.0.1:9"], "decode": ["http://127.0.0.1:9"]}
 DIGEST_A = hashlib.sha256(b"sk-a").hexdigest()
@@ -234,7 +234,7 @@ def test_cache_salt_separates_tenants_and_client_salts() -> None:
 
 
 def test_admission_caps() -> None:
-    adm = Admission(max_inflight=3, per_tenant=2, retry_after_s=7)
+    adm = InFlightLimits(max_inflight=3, per_tenant=2, retry_after_s=7)
     with adm.hold("a"), adm.hold("a"):
         with pytest.raises(TenantLimit) as err:
             adm.check("a")
@@ -245,13 +245,13 @@ def test_admission_caps() -> None:
             assert full.value.status == 503 and not isinstance(full.value, TenantLimit)
         adm.check("b")
     assert adm.inflight == 0 and adm.by_tenant == {}
-    open_to_all = Admission(max_inflight=1, per_tenant=None, retry_after_s=1)
+    open_to_all = InFlightLimits(max_inflight=1, per_tenant=None, retry_after_s=1)
     with open_to_all.hold("a"), pytest.raises(Overloaded):
         open_to_all.check("b")
 
 
 def test_admission_is_given_back_when_the_request_fails() -> None:
-    adm = Admission(max_inflight=1, per_tenant=1, retry_after_s=1)
+    adm = InFlightLimits(max_inflight=1, per_tenant=1, retry_after_s=1)
     with pytest.raises(RuntimeError), adm.hold("a"):
         raise RuntimeError("the route failed")
     assert adm.inflight == 0 and adm.by_tenant == {}

@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 
 from turnkv import jsonwire
 from turnkv.errors import ClientError
-from turnkv.gateway.requests import read_json
+from turnkv.gateway.body import read_json
 from turnkv.gateway.turn.direct import history_digest
 
 DOCS: list[Any] = [

@@ -1,3 +1,4 @@
 """The gateway: the ASGI app (``app``), its front ends (``routes``, ``responses``), its edge (``edge``,
-``auth``, ``admission``, ``connections``), the turn pipeline (``turn``) and the long-lived services the
-pipeline uses (``fleet``, ``pins``, ``release``, ``metrics``)."""
+``auth``, ``inflight``, ``connections``, ``body``), the turn pipeline (``turn``), errors as responses
+(``error_responses``) and the long-lived services the pipeline uses (``fleet``, ``pins``,
+``decode_admission``, ``release``, ``metrics``)."""

@@ -29,11 +29,11 @@ from turnkv.engine.base import Engine
 from turnkv.errors import GatewayError, UpstreamError, UpstreamStatus
 from turnkv.gateway import routes
 from turnkv.gateway.audit import classify, engine_renderer
+from turnkv.gateway.decode_admission import DecodeAdmission
 from turnkv.gateway.edge import Edge, EdgeMiddleware
-from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpected
+from turnkv.gateway.error_responses import on_gateway_error, on_http_exception, on_unexpected
 from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.hot import GatewayApp
-from turnkv.gateway.kv_admission import DecodeAdmission
 from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper

@@ -2,7 +2,7 @@
 
 Before any route runs, every request is authenticated (``auth.Authenticator``; ``/health`` and ``/ready``
 are open to all, a valid admin key only adds ``/ready``'s details), and a POST (a turn, a tokenize call:
-engine work) is admitted or refused by ``admission.Admission``. A refusal is an OpenAI-shaped error, counted
+engine work) is admitted or refused by ``inflight.InFlightLimits``. A refusal is an OpenAI-shaped error, counted
 in ``turnkv_rejected_requests_total{reason}``. The request's ``Principal`` is left in its state for the
 routes. Pure ASGI, so a streamed answer holds its admission until its last byte is sent. One ``Edge`` serves
 both ways in: the middleware in front of Starlette's router, and the turn routes served directly
@@ -18,9 +18,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from turnkv.config import Settings
 from turnkv.errors import GatewayError
-from turnkv.gateway.admission import Admission
 from turnkv.gateway.auth import Authenticator
-from turnkv.gateway.errors import error_response
+from turnkv.gateway.error_responses import error_response
+from turnkv.gateway.inflight import InFlightLimits
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
 
@@ -31,7 +31,7 @@ class Edge:
     def __init__(self, settings: Settings) -> None:
         self.auth = Authenticator(settings)
         lim = settings.limits
-        self.admission = Admission(
+        self.limits = InFlightLimits(
             lim.max_inflight, lim.max_inflight_per_tenant if self.auth.required else None, lim.retry_after_s
         )
 
@@ -49,7 +49,7 @@ class Edge:
             else:
                 principal = self.auth.authenticate(headers)
             if engine_work:
-                self.admission.check(principal.tenant)
+                self.limits.check(principal.tenant)
         except GatewayError as exc:
             svc = state.get("services")
             if svc is not None:
@@ -60,7 +60,7 @@ class Edge:
         if not engine_work:
             await app(scope, receive, send)
             return
-        with self.admission.hold(principal.tenant):
+        with self.limits.hold(principal.tenant):
             await app(scope, receive, send)
 
 

@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from turnkv.errors import GatewayError
 from turnkv.gateway.edge import Edge
-from turnkv.gateway.errors import on_gateway_error, on_http_exception, on_unexpected
+from turnkv.gateway.error_responses import on_gateway_error, on_http_exception, on_unexpected
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 log = logging.getLogger("turnkv.hot")

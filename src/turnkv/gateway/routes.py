@@ -20,8 +20,7 @@ from starlette.responses import JSONResponse, Response
 from turnkv.engine.base import CallMeta
 from turnkv.errors import ClientError, ModelNotFound, ShuttingDown, UpstreamError, UpstreamUnavailable
 from turnkv.gateway.auth import Principal, cache_salt, require_admin
-from turnkv.gateway.identity import BODY_FIELDS, conversation_of
-from turnkv.gateway.requests import (
+from turnkv.gateway.body import (
     ChatBody,
     CompletionBody,
     check_model,
@@ -29,6 +28,7 @@ from turnkv.gateway.requests import (
     read_json,
     validate,
 )
+from turnkv.gateway.identity import BODY_FIELDS, conversation_of
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.driver import run_turn
 from turnkv.gateway.turn.request import Turn

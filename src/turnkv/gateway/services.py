@@ -11,8 +11,8 @@ from typing import Any
 
 from turnkv.config import Settings
 from turnkv.engine.base import Engine
+from turnkv.gateway.decode_admission import DecodeAdmission
 from turnkv.gateway.fleet import Fleet
-from turnkv.gateway.kv_admission import DecodeAdmission
 from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper

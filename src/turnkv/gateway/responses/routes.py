@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from turnkv.errors import ClientError, GatewayError, ShuttingDown, StoreError
 from turnkv.gateway.auth import cache_salt
+from turnkv.gateway.body import ChatBody, check_model, check_output_length, validate
 from turnkv.gateway.identity import conversation_of
-from turnkv.gateway.requests import ChatBody, check_model, check_output_length, validate
 from turnkv.gateway.responses import events, models, translate
 from turnkv.gateway.routes import _body, _request_id, principal, services
 from turnkv.gateway.services import Services

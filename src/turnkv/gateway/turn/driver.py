@@ -80,7 +80,7 @@ def _context_tokens(run: TurnRun) -> int:
 
 async def _admit(run: TurnRun) -> None:
     """Wait, bounded, until the decode engine the turn will most likely use has room for it
-    (``gateway.kv_admission``), once per turn, just before its decode leg; held until the turn is settled
+    (``gateway.decode_admission``), once per turn, just before its decode leg; held until the turn is settled
     (``capture.end``). A turn whose KV P holds goes on after ``admission_overflow_s`` (P's lease)."""
     d = decode.pick(run)
     if d is None or run.ticket is not None:

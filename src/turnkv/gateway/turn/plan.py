@@ -51,7 +51,7 @@ from turnkv.state.record import ConversationRecord
 
 def room(svc: Services, decode: InstanceView, load: LoadFacts) -> DecodeRoom:
     """Whether ``decode`` has room for a decode-local turn (``reuse.room``): its KV usage, the turns the
-    gateway holds for room on it (``kv_admission``: D's queue all the same), its queue against P's (with
+    gateway holds for room on it (``decode_admission``: D's queue all the same), its queue against P's (with
     ``decode_memory.local_queue: refuse``, against none: any request waiting on D refuses the turn)."""
     dm = svc.settings.decode_memory
     return decode_room(

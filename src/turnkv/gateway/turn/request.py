@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.engine.base import CallMeta
+from turnkv.gateway.body import ChatBody, CompletionBody
 from turnkv.gateway.identity import Conversation
-from turnkv.gateway.requests import ChatBody, CompletionBody
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"

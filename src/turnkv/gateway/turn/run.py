@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from turnkv.engine.base import Collected, DecodeStream, NothingCollected
 from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamError, UpstreamUnavailable, retryable
-from turnkv.gateway.kv_admission import Ticket
+from turnkv.gateway.decode_admission import Ticket
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.deadline import Deadline
 from turnkv.gateway.turn.fallback import without_handle
@@ -50,7 +50,7 @@ class Journal:
     tried_decode: set[str] = field(default_factory=set)  # decode engines that failed this leg
     avoid_decode: set[str] = field(default_factory=set)  # missed a first-token deadline: another D if any
     first_token_at: float | None = None  # when the client's first output left (streams)
-    admission_s: float = 0.0  # how long the turn waited in the gateway for room on D (kv_admission)
+    admission_s: float = 0.0  # how long the turn waited in the gateway for room on D (decode_admission)
 
     @property
     def rerun(self) -> bool:
@@ -78,7 +78,7 @@ class TurnRun:
     prefilled: Prefilled | None = None
     opened: Opened | None = None  # the last answer D opened
     aborted: str | None = None  # why the gateway ended the turn early ("shutdown")
-    ticket: Ticket | None = None  # its reservation on a decode engine's KV (gateway.kv_admission)
+    ticket: Ticket | None = None  # its reservation on a decode engine's KV (gateway.decode_admission)
     _waits: set[_Wait] = field(default_factory=set)  # what ``until_aborted`` waits on now
     # told once P's next request has gone out (``ahead`` starts the render after it)
     on_prefill_sent: Callable[[], object] | None = None

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from turnkv.engine.base import DecodeStream, StreamBroken
 from turnkv.errors import FirstTokenDeadline, GatewayError, ShuttingDown, UpstreamProtocolError, UpstreamTimeout
-from turnkv.gateway.errors import sse_error_event
+from turnkv.gateway.error_responses import sse_error_event
 from turnkv.gateway.turn import capture
 from turnkv.gateway.turn.results import Opened
 from turnkv.gateway.turn.run import TurnRun

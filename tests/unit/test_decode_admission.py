@@ -1,4 +1,4 @@
-"""Decode admission (gateway.kv_admission): who gets in, in what order, and what waiting costs."""
+"""Decode admission (gateway.decode_admission): who gets in, in what order, and what waiting costs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from turnkv.errors import Overloaded
-from turnkv.gateway.kv_admission import DecodeAdmission
+from turnkv.gateway.decode_admission import DecodeAdmission
 
 D = "http://d"
 

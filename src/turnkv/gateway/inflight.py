@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from turnkv.errors import Overloaded, TenantLimit
 
 
-class Admission:
+class InFlightLimits:
     def __init__(self, max_inflight: int, per_tenant: int | None, retry_after_s: int) -> None:
         self.max_inflight = max_inflight
         self.per_tenant = per_tenant
