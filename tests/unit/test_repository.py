@@ -15,6 +15,11 @@ def test_the_readme_stays_a_short_guide() -> None:
 
 def test_the_pages_the_docs_name_exist() -> None:
     named = set()
-    for page in [ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "gpu").glob("*.md")]:
+    for page in [
+        ROOT / "README.md",
+        ROOT / "BENCHMARKS.md",
+        *(ROOT / "docs").glob("*.md"),
+        *(ROOT / "gpu").glob("*.md"),
+    ]:
         named |= set(re.findall(r"(?<![\w/.-])((?:docs|gpu)/[\w./-]+\.md)\b", page.read_text()))
     assert sorted(p for p in named if not (ROOT / p).is_file()) == []
