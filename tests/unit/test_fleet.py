@@ -97,16 +97,59 @@ def test_an_engine_whose_token_counters_moved_has_progressed() -> None:
     assert view(f, "http://p1").progressed_at == 0.0
 
 
-@pytest.mark.parametrize(("in_flight", "busy"), [(0, 3), (3, 3), (7, 7)])
-def test_busy_is_the_engines_count_or_the_gateways_own_when_more(in_flight: int, busy: int) -> None:
+@pytest.mark.parametrize(
+    ("at_read", "now", "busy"),
+    [
+        (0, 0, 3),  # three of other clients
+        (0, 3, 6),  # ... and three of ours sent since
+        (3, 0, 0),  # the three were ours, and have ended: nothing runs there now (an agent's next turn)
+        (3, 3, 3),  # ... still running
+        (2, 7, 8),  # one of another client's, and seven of ours
+    ],
+)
+def test_busy_counts_the_gateways_own_requests_now_and_others_as_last_read(at_read: int, now: int, busy: int) -> None:
     f = fleet()
-    apply(f, "http://p0", text(start=100.0))  # the engine said 3 running at its last scrape
-    slots = [f.hold("http://p0") for _ in range(in_flight)]
+    held = [f.hold("http://p0") for _ in range(at_read)]
+    apply(f, "http://p0", text(start=100.0))  # the engine said 3 running at this read
+    for s in held:
+        s.release()
+        s.release()  # a slot is given back once
+    slots = [f.hold("http://p0") for _ in range(now)]
     assert view(f).busy == busy
     for s in slots:
         s.release()
-        s.release()  # a slot is given back once
     assert view(f).in_flight == 0
+
+
+async def test_requests_sent_while_a_reading_is_under_way_may_be_in_its_counts() -> None:
+    # the engine counts what runs when it answers, somewhere within the reading: a request of ours sent while
+    # it was under way may be among its three, and one that ended meanwhile too; neither is another client's
+    f = fleet()
+    ended = f.hold("http://p0")
+
+    class Engine:
+        async def load(self, url: str) -> object:
+            ended.release()
+            f.hold("http://p0")
+            return load_sample(text())
+
+    await f.scrape(Engine(), "http://p0")  # type: ignore[arg-type]
+    v = view(f)
+    assert (v.in_flight, v.in_flight_scraped, v.busy) == (1, 2, 2)
+
+
+def test_kv_in_use_now_counts_the_gateways_requests_and_pins_now() -> None:
+    # D's KV 50% of 1,000 blocks x 16 at the read: 8,000 tokens, of which 3,000 were our stream's context and
+    # 1,000 our pins; the stream has ended since and a pin of 2,000 been stored: others' 4,000 + ours 2,000
+    f = fleet()
+    stream = f.hold("http://d0", kv_tokens=3_000)
+    f.pinned("http://d0", 1_000, None)
+    apply(f, "http://d0", text().replace('engine=""', 'num_gpu_blocks="1000",engine=""'))
+    stream.release()
+    f.pinned("http://d0", 2_000, None)
+    v = view(f, "http://d0")
+    assert v.capacity_tokens == 16_000 and v.kv_usage == 0.5
+    assert (v.others_kv_tokens, v.kv_usage_now) == (4_000, 6_000 / 16_000)
 
 
 def test_link_samples_are_per_interval_means() -> None:

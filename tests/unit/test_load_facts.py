@@ -139,8 +139,20 @@ def test_ds_context_is_its_kv_in_use_less_what_the_gateway_pins_there() -> None:
     v = read(f, D, metrics(usage=0.5))  # 1000 blocks of 16: 8000 tokens in use
     assert decode_context(v) == (8000, "kv_usage")
     f.pinned(D, 3000, None)
-    v2 = f.view(D)
-    assert v2 is not None and decode_context(v2) == (5000, "kv_usage")
+    v2 = read(f, D, metrics(usage=0.5))  # of which the gateway's handles pin 3000
+    assert decode_context(v2) == (5000, "kv_usage")
+
+
+def test_ds_context_counts_the_gateways_streams_as_they_are_now() -> None:
+    # at the read our stream's 2000 tokens of context were in D's 8000; it has ended since (its blocks are
+    # not read by any stream now), and another of ours with 1500 runs there
+    f = Fleet([P], [D])
+    ended = f.hold(D, kv_tokens=2000)
+    read(f, D, metrics(usage=0.5))
+    ended.release()
+    f.hold(D, kv_tokens=1500)
+    v = f.view(D)
+    assert v is not None and decode_context(v) == (7500, "kv_usage")
 
 
 def test_ps_queue_is_the_gateways_prefills_in_flight_there_less_what_p_has_done_since() -> None:

@@ -43,6 +43,7 @@ def engine(
         pinned_tokens=pinned,
         pin_budget_tokens=budget,
         progressed_at=0.0,
+        scraped=True,  # its running count is another client's, as its metrics said
     )
 
 

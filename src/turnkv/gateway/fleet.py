@@ -61,7 +61,15 @@ class _Engine:
     pin_budget_tokens: int | None = None
     progressed_at: float = 0.0  # monotonic; when its token counters last moved
     scraped: bool = False
-    in_flight_scraped: int = 0  # ours, when its metrics were read: what its running and waiting counts include
+    # ours while its metrics were last read (``_Reading``): what its counts may include of this gateway's
+    in_flight_scraped: int = 0
+    unstarted_scraped: int = 0
+    own_kv_scraped: int = 0
+    pinned_scraped: int = 0
+    unstarted: int = 0  # our requests there with no first output yet
+    own_kv: int = 0  # the KV our requests' contexts hold there (tokens)
+    holds: int = 0  # our requests sent there, ever: those sent while a reading was under way count in it
+    kv_held: int = 0  # ... their KV, all together
     step_ms: float | None = None
     queue_wait_ms: float | None = None
     prefill_request_ms: float | None = None
@@ -115,6 +123,11 @@ class _Engine:
             queued_prefills=len(q),
             queued_since=min((t0 for t0, _, _ in q), default=0.0),
             in_flight_scraped=self.in_flight_scraped,
+            unstarted_scraped=self.unstarted_scraped,
+            own_kv_scraped=self.own_kv_scraped,
+            pinned_scraped=self.pinned_scraped,
+            unstarted=self.unstarted,
+            own_kv_tokens=self.own_kv,
             local_prefills=len(self.prefilling),
             local_prefill_tokens=sum(self.prefilling.values()),
             gpus=self.gpus,
@@ -123,9 +136,35 @@ class _Engine:
         return v
 
 
+@dataclass(frozen=True)
+class _Reading:
+    """What this gateway had on an engine when a reading of its metrics started. The engine counts the
+    requests of the moment it answers, somewhere in the reading: the gateway's own among them are at most
+    those in flight at its start and those sent during it."""
+
+    in_flight: int
+    unstarted: int
+    own_kv: int
+    pinned: int
+    holds: int
+    kv_held: int
+
+    @classmethod
+    def start(cls, e: _Engine) -> _Reading:
+        return cls(e.in_flight, e.unstarted, e.own_kv, e.pinned_tokens, e.holds, e.kv_held)
+
+    def settle(self, e: _Engine) -> None:
+        """At the reading's end: what the engine's counts may include of this gateway's, kept with them."""
+        sent = e.holds - self.holds
+        e.in_flight_scraped = self.in_flight + sent
+        e.unstarted_scraped = self.unstarted + sent
+        e.own_kv_scraped = self.own_kv + (e.kv_held - self.kv_held)
+        e.pinned_scraped = max(self.pinned, e.pinned_tokens)
+
+
 class Slot:
     """One request's place in an engine's in-flight count (with the work it was estimated at, for P's
-    queue), given back once."""
+    queue, and the KV its context holds there), given back once."""
 
     _ids = itertools.count()
 
@@ -136,21 +175,31 @@ class Slot:
         tokens: int = 0,
         local_prefill: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        kv_tokens: int = 0,
     ) -> None:
         self._engine = engine
         self._held = True
+        self._started = False
         self._id = next(Slot._ids)
         self._clock = clock
+        self._kv = max(kv_tokens, 0)
         self.served_s: float | None = None  # once released, for a request that carried estimated work
         if work_s > 0 or tokens > 0:
             engine.queued[self._id] = (clock(), max(work_s, 0.0), max(tokens, 0))
         if local_prefill > 0:
             engine.prefilling = {**engine.prefilling, self._id: local_prefill}
+        engine.holds += 1
+        engine.kv_held += self._kv
+        engine.own_kv += self._kv
+        engine.unstarted += 1
         engine.in_flight += 1  # also tells the engine's snapshot that it changed
 
     def prefilled(self) -> None:
-        """A decode-local turn's first token came: D has done its prefill (its chunks no longer share D's
-        steps)."""
+        """The request's first output came: it runs there (not queued), and a decode-local turn's prefill is
+        done on D (its chunks no longer share D's steps)."""
+        if not self._started:
+            self._started = True
+            self._engine.unstarted -= 1
         if self._id in self._engine.prefilling:
             self._engine.prefilling = {k: v for k, v in self._engine.prefilling.items() if k != self._id}
 
@@ -161,6 +210,7 @@ class Slot:
             if queued is not None:
                 self.served_s = self._served(queued[0])
             self.prefilled()
+            self._engine.own_kv -= self._kv
             self._engine.in_flight -= 1
 
     def _served(self, sent_at: float) -> float:
@@ -208,12 +258,15 @@ class Fleet:
         return len(self._roles.get(role, ()))
 
     # -- what turns report -----------------------------------------------------------------------
-    def hold(self, url: str, work_s: float = 0.0, tokens: int = 0, *, local_prefill: int = 0) -> Slot:
+    def hold(
+        self, url: str, work_s: float = 0.0, tokens: int = 0, *, local_prefill: int = 0, kv_tokens: int = 0
+    ) -> Slot:
         """Count a request in flight on ``url`` until the slot is released; a prefill says the work it was
         estimated at (seconds of P, new tokens): what a next turn would queue behind; a decode-local turn
         the tokens D prefills for it (``local_prefill``), counted until its first token
-        (``Slot.prefilled``): what a next decode-local turn's chunks share D's steps with."""
-        return Slot(self._engines[url], work_s, tokens, local_prefill, self._clock)
+        (``Slot.prefilled``): what a next decode-local turn's chunks share D's steps with; a decode the KV
+        its context holds on D (``kv_tokens``)."""
+        return Slot(self._engines[url], work_s, tokens, local_prefill, self._clock, kv_tokens)
 
     @contextlib.contextmanager
     def busy(self, url: str, work_s: float = 0.0, tokens: int = 0) -> Iterator[Slot]:
@@ -287,12 +340,16 @@ class Fleet:
                     e.stream_handles = True
 
     async def scrape(self, engine: Engine, url: str) -> None:
+        reading = _Reading.start(self._engines[url])
         sample = await engine.load(url)
         if sample is not None:
-            self.apply_load(url, sample)
+            self.apply_load(url, sample, reading)
 
-    def apply_load(self, url: str, sample: LoadSample) -> None:
+    def apply_load(self, url: str, sample: LoadSample, reading: _Reading | None = None) -> None:
+        """Take a reading of the engine's metrics in (``reading``: what the gateway had there when it
+        started; none: as it has now)."""
         e = self._engines[url]
+        reading = reading or _Reading.start(e)
         if sample.prefix_caching_off:
             e.cache_factor = 0.0  # nothing the gateway expects P to have cached is there
             e.prefix_caching = False
@@ -311,7 +368,8 @@ class Fleet:
                 self.on_restart(e.view(self._clock()))
         e.running, e.waiting, e.kv_usage = sample.running, sample.waiting, sample.kv_usage
         self._latencies(e, sample)
-        e.scraped, e.in_flight_scraped = True, e.in_flight
+        e.scraped = True
+        reading.settle(e)
         work = sample.tokens_computed
         if work is not None:
             if e.work is not None and work > e.work:

@@ -5,13 +5,23 @@ Pure: snapshots of the engines in (``InstanceView``, as the fleet last read them
 holds them), ``LoadFacts`` out. Each fact says where it came from, or why it is missing; a missing fact
 is left to the policy's own model (``reuse.cost``: D's step estimated from its batch, no queue at P).
 
+Every count is of the moment of the decision: this gateway's own requests from its own bookkeeping now,
+other clients' from the engine's last metrics with this gateway's requests of that moment taken out
+(``InstanceView.others``, ``busy``, ``waiting_now``, ``kv_usage_now``). A request of this gateway that has
+ended since, such as a conversation's previous turn when an agent sends the next one the instant the stream
+ends, counts nowhere.
+
+* ``decode_running``, ``decode_waiting``, ``decode_kv_usage``: D's streams running now, requests waiting
+  there, and the share of its KV in use (``InstanceView.busy``, ``waiting_now``, ``kv_usage_now``).
+
 * ``decode_step_ms``: the mean gap between D's streams' tokens since the fleet's last read but one
   (``vllm:inter_token_latency_seconds``: the difference of its sum over the difference of its count
   between two reads), i.e. D's recent step time. Missing when D reports no such histogram, before two
   reads, or when no token came out between them.
-* ``decode_context_tokens``: the KV D's running requests hold, ``vllm:kv_cache_usage_perc`` x its KV
-  size (``vllm:cache_config_info``), less what this gateway's stored handles pin there (pinned blocks
-  are not read by any stream). Missing before D's KV size is known.
+* ``decode_context_tokens``: the KV D's running requests hold now: other clients', as
+  ``vllm:kv_cache_usage_perc`` x its KV size (``vllm:cache_config_info``) said, less what this gateway's
+  requests and stored handles held there then (pinned blocks are not read by any stream), and this
+  gateway's requests' contexts now. Missing before D's KV size is known.
 * ``prefill_queue_ms``: the prefills this gateway has in flight on P, each as the cost model estimated
   it when it was sent (new tokens over what P had cached), less what P has already worked since the
   oldest of them started (P takes them in order), plus P's other requests (running and waiting, as its
@@ -23,8 +33,8 @@ is left to the policy's own model (``reuse.cost``: D's step estimated from its b
   policy takes about as many turns to come to P behind a turn's prefill before P's queue drains (issue 11).
 * ``decode_prefills``: the decode-local turns this gateway has sent to D whose first token has not come
   (and their tokens): their prefill chunks share D's steps with a next decode-local turn's (issue 11).
-* ``decode_queue_ms``: how long a request sent to D now would wait to be scheduled there: 0 while D
-  reported nothing waiting at its last read; else the mean wait of the requests it scheduled between its
+* ``decode_queue_ms``: how long a request sent to D now would wait to be scheduled there: 0 while no
+  request of another client waited there at its last read; else the mean wait of the requests it scheduled between its
   last two reads (``vllm:request_queue_time_seconds``), at least one step; without that histogram, one
   step per waiting request (the source says so). Missing when there is no D or before its first read.
 * ``shared_gpu``: P and D compute on the same GPU(s), so that P's prefills slow D's steps as D's own do:
@@ -49,6 +59,9 @@ class LoadFacts:
     decode_context_tokens: int | None = None
     prefill_queue_ms: float | None = None
     decode_queue_ms: float | None = None
+    decode_running: int = 0  # D's streams running now: this gateway's, and other clients' as last read
+    decode_waiting: int = 0  # requests of other clients waiting on D, as last read
+    decode_kv_usage: float = 0.0  # share of D's KV in use now
     prefill_waiting: int = 0  # prefills at P now: this gateway's in flight there, and P's others
     decode_prefills: int = 0  # this gateway's decode-local turns prefilling on D now (no first token yet)
     decode_prefill_tokens: int = 0  # ... the tokens they prefill, all together
@@ -63,6 +76,9 @@ class LoadFacts:
             "decode_context_tokens": self.decode_context_tokens,
             "prefill_queue_ms": None if self.prefill_queue_ms is None else round(self.prefill_queue_ms, 1),
             "decode_queue_ms": None if self.decode_queue_ms is None else round(self.decode_queue_ms, 1),
+            "decode_running": self.decode_running,
+            "decode_waiting": self.decode_waiting,
+            "decode_kv_usage": round(self.decode_kv_usage, 4),
             "prefill_waiting": self.prefill_waiting,
             "decode_prefills": self.decode_prefills,
             "shared_gpu": self.shared_gpu,
@@ -100,10 +116,10 @@ def decode_context(d: InstanceView | None) -> tuple[int | None, str]:
         return None, "model:no_decode_engine"
     if not d.scraped:
         return None, "model:not_scraped"
-    if d.capacity_tokens is None:
+    others = d.others_kv_tokens
+    if others is None:
         return None, "model:no_kv_capacity"
-    used = round(d.kv_usage * d.capacity_tokens) - d.pinned_tokens
-    return max(0, used), "kv_usage"
+    return others + d.own_kv_tokens, "kv_usage"
 
 
 def prefill_queue(p: InstanceView | None, now: float) -> tuple[float | None, str]:
@@ -116,7 +132,7 @@ def prefill_queue(p: InstanceView | None, now: float) -> tuple[float | None, str
         own_s = max(0.0, own_s - max(0.0, now - p.queued_since))  # P has been at it since the oldest started
     source = "gateway"
     others_ms = 0.0
-    others = _others(p)
+    others = p.others
     if others and p.prefill_request_ms is not None:
         others_ms = others * p.prefill_request_ms
         source = "gateway+prefill_time_histogram"
@@ -125,15 +141,9 @@ def prefill_queue(p: InstanceView | None, now: float) -> tuple[float | None, str
     return own_s * 1e3 + others_ms, source
 
 
-def _others(p: InstanceView) -> int:
-    """P's requests that are not this gateway's, as its metrics last said (0: never read): running and
-    waiting, compared with ours as of the same read (its counts are that old, and ours have moved since)."""
-    return max(0, p.running + p.waiting - p.in_flight_scraped) if p.scraped else 0
-
-
 def prefill_waiting(p: InstanceView | None) -> int:
-    """The prefills at ``p`` now: this gateway's in flight there, and P's others (``_others``)."""
-    return 0 if p is None else p.queued_prefills + _others(p)
+    """The prefills at ``p`` now: this gateway's in flight there, and P's others (``InstanceView.others``)."""
+    return 0 if p is None else p.queued_prefills + p.others
 
 
 def decode_queue(d: InstanceView | None, default_step_ms: float) -> tuple[float | None, str]:
@@ -143,12 +153,13 @@ def decode_queue(d: InstanceView | None, default_step_ms: float) -> tuple[float 
         return None, "model:no_decode_engine"
     if not d.scraped:
         return None, "model:not_scraped"
-    if d.waiting <= 0:
+    waiting = d.waiting_now
+    if waiting <= 0:
         return 0.0, "waiting_gauge"
     step = d.step_ms if d.step_ms is not None else default_step_ms
     if d.queue_wait_ms is not None:
         return max(d.queue_wait_ms, step), "queue_time_histogram"
-    return d.waiting * step, "model:waiting_x_step"
+    return waiting * step, "model:waiting_x_step"
 
 
 def shared_gpu(setting: bool | Literal["auto"], p: InstanceView | None, d: InstanceView | None) -> tuple[bool, str]:
@@ -184,6 +195,9 @@ def load_facts(
         decode_context_tokens=ctx,
         prefill_queue_ms=queue,
         decode_queue_ms=dqueue,
+        decode_running=decode.busy if decode is not None else 0,
+        decode_waiting=decode.waiting_now if decode is not None else 0,
+        decode_kv_usage=decode.kv_usage_now if decode is not None else 0.0,
         prefill_waiting=prefill_waiting(prefill),
         decode_prefills=decode.local_prefills if decode is not None else 0,
         decode_prefill_tokens=decode.local_prefill_tokens if decode is not None else 0,

@@ -24,9 +24,9 @@ class InstanceView:
     healthy: bool  # its health probe passes
     routable: bool  # healthy, and not suspended for missing first-token deadlines
     in_flight: int  # this gateway's requests running there
-    running: int  # the engine's own count, as of its last metrics
-    waiting: int  # requests it admitted but has not scheduled
-    kv_usage: float  # share of its KV cache in use
+    running: int  # the engine's own count, as of its last metrics (this gateway's requests then included)
+    waiting: int  # requests it admitted but has not scheduled, as of its last metrics
+    kv_usage: float  # share of its KV cache in use, as of its last metrics
     epoch: float | None  # its process start time
     version: str | None
     stream_handles: bool | None  # its streams end with D's handle (seen, or by version)
@@ -47,16 +47,61 @@ class InstanceView:
     queued_prefill_tokens: int = 0  # ... their new tokens
     queued_prefills: int = 0  # ... how many
     queued_since: float = 0.0  # monotonic; when the oldest of them was sent (0: none)
-    in_flight_scraped: int = 0  # this gateway's requests in flight there when its metrics were last read
+    # what this gateway had there while its metrics were last read (what those counts may include of its own):
+    # its requests in flight, those of them not yet started (no first output: perhaps waiting there), the KV
+    # their contexts hold, and what its stored handles pinned
+    in_flight_scraped: int = 0
+    unstarted_scraped: int = 0
+    own_kv_scraped: int = 0
+    pinned_scraped: int = 0
+    unstarted: int = 0  # this gateway's requests there with no first output yet, now
+    own_kv_tokens: int = 0  # the KV their contexts hold there (prompt tokens), now
     local_prefills: int = 0  # this gateway's decode-local turns prefilling there (sent, no first token yet)
     local_prefill_tokens: int = 0  # ... the tokens they prefill, all together
     gpus: frozenset[str] = frozenset()  # the GPUs it computes on, as it says (NVML UUIDs; empty: not known)
 
+    # Its load now: this gateway's own requests from its own bookkeeping at this moment, and other clients'
+    # from the last reading of its metrics with this gateway's requests of that moment taken out. A request
+    # of this gateway that has ended since (a conversation's previous turn, at agent speed) counts nowhere.
+
+    @property
+    def others(self) -> int:
+        """Other clients' requests there (running and waiting), as its metrics last said (0: never read)."""
+        return max(0, self.running + self.waiting - self.in_flight_scraped) if self.scraped else 0
+
+    @property
+    def others_waiting(self) -> int:
+        """Other clients' requests waiting there, as its metrics last said: its waiting count less this
+        gateway's requests that had not started then (they may have been the ones waiting)."""
+        return min(self.others, max(0, self.waiting - self.unstarted_scraped))
+
     @property
     def busy(self) -> int:
-        """Requests running there: the engine's own count, or this gateway's requests in flight when more
-        (the engine's count is as old as the last scrape, and a burst since is only seen here)."""
-        return max(self.running, self.in_flight)
+        """Requests running there now: this gateway's in flight, and other clients' running."""
+        return self.in_flight + self.others - self.others_waiting
+
+    @property
+    def waiting_now(self) -> int:
+        """Requests waiting there now, as far as the gateway can tell: other clients' (this gateway's own
+        not yet started count in ``busy``: it cannot tell one queued there from one prefilling)."""
+        return self.others_waiting
+
+    @property
+    def others_kv_tokens(self) -> int | None:
+        """KV other clients' requests hold there, as its metrics last said (None: its KV size is not known):
+        its usage less this gateway's requests and pins of that moment."""
+        if not self.scraped or self.capacity_tokens is None:
+            return None
+        return max(0, round(self.kv_usage * self.capacity_tokens) - self.own_kv_scraped - self.pinned_scraped)
+
+    @property
+    def kv_usage_now(self) -> float:
+        """Share of its KV cache in use now: other clients' as last read, and this gateway's requests and
+        pins as they are now (its usage as last read where its KV size is not known)."""
+        others = self.others_kv_tokens
+        if others is None or not self.capacity_tokens:
+            return self.kv_usage
+        return min(1.0, (others + self.own_kv_tokens + self.pinned_tokens) / self.capacity_tokens)
 
 
 @dataclass(frozen=True)

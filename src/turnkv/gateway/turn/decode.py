@@ -59,6 +59,12 @@ def _call(run: TurnRun, inst: InstanceView, prefilled: Prefilled | None) -> Deco
     )
 
 
+def _context(run: TurnRun) -> int:
+    """The KV the turn's context holds on D (its prompt, as rendered or planned; 0: not known)."""
+    ids = run.rendered.prompt_ids
+    return len(ids) if ids is not None else run.plan.planned_tokens
+
+
 def _timeout_s(run: TurnRun) -> float:
     """How long a non-streamed answer may take: D sends it whole, so its first token is not seen."""
     t = run.svc.settings.timeouts
@@ -101,7 +107,9 @@ async def run(run: TurnRun, prefilled: Prefilled | None) -> Opened | None:
         inst = _pick(svc.router, plan.decode_url, run.journal)
         if inst is None or (plan.decode_local and inst.url != plan.decode_url):
             break
-        slot = fleet.hold(inst.url, local_prefill=plan.local_new_tokens if plan.decode_local else 0)
+        slot = fleet.hold(
+            inst.url, local_prefill=plan.local_new_tokens if plan.decode_local else 0, kv_tokens=_context(run)
+        )
         try:
             opened = await _open(run, inst, _call(run, inst, prefilled), slot)
         except UpstreamError as exc:
