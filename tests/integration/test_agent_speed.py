@@ -6,7 +6,8 @@ D's metrics are read every 50 ms and each answer streams for a few hundred ms, s
 gateway holds when the next turn is planned was taken while the conversation's own previous stream ran
 on D. That stream is over: it must not count as running on D (``itl_headroom``, ``itl_budget``), waiting
 there (``decode_queue``) or filling its KV (``decode_busy``). Nothing else runs on D, so every later turn
-reuses the conversation's KV (pulled, decode-local, or from P's cache), on separate GPUs and on one."""
+reuses the conversation's KV (pulled, decode-local, or from P's cache), on separate GPUs and on one, with
+a session id and, as agent frameworks call it, without (the conversation found from its history)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,13 @@ SYSTEM = "You are a careful agent. " * 300  # about 2k tokens of history
 TOOL_OUTPUT = "Tool output {}: " + "the value is forty two and rising; " * 40
 
 
-@pytest.mark.parametrize("shared_gpu", ["false", "true"])
+@pytest.mark.parametrize(
+    ("shared_gpu", "session"),
+    [("false", "agent-1"), ("false", None), ("true", "agent-1")],
+    ids=["separate_gpus", "separate_gpus_no_session_id", "one_gpu"],
+)
 def test_a_conversations_own_finished_turn_never_counts_against_its_next(
-    procs: list[launch.Running], tmp_path: Path, shared_gpu: str
+    procs: list[launch.Running], tmp_path: Path, shared_gpu: str, session: str | None
 ) -> None:
     c = start_cluster(
         procs,
@@ -38,7 +43,7 @@ def test_a_conversations_own_finished_turn_never_counts_against_its_next(
         prefill_flags=("--no-prefix-caching",),
         gateway_env={"TURNKV_SCRAPE_INTERVAL_S": "0.05", "TURNKV_SHARED_GPU": shared_gpu},
     )
-    with Dialogue(c, session="agent-1", stream=True, max_tokens=48, system=SYSTEM) as d:
+    with Dialogue(c, session=session, stream=True, max_tokens=48, system=SYSTEM) as d:
         # the next turn follows at once; the ground truth is asked afterwards, from the same histories
         histories, turns = [], []
         for k in range(TURNS):
