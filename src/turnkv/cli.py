@@ -9,6 +9,13 @@ from collections.abc import Sequence
 
 def _sim(args: argparse.Namespace) -> int:
     from turnkv.launch import serve
+
+    if args.role == "render":
+        from turnkv.sim.render import create_render_app, render_settings_from_args
+
+        rs = render_settings_from_args(args)
+        serve(create_render_app(rs), rs.host, rs.port, log_level=args.log_level)
+        return 0
     from turnkv.sim.app import create_sim_app
     from turnkv.sim.settings import settings_from_args
 
@@ -75,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="turnkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sim = sub.add_parser("sim", help="run a simulated vLLM engine (prefill, decode or colocated)")
+    sim = sub.add_parser("sim", help="run a simulated vLLM engine (prefill, decode or colocated) or render service")
     add_sim_arguments(sim)
     sim.add_argument("--log-level", default="warning")
     sim.set_defaults(func=_sim)

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from turnkv.sim import info
+from turnkv.sim import generate, info
 from turnkv.sim.chat import ChatTemplate, Delta, OutputParser, RenderError, count_reasoning_tokens
 from turnkv.sim.engine import Engine
 from turnkv.sim.faults import FaultInjector
@@ -410,6 +410,7 @@ def create_sim_app(settings: SimSettings) -> Starlette:
             await server.engine.stop()
 
     routes = [
+        *(generate.routes(server) if settings.tokens_only else []),  # first: they shadow the text routes
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         *info.routes(server),

@@ -167,9 +167,14 @@ class InfoRoutes:
         return Response(status_code=200)
 
     async def version(self, request: Request) -> Response:
-        gpus = self.s.settings.gpus
-        headers = {PLUGIN_HEADER: f"sim; gpus={','.join(gpus)}"} if gpus else None
-        return JSONResponse({"version": self.s.settings.version}, headers=headers)
+        st = self.s.settings
+        parts = ["sim"]
+        if st.turnkv_plugin:
+            parts.append("streams=generate" if st.tokens_only else "streams=")
+        if st.gpus:
+            parts.append(f"gpus={','.join(st.gpus)}")
+        headers = {PLUGIN_HEADER: "; ".join(parts)} if len(parts) > 1 else None
+        return JSONResponse({"version": st.version}, headers=headers)
 
     async def metrics(self, request: Request) -> Response:
         self.s.engine.report_load()  # pins freed and requests blocked between steps count now

@@ -21,6 +21,10 @@ class SimSettings(BaseModel):
     thinking: bool = True
     retokenize_drift: bool = False
     prompt_tokens_details: bool = False
+    # vLLM --tokens-only: /inference/v1/generate and no tokenizer (``sim.generate``)
+    tokens_only: bool = False
+    # turnkv's vLLM plugin on this engine: streamed generate answers end with D's handle (``sim.generate``)
+    turnkv_plugin: bool = False
     # the GPUs it says it computes on, as turnkv's vLLM plugin says a real engine's (``x-turnkv-plugin``)
     gpus: list[str] = Field(default_factory=list)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -32,7 +36,7 @@ class SimSettings(BaseModel):
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", choices=["prefill", "decode", "colocated"], default="colocated")
+    p.add_argument("--role", choices=["prefill", "decode", "colocated", "render"], default="colocated")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--model", default="sim-model", help="served model name")
@@ -71,6 +75,16 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
     p.add_argument(
+        "--tokens-only",
+        action="store_true",
+        help="as vLLM --tokens-only: serve /inference/v1/generate (token ids in and out), no text routes",
+    )
+    p.add_argument(
+        "--turnkv-plugin",
+        action="store_true",
+        help="as an engine with turnkv's vLLM plugin: streamed generate answers end with the KV handle",
+    )
+    p.add_argument(
         "--gpu",
         dest="gpus",
         action="append",
@@ -99,6 +113,9 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-per-seq-us", type=float, default=None, help="per stream in the decode batch")
     g.add_argument("--decode-ctx-ns", type=float, default=None, help="per token of context the decode batch attends to")
     g.add_argument("--api-overhead-ms", type=float, default=None)
+    from turnkv.sim.render import add_render_arguments  # the render role's own flags
+
+    add_render_arguments(p)
     f = p.add_argument_group("faults (also settable at run time: POST /_sim/faults)")
     f.add_argument("--fail-next", type=int, default=0, help="answer the next N generation requests with 500")
     f.add_argument("--delay-ms", type=float, default=0.0)
@@ -164,6 +181,8 @@ def settings_from_args(a: argparse.Namespace) -> SimSettings:
         thinking=a.thinking,
         retokenize_drift=a.retokenize_drift,
         prompt_tokens_details=a.enable_prompt_tokens_details,
+        tokens_only=a.tokens_only,
+        turnkv_plugin=a.turnkv_plugin,
         gpus=a.gpus,
         engine=engine,
         faults=Faults(
