@@ -110,7 +110,13 @@ class Gateway:
         return self.log.events
 
     def metric(self, name: str, **labels: str) -> float:
-        return self.svc.metrics.registry.get_sample_value(name, labels) or 0.0
+        """The sum of the samples of ``name`` whose labels include ``labels``."""
+        return sum(
+            s.value
+            for family in self.svc.metrics.registry.collect()
+            for s in family.samples
+            if s.name == name and labels.items() <= s.labels.items()
+        )
 
     async def chat(
         self,

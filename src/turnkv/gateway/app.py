@@ -120,9 +120,13 @@ def _store(settings: Settings) -> ConversationStore:
     return MemoryStore()
 
 
-async def _report_links(svc: Services) -> None:
+async def _report(svc: Services) -> None:
+    """Every scrape interval: the link estimates, and which engines the gateway counts healthy."""
     while True:
         await asyncio.sleep(svc.settings.scrape_interval_s)
+        for role in ("prefill", "decode"):
+            for view in svc.fleet.views(role):
+                svc.metrics.engine_up.labels(role, view.url).set(1 if view.healthy else 0)
         for direction, link in svc.estimator.links().items():
             svc.metrics.link_fixed_s.labels(direction).set(link.fixed_s)
             svc.metrics.link_bytes_per_s.labels(direction).set(link.bytes_per_s)
@@ -240,7 +244,9 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[State]:
-        metrics = GatewayMetrics(multiprocess_dir=multiprocess_dir)
+        metrics = GatewayMetrics(multiprocess_dir, prefill=settings.prefill, decode=settings.decode)
+        drain.on_count = metrics.inflight_turns.set
+        drain.on_draining = lambda: metrics.draining.set(1)
         log = make_logger("turnkv.turn", json=settings.log_json)
         if multiprocess_dir is not None:
             log = log.bind(worker=os.getpid())  # which of the workers served a turn
@@ -300,7 +306,7 @@ def create_app(
                 audited = await _audit_once(svc)  # engines already up: know the template before serving
             loops = [
                 fleet.run(eng, settings.health_interval_s, settings.scrape_interval_s),
-                _report_links(svc),
+                _report(svc),
                 releaser.run(),
                 pins.run(),
                 *([] if audited else [_audit_until_done(svc)]),

@@ -25,6 +25,8 @@ class Drain:
         self.expired = False  # turns still running are being aborted
         self._aborts: dict[int, Callable[[], None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_count: Callable[[int], None] = lambda n: None  # turns in flight, on every change
+        self.on_draining: Callable[[], None] = lambda: None  # once, as the shutdown begins
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -38,6 +40,7 @@ class Drain:
 
     def _schedule(self, refuse_after_s: float) -> None:
         assert self._loop is not None
+        self.on_draining()
         log.warning(
             "shutdown.draining turns=%d refuse_after_s=%.1f drain_s=%.1f",
             len(self._aborts),
@@ -64,6 +67,8 @@ class Drain:
     def track(self, key: object, abort: Callable[[], None]) -> None:
         """A turn is in flight; ``abort`` ends it early when the drain runs out."""
         self._aborts[id(key)] = abort
+        self.on_count(len(self._aborts))
 
     def untrack(self, key: object) -> None:
-        self._aborts.pop(id(key), None)
+        if self._aborts.pop(id(key), None) is not None:
+            self.on_count(len(self._aborts))

@@ -4,12 +4,23 @@ Under ``--workers N`` every worker writes its samples to files in a shared direc
 multiprocess mode) and ``/metrics``, whichever worker answers it, reads them all: counters and histograms
 are summed; each gauge says how its workers' values combine (``multiprocess_mode``), ignoring workers
 that have exited.
+
+Every counter starts with every label value the gateway can give it at 0 (``Vocabulary``, and the
+configured engines for those labelled by engine): a series that appears only with its first increment
+has nothing to increase from, so ``increase()`` and ``rate()`` would miss the first failure of each kind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from turnkv.gateway.turn.results import Capture, Fallback
+from turnkv.reuse.assess import Reason, TemplateClass
+from turnkv.reuse.cost import Action
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -20,8 +31,89 @@ def turn_bucket(turn: int) -> str:
     return "6-10" if turn <= 10 else "11+"
 
 
+@dataclass(frozen=True)
+class Vocabulary:
+    """The label values each labelled counter can take: what ``GatewayMetrics`` exports at 0 from the
+    start. A value the code counts and this misses shows up only at its second occurrence in
+    ``increase()``; tests/integration/test_alerts.py fails on any such series."""
+
+    legs: tuple[str, ...] = ("render", "prefill", "decode")
+    # UpstreamError.kind, and the relay's own: a stream that broke or ended empty
+    upstream_kinds: tuple[str, ...] = (
+        "connect",
+        "timeout",
+        "first_token_deadline",
+        "protocol",
+        "status",
+        "error",
+        "stream",
+        "empty_stream",
+    )
+    store_ops: tuple[str, ...] = ("claim", "put", "release", "pinned", "evict", "prune", "put_doc", "get_doc", "ping")
+    store_error_kinds: tuple[str, ...] = ("timeout", "connect_timeout", "unreachable", "error")
+    # what a plan's outcome and action can be together (TurnPlan.outcome)
+    decisions: tuple[tuple[str, str], ...] = (
+        ("full", Action.PULL.value),
+        ("partial", Action.PULL.value),
+        ("none", Action.PULL.value),
+        ("none", Action.RECOMPUTE.value),
+        ("stateless", Action.RECOMPUTE.value),
+        ("decode_local", Action.DECODE_LOCAL.value),
+    )
+    token_kinds: tuple[str, ...] = ("prompt", "planned_pull", "computed", "generated")
+    # edge refusals (error codes, connection caps, slow clients) and their type where an error has no code
+    rejections: tuple[str, ...] = (
+        "invalid_api_key",
+        "insufficient_permissions",
+        "server_overloaded",
+        "rate_limit_exceeded",
+        "shutting_down",
+        "request_timeout",
+        "client_closed_request",
+        "request_too_large",
+        "invalid_request_error",
+        "connection_cap",
+        "connection_cap_per_ip",
+        "slow_reader",
+        "header_timeout",
+    )
+    releases: tuple[str, ...] = (
+        "unused",
+        "superseded",
+        "not_needed",
+        "budget",
+        "pressure",
+        "failed_turn",
+        "prefill_failed",
+        "shutdown",
+        "store_unavailable",
+        "duplicate",
+        "dropped",
+        "failed",
+    )
+    unused_left: tuple[str, ...] = ("unused", "not_needed")
+    roles: tuple[str, ...] = ("prefill", "decode")
+
+    def retries(self) -> list[tuple[str, str]]:
+        """(leg, why): a fallback's, an engine call's retried error kind, and a turn run again."""
+        pairs = {(f.leg, f.why) for f in Fallback}
+        pairs |= {(leg, kind) for leg in ("prefill", "decode") for kind in self.upstream_kinds[:6]}
+        return sorted(pairs | {("turn", "rerun")})
+
+
+VOCABULARY = Vocabulary()
+
+
 class GatewayMetrics:
-    def __init__(self, multiprocess_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        multiprocess_dir: str | None = None,
+        *,
+        prefill: Sequence[str] = (),
+        decode: Sequence[str] = (),
+        vocabulary: Vocabulary = VOCABULARY,
+    ) -> None:
+        """``prefill`` and ``decode``: the configured engines, whose series start at 0 too."""
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._multiprocess_dir = multiprocess_dir
         self.ttft = Histogram(
@@ -44,7 +136,12 @@ class GatewayMetrics:
             ["kind"],
             registry=r,
         )
-        self.upstream_errors = Counter("turnkv_upstream_errors", "Engine call failures", ["leg", "kind"], registry=r)
+        self.upstream_errors = Counter(
+            "turnkv_upstream_errors",
+            "Engine call failures, by leg, kind and engine (its URL; 'unknown' where the call named none)",
+            ["leg", "kind", "engine"],
+            registry=r,
+        )
         self.retries = Counter("turnkv_retries", "Retried engine calls", ["leg", "reason"], registry=r)
         self.redis_errors = Counter(
             "turnkv_redis_errors",
@@ -140,7 +237,64 @@ class GatewayMetrics:
             ["why"],
             registry=r,
         )
+        self.engine_up = Gauge(
+            "turnkv_engine_up",
+            "1 while the gateway counts an engine healthy (its health checks pass), 0 while it routes around it",
+            ["role", "engine"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.inflight_turns = Gauge(
+            "turnkv_inflight_turns",
+            "Turns being served now (an autoscaler's signal)",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.draining = Gauge(
+            "turnkv_draining",
+            "1 from a shutdown's start (SIGTERM): not ready, turns in flight finishing",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.store_up.set(1)
+        self.draining.set(0)
+        self._start_at_zero(vocabulary, list(prefill), list(decode))
+
+    def _start_at_zero(self, v: Vocabulary, prefill: list[str], decode: list[str]) -> None:
+        engines = [("prefill", u) for u in prefill] + [("decode", u) for u in decode]
+
+        def zero(counter: Counter, label_sets: Iterable[tuple[str, ...]]) -> None:
+            for labels in label_sets:
+                counter.labels(*labels)
+
+        zero(self.decisions, ((o, a, reason.value) for o, a in v.decisions for reason in Reason))
+        zero(self.tokens, ((k,) for k in v.token_kinds))
+        by_leg = {"render": prefill, "prefill": prefill, "decode": decode}
+        zero(
+            self.upstream_errors,
+            ((leg, kind, url) for leg in v.legs for kind in v.upstream_kinds for url in [*by_leg[leg], "unknown"]),
+        )
+        zero(self.retries, v.retries())
+        zero(self.redis_errors, ((op, kind) for op in v.store_ops for kind in v.store_error_kinds))
+        zero(self.store_skipped, ((op,) for op in v.store_ops))
+        zero(self.store_busy, ((op,) for op in v.store_ops))
+        zero(self.captures, ((c.value,) for c in Capture))
+        zero(self.admission_waits, ((u,) for u in decode))
+        zero(self.admission_overflows, ((u,) for u in decode))
+        zero(self.deadline_misses, ((leg,) for leg in v.roles))
+        zero(self.deadline_renewals, ((leg,) for leg in v.roles))
+        zero(self.engine_restarts, ((role,) for role in v.roles))
+        zero(self.rejections, ((why,) for why in v.rejections))
+        zero(self.releases, ((why,) for why in v.releases))
+        zero(self.unused_left, ((why,) for why in v.unused_left))
+        for role, url in engines:
+            self.engine_up.labels(role, url).set(1)
+        for c in TemplateClass:
+            self.template_class.labels(c.value).set(0)
+
+    def upstream_error(self, leg: str, kind: str, engine: str | None) -> None:
+        """One failed engine call (``engine``: its URL, where known)."""
+        self.upstream_errors.labels(leg, kind, engine or "unknown").inc()
 
     def render(self) -> bytes:
         if self._multiprocess_dir is None:

@@ -142,7 +142,7 @@ def _judged(
         # the messages themselves are wrong: the client hears the engine's words
         return dataclasses.replace(failed, reason=Reason.REQUEST_REJECTED, failure=rendered)
     if isinstance(rendered, UpstreamError):
-        svc.metrics.upstream_errors.labels("render", rendered.kind).inc()
+        svc.metrics.upstream_error("render", rendered.kind, rendered.instance)
         return failed
     if isinstance(rendered, BaseException):
         return dataclasses.replace(failed, failure=rendered)
@@ -159,7 +159,7 @@ def _judged(
         else:
             chain = ChainBuilder(svc.settings.block_size).extend(rendered)
     except (TypeError, OverflowError):  # ids that are not integers
-        svc.metrics.upstream_errors.labels(leg, "protocol").inc()
+        svc.metrics.upstream_error(leg, "protocol", None)
         return failed
     return Rendered(
         Next.PLAN,

@@ -121,7 +121,7 @@ class TurnRun:
 
     def failed(self, leg: str, url: str, exc: UpstreamError) -> None:
         """Count an engine call's failure; raise it again when no other attempt can help."""
-        self.svc.metrics.upstream_errors.labels(leg, exc.kind).inc()
+        self.svc.metrics.upstream_error(leg, exc.kind, exc.instance or url)
         if not retryable(exc):
             raise exc
         if isinstance(exc, UpstreamUnavailable):

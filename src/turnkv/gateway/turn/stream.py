@@ -145,7 +145,7 @@ async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> 
                 finally:
                     run.close_answer()
                 if stream.collected.error is not None or run.aborted is not None:
-                    svc.metrics.upstream_errors.labels("decode", "stream").inc()
+                    svc.metrics.upstream_error("decode", "stream", opened.url)
                     if not engine_error or run.aborted is not None:  # D's own error event was forwarded
                         yield sse_error_event(_failure(run, False))
                 break
@@ -153,7 +153,7 @@ async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> 
             collected = stream.collected
             if collected.error is None and not missed and collected.finish_reason is not None:
                 break  # finished with nothing to show (an empty answer): nothing failed
-            svc.metrics.upstream_errors.labels("decode", "first_token_deadline" if missed else "empty_stream").inc()
+            svc.metrics.upstream_error("decode", "first_token_deadline" if missed else "empty_stream", opened.url)
             if restarted or run.aborted is not None:
                 yield sse_error_event(_failure(run, missed))
                 break
