@@ -75,7 +75,7 @@ def test_ready_and_metrics_are_for_operators(caplog: pytest.LogCaptureFixture) -
         assert error_of(c.get("/metrics", headers=bearer("sk-a")), 403)["code"] == "insufficient_permissions"
         metrics = c.get("/metrics", headers=bearer("sk-ops"))
         assert metrics.status_code == 200
-        assert 'turnkv_rejected_requests_total{reason="invalid_api_key"}' not in metrics.text  # none refused yet
+        assert 'turnkv_rejected_requests_total{reason="invalid_api_key"} 0.0' in metrics.text  # none refused yet
         error_of(c.get("/metrics"), 401)
         refused = c.get("/metrics", headers=bearer("sk-ops")).text
         assert 'turnkv_rejected_requests_total{reason="invalid_api_key"} 1.0' in refused
