@@ -689,6 +689,6 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def out_dir() -> Path:
-    d = Path(os.environ.get("OUT") or (STATE_DIR / "out"))
+    d = Path(os.environ.get("OUT") or (ROOT / "results" / "gpu"))
     d.mkdir(parents=True, exist_ok=True)
     return d

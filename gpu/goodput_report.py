@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The H200 goodput sweep's report (issue 11), from the JSON files ``gpu/load.py`` wrote in parts G1-G3.
 
-usage: python gpu/goodput_report.py [load_G*.json ...] [--out docs/gpu-h200-goodput]
+usage: python gpu/goodput_report.py [load_G*.json ...] [--out results/gpu/goodput-report]
 
 Per number of conversations at once and per mode: goodput (turns within both SLOs per second of the
 wave) and attainment, TTFT p50 / p99 of first and of later turns, ITL p99 and TPOT p99; then the issue's
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from turnkv.bench.report import md_table
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "docs" / "gpu-h200-goodput"
+RESULTS = ROOT / "results" / "gpu"
+DEFAULT_OUT = RESULTS / "goodput-report"
 BASELINES = ("colocated", "plain", "vllm-multiturn")
 OURS = "adaptive"
 
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = ap.parse_args(argv)
     slos = a.slo or [(2000.0, 30.0), (2000.0, 60.0)]
-    inputs = a.inputs or sorted(a.out.glob("load_G*.json"))
+    inputs = a.inputs or sorted(RESULTS.glob("load_G*.json"))
     results = [json.loads(p.read_text()) for p in inputs]
     a.out.mkdir(parents=True, exist_ok=True)
     modes = list(dict.fromkeys(key for _, _, _, key in mode_keys(results)))

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The H200 load proof's report (issue 9), from the JSON files gpu/load.py wrote (run here, not on the device).
 
-usage: python gpu/load_report.py [load_*.json ...] [--out docs/gpu-h200-load]
+usage: python gpu/load_report.py [load_*.json ...] [--out results/gpu/load-report]
 
-Without inputs it reads ``OUT/load_*.json`` (default: the files next to the report). Writes into OUT:
+Without inputs it reads ``results/gpu/load_*.json`` (where gpu/ writes them). Writes into OUT:
 ``report.md`` (per part: turns answered, hung and failed, TTFT p50/p99 for turn 1 and later turns, ITL,
 D's memory and the gateway's pins, releases, decisions, the gateway log's turn events), and per part
 ``timeline_<label>.png`` (D's KV usage, the pinned share of D's KV and the pin budget, P's KV usage,
@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from turnkv.bench.report import md_table
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "docs" / "gpu-h200-load"
+RESULTS = ROOT / "results" / "gpu"
+DEFAULT_OUT = RESULTS / "load-report"
 STATUS = {0: "ok", 1: "deadline", 2: "failed"}
 
 
@@ -445,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("inputs", nargs="*", type=Path)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     a = ap.parse_args(argv)
-    inputs = a.inputs or sorted(a.out.glob("load_*.json"))
+    inputs = a.inputs or sorted(RESULTS.glob("load_*.json"))
     results = [json.loads(p.read_text()) for p in inputs]
     a.out.mkdir(parents=True, exist_ok=True)
     parts = [INTRO]

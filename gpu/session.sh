@@ -40,7 +40,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G6, R1, R2, P1}"
-: "${OUT:=${TURNKV_GPU_STATE:-/root/gpu-state}/out}"
+: "${OUT:=$PWD/results/gpu}"  # the repository's results/ (git ignores it), unless the caller names one
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)

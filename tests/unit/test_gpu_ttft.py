@@ -4,6 +4,7 @@ first (the H200's run 4 had vllm-multiturn first in every round)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -34,3 +35,28 @@ def test_abba_reverses_every_other_round() -> None:
 def test_rounds_keep_one_order() -> None:
     plan = ttft.run_order([2048], MODES, 3, "rounds")
     assert {tuple(m for _, m, r in plan if r == rep) for rep in range(3)} == {tuple(MODES)}
+
+
+def _run(mode: str, rep: int, seq: int, ttfts: list[float]) -> dict[str, object]:
+    turns = [{"ttft_ms": 500.0, "status": 200}] + [{"ttft_ms": t, "status": 200} for t in ttfts]
+    events = [{"turn": i + 2, "ttft_ms": t - 1, "prefill_ms": t / 2, "render_ms": 0.5} for i, t in enumerate(ttfts)]
+    return {"history": 2048, "mode": mode, "rep": rep, "seq": seq, "turns": turns, "gateway_turns": events}
+
+
+def test_the_report_compares_each_mode_with_vllm_multiturn_per_round(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import ttft_report
+
+    runs = [
+        _run("vllm-multiturn", 0, 0, [100.0, 100.0]),
+        _run("always-pull", 0, 1, [110.0, 110.0]),
+        _run("always-pull", 1, 2, [90.0, 90.0]),
+        _run("vllm-multiturn", 1, 3, [100.0, 100.0]),
+    ]
+    path = tmp_path / "ttft_a.json"
+    path.write_text(json.dumps({"runs": runs}))
+    ttft_report.main([path])
+    out = capsys.readouterr().out
+    assert "| 2k | always-pull | 4 | 100 | 1.00x | 1.00x (0.90-1.10, 2 rounds) |" in out
+    assert "| 2k | always-pull | before vllm-multiturn | 1 | 0.900x" in out  # abba: its place in the round

@@ -1,8 +1,10 @@
-"""The repository as a newcomer meets it: a README that stays a short user's guide."""
+"""The repository as a newcomer meets it: a README that stays a short user's guide, reference pages that
+name pages that exist, and results kept out of the tree (a run's data goes under results/, ignored)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,11 +17,20 @@ def test_the_readme_stays_a_short_guide() -> None:
 
 def test_the_pages_the_docs_name_exist() -> None:
     named = set()
-    for page in [
-        ROOT / "README.md",
-        ROOT / "BENCHMARKS.md",
-        *(ROOT / "docs").glob("*.md"),
-        *(ROOT / "gpu").glob("*.md"),
-    ]:
-        named |= set(re.findall(r"(?<![\w/.-])((?:docs|gpu)/[\w./-]+\.md)\b", page.read_text()))
+    pages = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "gpu").glob("*.md")]
+    for page in pages:
+        named |= set(re.findall(r"(?<![\w/.:-])((?:docs|gpu)/[\w./-]+\.md)\b", page.read_text()))
     assert sorted(p for p in named if not (ROOT / p).is_file()) == []
+
+
+def _tracked(path: str) -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "-z", path], cwd=ROOT, capture_output=True, check=True).stdout
+    return [ROOT / name for name in out.decode().split("\0") if name]
+
+
+def test_docs_hold_pages_and_a_few_plots_not_results() -> None:
+    files = _tracked("docs")
+    assert sum(f.stat().st_size for f in files if f.exists()) <= 2 * 1024 * 1024, "docs/ over 2 MB"
+    kinds = {f.suffix for f in files}
+    assert kinds <= {".md", ".png"}, f"results belong under results/ (git-ignored), not docs/: {kinds}"
+    assert len([f for f in files if f.suffix == ".png"]) <= 8, "only the plots BENCHMARKS.md shows"

@@ -12,7 +12,7 @@ from typing import Any
 
 from turnkv.bench.workload import WorkloadSpec
 
-DEFAULT_OUT = Path("bench-results")
+DEFAULT_OUT = Path("results")  # git ignores it
 
 
 def _bool_flag(p: argparse._ActionsContainer, name: str, default: bool, help_: str) -> None:
@@ -205,7 +205,7 @@ def add_bench_parser(sub: Any) -> None:
     r.add_argument("--decode-url")
     r.add_argument("--name", default="run", help="configuration name in the report")
     r.add_argument("--description", default="")
-    r.add_argument("--out", default=None, help="output directory (default bench-results/run-<time>)")
+    r.add_argument("--out", default=None, help="output directory (default results/run-<time>)")
     _bool_flag(r, "progress", True, "progress line on stderr")
     r.add_argument("--fail-on-error", action="store_true", help="exit 1 when a request failed")
     _workload_args(r)
@@ -226,7 +226,7 @@ def add_bench_parser(sub: Any) -> None:
             "render-ahead",
         ],
     )
-    s.add_argument("--out", default=None, help="output directory (default bench-results/<suite>-<time>)")
+    s.add_argument("--out", default=None, help="output directory (default results/<suite>-<time>)")
     s.add_argument(
         "--only",
         action="append",
@@ -287,7 +287,7 @@ def add_bench_parser(sub: Any) -> None:
     s.set_defaults(func=_scenarios)
 
     pr = bsub.add_parser("profile", help="cProfile of the gateway under zero-cost engines")
-    pr.add_argument("--out", default=None, help="output directory (default bench-results/profile-<time>)")
+    pr.add_argument("--out", default=None, help="output directory (default results/profile-<time>)")
     pr.add_argument("--requests", type=int, default=600)
     pr.add_argument("--concurrency", type=int, default=8)
     pr.add_argument("--session", action="store_true", help="send X-Session-ID")
