@@ -35,6 +35,17 @@ def test_the_header_names_the_gpus_once_the_server_arguments_are_known(monkeypat
         assert client.get("/version").headers[HEADER] == "0.1.0; streams=; gpus=GPU-aaaa,GPU-bbbb"
 
 
+def test_the_header_names_the_patched_generate_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(hooks.VISIBLE_ENV, raising=False)
+    monkeypatch.setattr(hooks, "load_nvml", lambda: None)
+    monkeypatch.setattr(hooks.STATE, "patched", ["generate"])
+    a, plugin = app(), TurnkvEndpoint()
+    plugin.attach_router(a)
+    asyncio.run(plugin.init_state(None, State(), SimpleNamespace()))
+    with TestClient(a) as client:
+        assert client.get("/version").headers[HEADER] == "0.1.0; streams=generate"
+
+
 def test_no_header_where_no_gpu_can_be_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(hooks.VISIBLE_ENV, raising=False)  # and no NVML here
     monkeypatch.setattr(hooks, "load_nvml", lambda: None)

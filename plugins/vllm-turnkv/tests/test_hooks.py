@@ -77,6 +77,25 @@ class OpenAIServingCompletion:
         yield "data: [DONE]\\n\\n"
 """
 
+GENERATE_SERVING = """
+import json
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateStreamResponse
+
+class ServingTokens:
+    async def serve_tokens_stream_generator(self, request, result_generator, request_id, model_name,
+                                            request_metadata):
+        n = 0
+        async for res in result_generator:
+            n += len(res.token_ids)
+            choice = {"index": 0, "logprobs": None, "finish_reason": res.finish_reason,
+                      "token_ids": res.token_ids, "routed_experts": None}
+            yield "data: " + json.dumps({"request_id": request_id, "choices": [choice], "usage": None},
+                                        separators=(",", ":")) + "\\n\\n"
+        usage = {"request_id": request_id, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}}
+        yield "data: " + json.dumps(usage, separators=(",", ":")) + "\\n\\n"
+        yield "data: [DONE]\\n\\n"
+"""
+
 API_SERVER = """
 class App:
     def __init__(self):
@@ -88,11 +107,12 @@ class App:
 def build_app(args, supported_tasks=None, model_config=None):
     import vllm.entrypoints.openai.chat_completion.serving  # noqa: F401 - as vLLM's build_app imports routers
     import vllm.entrypoints.openai.completion.serving  # noqa: F401
+    import vllm.entrypoints.scale_out.token_in_token_out.serving  # noqa: F401 - the scale-out routers
     return App()
 """
 
 
-def write_fake_vllm(root: Path, version: str, native: bool) -> None:
+def write_fake_vllm(root: Path, version: str, native: bool, generate_native: bool = False) -> None:
     files = {
         "vllm/__init__.py": f"__version__ = {version!r}\n",
         "vllm/entrypoints/__init__.py": "",
@@ -108,6 +128,12 @@ def write_fake_vllm(root: Path, version: str, native: bool) -> None:
             extra=', "kv_transfer_params": None' if native else ""
         ),
         "vllm/entrypoints/openai/completion/serving.py": COMPLETION_SERVING,
+        "vllm/entrypoints/scale_out/__init__.py": "",
+        "vllm/entrypoints/scale_out/token_in_token_out/__init__.py": "",
+        "vllm/entrypoints/scale_out/token_in_token_out/protocol.py": PROTOCOL.format(
+            extra=', "kv_transfer_params": None' if generate_native else ""
+        ).replace("ChatCompletionStreamResponse", "GenerateStreamResponse"),
+        "vllm/entrypoints/scale_out/token_in_token_out/serving.py": GENERATE_SERVING,
     }
     for rel, text in files.items():
         p = root / rel
@@ -123,8 +149,8 @@ def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     hooks.STATE.__init__()  # type: ignore[misc]
     before = list(sys.meta_path)
 
-    def make(version: str = "0.26.0", native: bool = False) -> None:
-        write_fake_vllm(tmp_path, version, native)
+    def make(version: str = "0.26.0", native: bool = False, generate_native: bool = False) -> None:
+        write_fake_vllm(tmp_path, version, native, generate_native)
         sys.path.insert(0, str(tmp_path))
 
     yield make
@@ -189,7 +215,8 @@ def test_patches_modules_already_imported(fake_vllm: Any) -> None:
     fake_vllm()
     import vllm.entrypoints.openai.api_server
     import vllm.entrypoints.openai.chat_completion.serving
-    import vllm.entrypoints.openai.completion.serving  # noqa: F401
+    import vllm.entrypoints.openai.completion.serving
+    import vllm.entrypoints.scale_out.token_in_token_out.serving  # noqa: F401
 
     line = hooks.install()
     assert "patched OpenAIServingChat.chat_completion_stream_generator" in line and "will patch" not in line
@@ -208,8 +235,8 @@ def test_patches_modules_when_imported_later(fake_vllm: Any) -> None:
     import vllm.entrypoints.openai.api_server as api
 
     app = api.build_app(None)  # imports the serving modules, as vLLM's build_app does
-    assert hooks.STATE.patched == ["chat", "completions"]
-    assert app.middleware == [(AdvertiseMiddleware, {"value": "0.1.0; streams=chat,completions"})]
+    assert hooks.STATE.patched == ["chat", "completions", "generate"]
+    assert app.middleware == [(AdvertiseMiddleware, {"value": "0.1.0; streams=chat,completions,generate"})]
     assert not any(isinstance(f, hooks.PostImportFinder) for f in sys.meta_path)
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
@@ -219,6 +246,41 @@ def test_patches_modules_when_imported_later(fake_vllm: Any) -> None:
     )
     first, last, done = chunks(asyncio.run(collect(agen)))
     assert first["kv_transfer_params"] is None and last["kv_transfer_params"] == PARAMS and done == "[DONE]"
+
+
+def generate_stream(engine: Engine) -> Any:
+    from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+
+    return ServingTokens().serve_tokens_stream_generator(None, engine.gen(), "generate-tokens-1", "m", None)
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_a_generate_stream_ends_with_the_handle(fake_vllm: Any, version: str) -> None:
+    """No vLLM streams the handle on /inference/v1/generate: patched on every version, 0.33 included."""
+    fake_vllm(version, native=version >= "0.33")
+    import vllm.entrypoints.openai.chat_completion.serving as chat
+    import vllm.entrypoints.scale_out.token_in_token_out.serving  # noqa: F401
+
+    orig_chat = chat.OpenAIServingChat.chat_completion_stream_generator
+    hooks.install()
+    t1, t2, fin, usage, done = chunks(asyncio.run(collect(generate_stream(Engine(3)))))
+    assert t1["kv_transfer_params"] is None and t2["kv_transfer_params"] is None
+    assert fin["kv_transfer_params"] == PARAMS and list(fin) == ["request_id", "choices", "usage", "kv_transfer_params"]
+    assert "kv_transfer_params" not in usage and done == "[DONE]"
+    assert "generate" in hooks.STATE.patched
+    if version == "0.33.0":  # chat streams the handle itself there
+        assert chat.OpenAIServingChat.chat_completion_stream_generator is orig_chat
+        assert hooks.STATE.patched == ["generate"]
+
+
+def test_closing_a_generate_stream_closes_the_engine_generator(fake_vllm: Any) -> None:
+    fake_vllm()
+    import vllm.entrypoints.scale_out.token_in_token_out.serving  # noqa: F401
+
+    hooks.install()
+    engine = Engine(50)
+    events = asyncio.run(collect(generate_stream(engine), limit=3))
+    assert len(events) == 3 and engine.closed_early
 
 
 def test_register_twice_patches_once(fake_vllm: Any) -> None:
@@ -247,7 +309,7 @@ def test_closing_the_stream_closes_the_engine_generator(fake_vllm: Any) -> None:
 @pytest.mark.parametrize(
     ("version", "native", "expect"),
     [
-        ("0.33.0", False, "natively; nothing patched"),
+        ("0.33.0", False, "chat, completions (streamed natively from vLLM 0.33)"),
         ("0.25.1", False, "nothing patched"),
         ("0.29.0", True, "already has kv_transfer_params (native)"),
     ],
@@ -271,7 +333,7 @@ def test_disabled_by_environment(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch
 
 
 def test_no_header_when_nothing_was_patched(fake_vllm: Any) -> None:
-    fake_vllm("0.29.0", native=True)
+    fake_vllm("0.29.0", native=True, generate_native=True)
     hooks.install()
     import vllm.entrypoints.openai.api_server as api
 
@@ -286,14 +348,14 @@ def test_the_header_names_the_servers_gpus(fake_vllm: Any, monkeypatch: pytest.M
 
     app = api.build_app(SimpleNamespace(tensor_parallel_size=2))
     assert app.middleware == [
-        (AdvertiseMiddleware, {"value": "0.1.0; streams=chat,completions; gpus=GPU-aaaa,GPU-bbbb"})
+        (AdvertiseMiddleware, {"value": "0.1.0; streams=chat,completions,generate; gpus=GPU-aaaa,GPU-bbbb"})
     ]
     one = api.build_app(args=SimpleNamespace(tensor_parallel_size=1))  # as a keyword too
     assert one.middleware[0][1]["value"].endswith("; gpus=GPU-aaaa")
 
 
 def test_gpus_alone_are_advertised_where_no_stream_was_patched(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_vllm("0.29.0", native=True)
+    fake_vllm("0.29.0", native=True, generate_native=True)
     monkeypatch.setenv(hooks.VISIBLE_ENV, "GPU-cccc")
     hooks.install()
     import vllm.entrypoints.openai.api_server as api

@@ -1,4 +1,7 @@
-"""turnkv's vLLM plugin: D's ``kv_transfer_params`` on the final SSE chunk of vLLM 0.26-0.32, as 0.33 sends it.
+"""turnkv's vLLM plugin: D's ``kv_transfer_params`` on the final SSE chunk, as vLLM 0.33's chat streams send it.
+
+Chat and completions streams on vLLM 0.26-0.32; tokens-only ``/inference/v1/generate`` streams on every
+version from 0.26 (none streams the handle there).
 
 Registered as the ``vllm.general_plugins`` entry point ``turnkv`` (vLLM calls ``register`` in every
 process). Without entry points, call ``vllm_turnkv.register()`` before vLLM's API server starts, or

@@ -1,21 +1,24 @@
-"""The patches to vLLM 0.26-0.32's OpenAI server, and when they are applied.
+"""The patches to vLLM's OpenAI server (0.26-0.32) and tokens-only generate route (0.26+), and when they are applied.
 
-Three places are patched, each only in a process that has (or later imports) its module; vLLM loads
+Four places are patched, each only in a process that has (or later imports) its module; vLLM loads
 general plugins in every process (API server, engine core, workers), and the engine processes never
 import the HTTP server, so nothing is imported here for them:
 
-* ``OpenAIServingChat.chat_completion_stream_generator`` and
-  ``OpenAIServingCompletion.completion_stream_generator``: wrapped. The wrapper hands the original a
-  tap on its engine-output generator (``result_generator``), which remembers the
-  ``kv_transfer_params`` of the latest ``RequestOutput``, and rewrites each SSE event the original
-  yields (``rewrite.rewrite_event``). Closing the wrapper closes the original and the engine
-  generator, so a client that goes away still aborts the request at once.
-* ``vllm.entrypoints.openai.api_server.build_app``: wrapped to add ``AdvertiseMiddleware`` (the
-  ``x-turnkv-plugin`` header) when at least one stream generator is patched or the server's GPUs are
-  known (``gpus``: read from ``build_app``'s arguments and NVML).
+* ``OpenAIServingChat.chat_completion_stream_generator``,
+  ``OpenAIServingCompletion.completion_stream_generator`` (vLLM 0.26-0.32) and
+  ``ServingTokens.serve_tokens_stream_generator`` (``/inference/v1/generate``, every version from 0.26:
+  none streams the handle there up to 0.34): wrapped. The wrapper hands the original a tap on its
+  engine-output generator (``result_generator``), which remembers the ``kv_transfer_params`` of the
+  latest ``RequestOutput``, and rewrites each SSE event the original yields
+  (``rewrite.rewrite_event``). Closing the wrapper closes the original and the engine generator, so a
+  client that goes away still aborts the request at once.
+* ``vllm.entrypoints.openai.api_server.build_app`` (0.26-0.32): wrapped to add ``AdvertiseMiddleware``
+  (the ``x-turnkv-plugin`` header) when at least one stream generator is patched or the server's GPUs
+  are known (``gpus``: read from ``build_app``'s arguments and NVML). From 0.33 the header comes through
+  vLLM's endpoint-plugin seam (``endpoint``).
 
-Nothing is patched on vLLM >= 0.33 (the stream classes have the field natively), before 0.26, or
-with ``VLLM_TURNKV_PLUGIN=0``.
+A stream generator is not patched on a version whose stream class has the field natively (chat and
+completions from 0.33), nothing before 0.26, and nothing with ``VLLM_TURNKV_PLUGIN=0``.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ DISABLE_ENV = "VLLM_TURNKV_PLUGIN"
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 CHAT_MODULE = "vllm.entrypoints.openai.chat_completion.serving"
 COMPLETION_MODULE = "vllm.entrypoints.openai.completion.serving"
+GENERATE_MODULE = "vllm.entrypoints.scale_out.token_in_token_out.serving"
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 FIRST, NATIVE = (0, 26), (0, 33)
 
@@ -51,9 +55,10 @@ class StreamTarget:
     module: str
     cls: str
     method: str
-    stream_cls: str  # the chunk class, to tell whether the field is already native
+    stream_cls: tuple[str, ...]  # the chunk classes (by version), to tell whether the field is already native
     kind: Kind
     label: str  # as the header's ``streams`` lists it
+    native_from: tuple[int, int] | None  # the first vLLM that streams the field itself (None: none yet)
 
 
 TARGETS = (
@@ -61,17 +66,28 @@ TARGETS = (
         CHAT_MODULE,
         "OpenAIServingChat",
         "chat_completion_stream_generator",
-        "ChatCompletionStreamResponse",
+        ("ChatCompletionStreamResponse",),
         "chat",
         "chat",
+        NATIVE,
     ),
     StreamTarget(
         COMPLETION_MODULE,
         "OpenAIServingCompletion",
         "completion_stream_generator",
-        "CompletionStreamResponse",
+        ("CompletionStreamResponse",),
         "completion",
         "completions",
+        NATIVE,
+    ),
+    StreamTarget(
+        GENERATE_MODULE,
+        "ServingTokens",
+        "serve_tokens_stream_generator",
+        ("GenerateStreamResponse", "GenerateTokensStreamResponse"),  # 0.26-0.32, 0.33+
+        "generate",
+        "generate",
+        None,
     ),
 )
 
@@ -173,9 +189,10 @@ def patch_stream(module: ModuleType, target: StreamTarget) -> str | None:
         return None
     if "result_generator" not in inspect.signature(orig).parameters:
         return f"{target.cls}.{target.method} takes no result_generator"
-    stream_cls = getattr(module, target.stream_cls, None)
-    if FIELD in (getattr(stream_cls, "model_fields", None) or {}):
-        return f"{target.stream_cls} already has {FIELD} (native)"
+    for name in target.stream_cls:
+        stream_cls = getattr(module, name, None)
+        if FIELD in (getattr(stream_cls, "model_fields", None) or {}):
+            return f"{name} already has {FIELD} (native)"
     setattr(cls, target.method, wrap_stream_generator(orig, target.kind))
     STATE.patched.append(target.label)
     return None
@@ -318,14 +335,14 @@ def install() -> str:
     if switch in ("0", "false", "off", "no"):
         return _say(f"{head}: disabled by {DISABLE_ENV}={switch}; nothing patched")
     vt = parse_version(vv)
-    if vt is not None and vt >= NATIVE:
-        return _say(f"{head}: vLLM >= 0.33 streams {FIELD} natively; nothing patched")
     if vt is not None and vt < FIRST:
         return _say(f"{head}: vLLM < 0.26 has no bidirectional KV transfer; nothing patched")
+    targets = [t for t in TARGETS if vt is None or t.native_from is None or vt < t.native_from]
+    native = [t.label for t in TARGETS if t not in targets]
     done: list[str] = []
-    skipped: list[str] = []
+    skipped: list[str] = [f"{', '.join(native)} (streamed natively from vLLM 0.33)"] if native else []
     deferred: dict[str, Callable[[ModuleType], None]] = {}
-    for t in TARGETS:
+    for t in targets:
         mod = sys.modules.get(t.module)
         if mod is None:
             deferred[t.module] = _stream_patcher(t)
@@ -333,7 +350,9 @@ def install() -> str:
         why = patch_stream(mod, t)
         (done if why is None else skipped).append(f"{t.cls}.{t.method}" + ("" if why is None else f" ({why})"))
     api = sys.modules.get(API_SERVER_MODULE)
-    if api is None:
+    if vt is not None and vt >= NATIVE:
+        pass  # no build_app there: the header comes through the endpoint plugin (``endpoint``)
+    elif api is None:
         deferred[API_SERVER_MODULE] = _app_patcher
     else:
         why = patch_build_app(api)

@@ -1,4 +1,4 @@
-"""The SSE rewriting, free of vLLM: give 0.26-0.32 stream chunks the ``kv_transfer_params`` key of 0.33.
+"""The SSE rewriting, free of vLLM: give stream chunks the ``kv_transfer_params`` key of vLLM 0.33's chat streams.
 
 vLLM 0.33 (``chat_completion/serving.py``, ``completion/serving.py``) sets ``kv_transfer_params`` on
 every chunk that carries generated output: ``null`` on token chunks, the engine's dict on the chunk
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "generate"]
 FIELD = "kv_transfer_params"
 _PREFIX = "data: "
 _SUFFIX = "\n\n"
@@ -45,7 +45,7 @@ def carries_output(chunk: dict[str, Any], kind: Kind) -> bool:
     choices = chunk.get("choices")
     if not isinstance(choices, list) or not choices:
         return False  # usage chunk, error, or anything else without choices
-    if kind == "completion":
+    if kind != "chat":
         return True
     return any(isinstance(c, dict) and "token_ids" in c for c in choices)
 
