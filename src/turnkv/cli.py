@@ -68,7 +68,7 @@ def _check_template(args: argparse.Namespace) -> int:
 
     from turnkv.gateway.template_check import check
 
-    return asyncio.run(check(args.engine, args.model))
+    return asyncio.run(check(args.engine, args.model, args.config))
 
 
 def _settings(args: argparse.Namespace) -> int:
@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-template", help="classify an engine's chat template for KV reuse")
     check.add_argument("--engine", required=True, metavar="URL", help="an engine (or render service) base URL")
     check.add_argument("--model", default=None, help="model name (default: the engine's first)")
+    check.add_argument("--config", default=None, help="the gateway's YAML settings (engine family, key, timeouts)")
     check.set_defaults(func=_check_template)
 
     settings = sub.add_parser("settings", help="print the settings reference (docs/configuration.md) as Markdown")

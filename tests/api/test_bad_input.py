@@ -219,3 +219,13 @@ def test_engines_down_is_a_503_not_a_crash(client: TestClient) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     ready = client.get("/ready")
     assert ready.status_code == 503 and ready.json()["ready"] is False
+
+
+def test_kv_transfer_params_pass_where_the_settings_allow_them() -> None:
+    """The vLLM engine's own rule (``VllmEngine.check_request``), as the settings set it."""
+    settings = Settings(
+        prefill=[DOWN], decode=[DOWN], models=["m"], template_audit=False, allow_client_kv_transfer_params=True
+    )
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        r = c.post("/v1/chat/completions", json=chat(kv_transfer_params={"do_remote_decode": True}))
+        assert_openai_error(r, 503)  # past every check: the engines (down on purpose) are the next step

@@ -1,6 +1,6 @@
-"""The gateway in process, over the fake engine: the whole app (edge, routes, the turn pipeline, the store,
+"""The gateway in process, over the simulator-backed engine: the whole app (edge, routes, the turn pipeline, the store,
 the background loops) on the test's own event loop, driven through httpx, its turn log read as it is
-written. Nothing in the gateway is replaced but the engines (``turnkv.engine.fake``) and, where a test
+written. Nothing in the gateway is replaced but the engines (``tests.sim_engine``) and, where a test
 needs one, the store."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 from starlette.types import Receive, Scope, Send
 
+from tests.sim_engine import MODEL, SimEngine
 from turnkv.config import Settings
-from turnkv.engine.fake import MODEL, FakeEngine
 from turnkv.errors import StoreBusy, StoreError
 from turnkv.gateway.app import create_app
 from turnkv.gateway.services import Services
@@ -101,7 +101,7 @@ class TurnLog(logging.Handler):
 class Gateway:
     client: httpx.AsyncClient
     svc: Services
-    engine: FakeEngine
+    engine: SimEngine
     log: TurnLog
     app: Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -181,11 +181,11 @@ def settings(**over: Any) -> Settings:
 
 @contextlib.asynccontextmanager
 async def gateway(
-    engine: FakeEngine | None = None, *, store: ConversationStore | None = None, **over: Any
+    engine: SimEngine | None = None, *, store: ConversationStore | None = None, **over: Any
 ) -> AsyncIterator[Gateway]:
     """The gateway app with its lifespan running, over ``engine`` (a fake P0 and D0 by default)."""
     s = settings(**over)
-    engine = engine or FakeEngine(s.prefill, s.decode)
+    engine = engine or SimEngine(s.prefill, s.decode)
     app = create_app(s, engine=engine, store=store)
     log = TurnLog()
     logger = logging.getLogger("turnkv.turn")

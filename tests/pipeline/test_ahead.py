@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.pipeline.harness import P0, P1, Chat, Gateway, gateway
+from tests.sim_engine import SimEngine
 from tests.store_contract import rec
-from turnkv.engine.fake import FakeEngine
 from turnkv.gateway.turn import render
 from turnkv.state.base import Claim, ClaimStatus
 
@@ -34,7 +34,7 @@ def _healthy(gw: Gateway, url: str) -> bool:
 async def test_a_pull_ahead_is_checked_on_the_ids_p_returns_else_on_a_render(
     check: str, p_ids: bool, renders: int
 ) -> None:
-    engine = FakeEngine([P0, P1], ["http://d0.fake"])
+    engine = SimEngine([P0, P1], ["http://d0.fake"])
     async with gateway(engine, prefill=[P0, P1], render=None, ahead_check=check) as gw:
         chat = await _second_turn_on_a_new_p(gw)
         other = P1 if gw.turns[-1]["prefill"] == P0 else P0

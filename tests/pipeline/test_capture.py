@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.pipeline.harness import D0, P0, Chat, EditableStore, Gateway, gateway
-from turnkv.engine.fake import FakeEngine
+from tests.sim_engine import SimEngine
 
 
 async def first_turn(gw: Gateway, *, stream: bool = False, **body: object) -> Chat:
@@ -45,7 +45,7 @@ async def test_a_decode_local_turn_asks_for_no_handle_and_supersedes_the_claimed
 
 
 async def test_a_stream_without_a_handle() -> None:
-    engine = FakeEngine([P0], [D0])
+    engine = SimEngine([P0], [D0])
     engine.faults(D0, no_handle_in_stream=True)
     async with gateway(engine) as gw:
         await first_turn(gw, stream=True)
@@ -100,7 +100,7 @@ async def test_handles_nobody_will_pull_are_left_to_ds_ttl_within_their_share() 
     ],
 )
 async def test_an_answer_that_cannot_be_kept(fault: dict[str, object], outcome: str) -> None:
-    engine = FakeEngine([P0], [D0])
+    engine = SimEngine([P0], [D0])
     engine.faults(D0, **fault)
     async with gateway(engine) as gw:
         chat = await first_turn(gw)

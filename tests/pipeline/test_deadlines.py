@@ -12,7 +12,7 @@ import pytest
 
 from tests.asgi import chat_scope
 from tests.pipeline.harness import D0, P0, Answer, Chat, Gateway, gateway
-from turnkv.engine.fake import MODEL
+from tests.sim_engine import MODEL
 
 
 async def conversation(gw: Gateway, *, stream: bool = False) -> Chat:

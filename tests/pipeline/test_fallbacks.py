@@ -11,7 +11,7 @@ import pytest
 
 from tests.asgi import chat_scope
 from tests.pipeline.harness import D0, D1, P0, P1, Chat, Gateway, gateway
-from turnkv.engine.fake import MODEL, FakeEngine
+from tests.sim_engine import MODEL, SimEngine
 
 
 async def conversation(gw: Gateway, *, stream: bool = False, session: str = "c1") -> Chat:
@@ -43,7 +43,7 @@ async def test_a_non_streamed_answer_past_its_deadline_is_run_again() -> None:
 
 
 async def test_a_decode_engine_past_its_deadline_gives_way_to_another() -> None:
-    engine = FakeEngine([P0], [D0, D1])
+    engine = SimEngine([P0], [D0, D1])
     async with gateway(engine, decode=[D0, D1], timeouts={"decode_first_token_s": 0.5}) as gw:
         chat = await conversation(gw, stream=True)
         late = gw.turns[-1]["decode"]
@@ -63,7 +63,7 @@ async def test_a_second_failure_before_output_is_an_error_event() -> None:
 
 
 async def test_an_unreachable_prefill_engine_is_replaced() -> None:
-    engine = FakeEngine([P0, P1], [D0])
+    engine = SimEngine([P0, P1], [D0])
     async with gateway(engine, prefill=[P0, P1], render=None) as gw:
         engine.faults(P0, unreachable=True)
         engine.faults(P1, unreachable=True)
@@ -166,7 +166,7 @@ async def test_a_client_that_leaves_mid_stream_aborts_d_and_frees_its_handle() -
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_many_conversations_at_once_stay_correct(stream: bool) -> None:
-    engine = FakeEngine([P0, P1], [D0, D1], template="strip")
+    engine = SimEngine([P0, P1], [D0, D1], template="strip")
     async with gateway(engine, prefill=[P0, P1], decode=[D0, D1], policy={"name": "adaptive"}) as gw:
 
         async def talk(i: int) -> list[str]:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.pipeline.harness import D0, D1, P0, Chat, EditableStore, Gateway, gateway
-from turnkv.engine.fake import FakeEngine
+from tests.sim_engine import SimEngine
 from turnkv.routing import InstanceView
 
 
@@ -107,7 +107,7 @@ async def test_a_busy_store_costs_that_turn_its_reuse_and_is_not_taken_for_down(
 
 async def test_a_failed_render_runs_the_turn_as_plain_pd_and_releases_the_handle() -> None:
     render = "http://render.fake"
-    engine = FakeEngine([P0, render], [D0])
+    engine = SimEngine([P0, render], [D0])
     async with gateway(engine, render=render) as gw:
         chat = await conversation(gw)
         pin = next(iter(engine[D0].pins))
@@ -169,7 +169,7 @@ async def test_a_restarted_decode_engine_holds_nothing() -> None:
 async def test_an_engine_restarted_on_another_gpu_is_read_again() -> None:
     # shared_gpu auto: P and D said GPU-0; D comes back on GPU-1 (a reschedule): the gateway reads /version
     # again after the restart and stops taking the pair as sharing a GPU
-    engine = FakeEngine([P0], [D0])
+    engine = SimEngine([P0], [D0])
     engine[P0].gpus = engine[D0].gpus = frozenset({"GPU-0"})
     async with gateway(engine) as gw:
         await gw.wait_for("the fleet to read both engines' GPUs", lambda: view(gw, D0).gpus == {"GPU-0"})
@@ -182,7 +182,7 @@ async def test_an_engine_restarted_on_another_gpu_is_read_again() -> None:
 
 
 async def test_an_unhealthy_decode_engine_is_left_for_another() -> None:
-    engine = FakeEngine([P0], [D0, D1])
+    engine = SimEngine([P0], [D0, D1])
     async with gateway(engine, decode=[D0, D1]) as gw:
         chat = await conversation(gw)
         holder = gw.turns[-1]["decode"]
@@ -198,7 +198,7 @@ async def test_a_conversation_whose_decode_engine_is_queued_moves_to_the_other(r
     # issue 11: with load-affinity, a D on which requests wait (here 400 ms, as its queue-time histogram
     # says) over 100 ms longer than on the other loses the conversation: the turn pulls the old D's blocks
     # through P and decodes on the other D, and says why. Plain affinity does not look at D's queue.
-    engine = FakeEngine([P0], [D0, D1])
+    engine = SimEngine([P0], [D0, D1])
     async with gateway(engine, decode=[D0, D1], routing=routing) as gw:
         chat = await conversation(gw)
         holder = gw.turns[-1]["decode"]
@@ -258,7 +258,7 @@ async def test_a_client_that_sends_tool_calls_back_as_text() -> None:
 
 
 async def test_a_template_that_drops_the_reasoning_is_trimmed_to_what_matches() -> None:
-    engine = FakeEngine([P0], [D0], template="strip")
+    engine = SimEngine([P0], [D0], template="strip")
     async with gateway(engine) as gw:
         chat = await conversation(gw)
         a = await chat.say("go on")
@@ -275,7 +275,7 @@ async def test_an_edited_answer_is_refused() -> None:
 
 
 async def test_an_answer_that_tokenizes_differently_when_sent_back() -> None:
-    async with gateway(FakeEngine([P0], [D0], drift=True)) as gw:
+    async with gateway(SimEngine([P0], [D0], drift=True)) as gw:
         chat = Chat(gw, session="c1")
         seen = set()
         for i in range(6):
@@ -345,7 +345,7 @@ async def test_decode_local_that_would_lengthen_ds_step_past_its_headroom_goes_t
     # A short turn adds only its attention, well within: it stays decode-local either way. With P on D's GPU
     # (the setting shared_gpu, or with auto the engines naming the same GPU) the path through P would compute
     # the same new words and more there: decode-local.
-    engine = FakeEngine([P0], [D0])
+    engine = SimEngine([P0], [D0])
     for url, gpu in zip((P0, D0), gpus or ("", ""), strict=True):
         engine[url].gpus = frozenset({gpu} - {""})
     params = {"itl_headroom": headroom}
@@ -453,7 +453,7 @@ async def test_a_handle_given_back_for_memory_says_so() -> None:
 
 
 async def test_a_stream_without_ds_handle() -> None:
-    engine = FakeEngine([P0], [D0])
+    engine = SimEngine([P0], [D0])
     engine.faults(D0, no_handle_in_stream=True)
     async with gateway(engine) as gw:
         chat = await conversation(gw, stream=True)
@@ -554,7 +554,7 @@ async def test_many_long_turns_at_once_on_a_shared_gpu_are_all_answered_right(to
     # the conversations go on, and D's pins stay within their budget. The stall limit is lifted: the ITL
     # checks are what is under test, and what the fake P taught the estimate must not decide it.
     policy = {"name": "adaptive", "params": {"decode_local_max_stall_ms": 100_000}}
-    engine = FakeEngine([P0], [D0])
+    engine = SimEngine([P0], [D0])
     if not told:
         engine[P0].gpus = engine[D0].gpus = frozenset({"GPU-0"})
     async with gateway(engine, policy=policy, shared_gpu=True if told else "auto") as gw:

@@ -8,14 +8,14 @@ from __future__ import annotations
 import asyncio
 
 from tests.pipeline.harness import D0, P0, P1, Chat, gateway
-from turnkv.engine.fake import FakeEngine
+from tests.sim_engine import SimEngine
 
 HISTORY = "Tell me everything about the weather in every town you know, in detail. " * 40
 CONVERSATIONS = 4
 
 
 async def test_a_long_queue_at_the_conversations_p_sends_its_turns_to_the_other_p() -> None:
-    engine = FakeEngine([P0, P1], [D0])
+    engine = SimEngine([P0, P1], [D0])
     async with gateway(engine, prefill=[P0, P1], routing="load-affinity", policy={"name": "never-pull"}) as gw:
         chats = [Chat(gw, session=f"c{i}") for i in range(CONVERSATIONS)]
 

@@ -10,7 +10,7 @@ import pytest
 
 from turnkv.config import Settings
 from turnkv.engine.base import LoadSample
-from turnkv.engine.fake import FakeEngine
+from turnkv.engine.mock import MockEngine
 from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
@@ -33,7 +33,7 @@ def record(i: int, tokens: int = 1000, *, stored_at: float = 0.0) -> Conversatio
         tenant="t",
         decode_url=D,
         prefill_url=None,
-        handle={"remote_request_id": f"req-{i}", "remote_num_tokens": tokens},
+        handle={"pin": f"req-{i}", "tokens": tokens},
         engine_id="e",
         engine_epoch=None,
         num_tokens=tokens,
@@ -70,7 +70,7 @@ def rig() -> Rig:
     guard = StoreGuard(store, policy=BreakerPolicy(open_s=1))
     router = Router(build_profile("affinity"), fleet.views)
     # only submit() runs here (the releases are queued, and counted)
-    releaser = Releaser(FakeEngine(settings.prefill, settings.decode), router, metrics, lambda: None)
+    releaser = Releaser(MockEngine(lambda call: None), router, metrics, lambda: None)
     keeper = PinKeeper(settings, fleet, guard, releaser, metrics, make_logger("test", json=True))
     return Rig(keeper, store, fleet, metrics)
 

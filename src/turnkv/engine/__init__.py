@@ -1,8 +1,9 @@
 """The engine seam: what turnkv asks of an inference engine (``base.Engine``), and the engines behind it.
 
-``vllm`` speaks vLLM's HTTP API and P/D protocol; ``fake`` is a small deterministic engine in memory, for
-in-process tests of the pipeline. ``open_engine`` builds the one ``settings.engine`` names, with whatever
-it owns (an HTTP session) closed when the gateway stops. docs/extending.md says how to add an engine.
+``vllm`` speaks vLLM's HTTP API and P/D protocol; ``mock`` is a double whose answers a handler function
+scripts, for tests. ``open_engine`` builds the one ``settings.engine`` names, with whatever it owns (an
+HTTP session) closed when the gateway stops; the gateway and ``turnkv check-template`` open engines only
+through it. docs/extending.md says how to add an engine.
 """
 
 from __future__ import annotations

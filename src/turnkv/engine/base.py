@@ -2,10 +2,11 @@
 
 One ``Engine`` serves every instance of one engine family, as an httpx transport serves every
 request of its client: calls name the instance by its base URL. The turn pipeline, the fleet
-(health and load) and the releaser speak only this protocol. Everything about one engine's wire
-protocol lives behind it: field names, how a KV handle is trimmed for a pull or turned into a
-release, where a stream carries D's handle, which versions do what (``engine.vllm``).
-``engine.fake`` is an in-memory engine for in-process tests.
+(health and load) and the releaser speak only this protocol, in four parts by concern (``TurnCalls``,
+``HandleRules``, ``EngineProbes``, ``PassThrough``). Everything about one engine's wire protocol lives
+behind it: field names, which request fields a client may not send, how a KV handle is trimmed for a
+pull or turned into a release, where a stream carries D's handle, which versions do what
+(``engine.vllm``). ``engine.mock`` is a double driven by a handler function, for tests.
 
 Errors: calls raise the ``turnkv.errors.UpstreamError`` tree, translated once at the engine's own
 boundary, naming the leg (render, prefill, decode, probe) and the instance. A stream that breaks
@@ -20,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from turnkv.errors import UpstreamStatus
 from turnkv.openai.answer import AnswerAccumulator
 from turnkv.openai.sse import frame
 
@@ -126,6 +128,18 @@ class Collected(Protocol):
 
     @property
     def handle(self) -> Handle | None: ...
+
+
+@dataclass
+class Gathered:
+    """A ``Collected`` an engine fills in as it reads an answer (or its own kind of one)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None
+    answer: AnswerAccumulator = field(default_factory=AnswerAccumulator)
+    prompt_token_ids: list[int] | None = None
+    handle: Handle | None = None
 
 
 @dataclass
@@ -249,13 +263,13 @@ class ModelCard:
     max_model_len: int | None
 
 
-class Engine(Protocol):
-    """The calls turnkv makes of an engine family; each names the instance by its base URL."""
+class TurnCalls(Protocol):
+    """The calls of one turn, each naming the instance by its base URL."""
 
-    @property
-    def name(self) -> str: ...
+    def check_request(self, body: Mapping[str, Any]) -> None:
+        """Refuse, as a ``ClientError``, what this engine family does not let a client send (vLLM: its own
+        ``kv_transfer_params``); called on the client's body before anything of the turn is done."""
 
-    # -- one turn --------------------------------------------------------------------------------
     async def render(self, base: str, body: Mapping[str, Any], meta: CallMeta) -> list[int]:
         """The chat request's prompt as the engines will see it, in token ids (empty: an ``UpstreamError``)."""
 
@@ -267,21 +281,28 @@ class Engine(Protocol):
     async def decode_json(self, base: str, call: DecodeCall, meta: CallMeta, timeout_s: float) -> DecodeAnswer:
         """Send D the turn and read its whole answer within ``timeout_s``."""
 
-    async def release(self, base: str, handle: Handle, model: str | None) -> None:
-        """Free the blocks ``handle`` pins on D, through the prefill engine at ``base``."""
 
-    # -- handles -------------------------------------------------------------------------------
+class HandleRules(Protocol):
+    """What a KV handle of this family holds, which pin it is, and how it is given back."""
+
     def read_handle(self, handle: Handle, *, seq_len: int, block_size: int) -> HandleFacts | HandleProblem:
         """What a handle D returned holds, given the sequence D computed (``seq_len`` tokens), or why it
         cannot be kept."""
 
     def pin_id(self, handle: Handle) -> str:
-        """What tells this pin from any other: a handle is released at most once."""
+        """What tells this pin from any other (the stores key their pin index by it; a handle is released
+        at most once)."""
 
     def pins_memory(self, handle: Handle) -> bool:
         """Whether the handle holds blocks on D that stay pinned until used or released."""
 
-    # -- the engine's own view -------------------------------------------------------------------
+    async def release(self, base: str, handle: Handle, model: str | None) -> None:
+        """Free the blocks ``handle`` pins on D, through the prefill engine at ``base``."""
+
+
+class EngineProbes(Protocol):
+    """The engine's own view of itself, read by the fleet's background loops and at start."""
+
     async def health(self, base: str) -> bool: ...
 
     async def info(self, base: str, role: str) -> EngineInfo | None:
@@ -293,8 +314,46 @@ class Engine(Protocol):
     async def models(self, base: str) -> list[ModelCard] | None:
         """The models it serves; None when it does not say."""
 
-    # -- the rest of its OpenAI-compatible API, passed through ------------------------------------
+
+class PassThrough(Protocol):
+    """The rest of its OpenAI-compatible API (``/tokenize``, ``/version``, ``/v1/models``), passed through."""
+
     async def api_get(self, base: str, path: str) -> tuple[int, bytes]: ...
 
     async def api_post(self, base: str, path: str, body: Any, meta: CallMeta) -> dict[str, Any]:
         """POST and read a JSON object; any status >= 400 raises ``UpstreamStatus`` with the body kept."""
+
+
+class Engine(TurnCalls, HandleRules, EngineProbes, PassThrough, Protocol):
+    """Everything turnkv asks of an engine family. Each part of turnkv takes the part it uses: the turn
+    pipeline ``TurnCalls`` and ``HandleRules``, the releaser ``HandleRules``, the fleet ``EngineProbes``,
+    the pass-through routes ``PassThrough``. ``EngineDefaults`` gives what a family may leave out."""
+
+    @property
+    def name(self) -> str: ...
+
+
+class EngineDefaults:
+    """What an engine family may leave out, inherited: it accepts every request, is healthy, says nothing
+    of its version, load or models, and passes nothing through (404). A family that knows better says so."""
+
+    def check_request(self, body: Mapping[str, Any]) -> None:
+        return None
+
+    async def health(self, base: str) -> bool:
+        return True
+
+    async def info(self, base: str, role: str) -> EngineInfo | None:
+        return None
+
+    async def load(self, base: str) -> LoadSample | None:
+        return None
+
+    async def models(self, base: str) -> list[ModelCard] | None:
+        return None
+
+    async def api_get(self, base: str, path: str) -> tuple[int, bytes]:
+        return 404, b'{"error":{"message":"not served by this engine"}}'
+
+    async def api_post(self, base: str, path: str, body: Any, meta: CallMeta) -> dict[str, Any]:
+        raise UpstreamStatus(404, {"error": {"message": f"{path} is not served by this engine"}}, leg="render")

@@ -239,7 +239,8 @@ def create_app(
     """The gateway; ``multiprocess_dir`` is set by ``serve --workers N`` (workers.py): where the workers'
     metrics meet, so that /metrics reports all of them. ``drain`` is how the server that runs the app
     tells it a shutdown began (``launch.run_uvicorn``). ``engine`` and ``store``: used instead of the ones
-    the settings name (tests pass ``engine.fake.FakeEngine`` and a store of their own)."""
+    the settings name (tests pass an engine double, ``engine.mock.MockEngine`` or the simulator-backed
+    one, and a store of their own)."""
     drain = drain or Drain(settings.drain_s)
 
     @contextlib.asynccontextmanager

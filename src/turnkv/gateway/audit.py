@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from turnkv.engine.base import CallMeta, Engine
+from turnkv.engine.base import CallMeta, TurnCalls
 from turnkv.reuse.assess import TemplateClass
 
 Render = Callable[[list[dict[str, Any]], bool], Awaitable[Sequence[int]]]
@@ -71,7 +71,7 @@ async def classify(render: Render, *, tools: bool = True) -> tuple[TemplateClass
     return TemplateClass.REWRITES_HISTORY, f"turn N+1 leaves turn N's tokens at position {common}"
 
 
-def engine_renderer(engine: Engine, base: str, model: str | None, *, tools: bool = True) -> Render:
+def engine_renderer(engine: TurnCalls, base: str, model: str | None, *, tools: bool = True) -> Render:
     """A ``Render`` over an engine's own render."""
 
     async def render(messages: list[dict[str, Any]], generation: bool) -> Sequence[int]:

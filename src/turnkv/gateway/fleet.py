@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from turnkv.engine.base import Engine, Histo, LoadSample, Transfers
+from turnkv.engine.base import EngineProbes, Histo, LoadSample, Transfers
 from turnkv.reuse.load import mean_between
 from turnkv.routing.base import InstanceView
 
@@ -323,7 +323,7 @@ class Fleet:
             e.pinned_tokens, e.pin_budget_tokens = tokens, budget
 
     # -- background refresh ------------------------------------------------------------------
-    async def probe(self, engine: Engine, url: str) -> None:
+    async def probe(self, engine: EngineProbes, url: str) -> None:
         e = self._engines[url]
         ok = await engine.health(url)
         if ok != e.healthy:
@@ -339,7 +339,7 @@ class Fleet:
                 if info.stream_handles:
                     e.stream_handles = True
 
-    async def scrape(self, engine: Engine, url: str) -> None:
+    async def scrape(self, engine: EngineProbes, url: str) -> None:
         reading = _Reading.start(self._engines[url])
         sample = await engine.load(url)
         if sample is not None:
@@ -417,7 +417,7 @@ class Fleet:
             e.cache_factor = 0.5 * e.cache_factor + 0.5 * seen
             e.expected_hits = 0.0
 
-    async def run(self, engine: Engine, health_s: float, scrape_s: float) -> None:
+    async def run(self, engine: EngineProbes, health_s: float, scrape_s: float) -> None:
         """Probe health every ``health_s`` and read metrics every ``scrape_s``, until cancelled."""
         ticks = max(1, round(scrape_s / health_s))
         for n in itertools.count():

@@ -13,7 +13,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
-from turnkv.engine.base import Engine, Handle
+from turnkv.engine.base import Handle, HandleRules
 from turnkv.errors import UpstreamError
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.routing import Router
@@ -26,7 +26,7 @@ REMEMBERED = 8192  # pin ids already released, to never release one twice
 
 class Releaser:
     def __init__(
-        self, engine: Engine, router: Router, metrics: GatewayMetrics, model: Callable[[], str | None]
+        self, engine: HandleRules, router: Router, metrics: GatewayMetrics, model: Callable[[], str | None]
     ) -> None:
         self._engine = engine
         self._router = router

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from turnkv.engine.base import CallMeta
-from turnkv.errors import ClientError, ModelNotFound, ShuttingDown, UpstreamError, UpstreamUnavailable
+from turnkv.errors import ModelNotFound, ShuttingDown, UpstreamError, UpstreamUnavailable
 from turnkv.gateway.auth import Principal, cache_salt, require_admin
 from turnkv.gateway.body import (
     ChatBody,
@@ -78,8 +78,7 @@ def _prepare(svc: Services, request: Request, body: dict[str, Any], *, chat: boo
         if chat
         else None
     )
-    if "kv_transfer_params" in body and not s.allow_client_kv_transfer_params:
-        raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
+    svc.engine.check_request(body)
     clean = {k: v for k, v in body.items() if k not in BODY_FIELDS}
     clean["cache_salt"] = cache_salt(who.tenant, body.get("cache_salt"))
     return Turn.of(

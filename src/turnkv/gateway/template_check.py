@@ -1,12 +1,13 @@
-"""``turnkv check-template``: the template audit against one engine, printed for an operator."""
+"""``turnkv check-template``: the template audit against one engine, printed for an operator.
+
+The engine is the one the gateway's settings name (``engine``, its key, its timeouts), opened through the
+same factory (``turnkv.engine.open_engine``), so the check renders as the gateway would.
+"""
 
 from __future__ import annotations
 
-import aiohttp
-
-from turnkv.config import Timeouts
-from turnkv.engine.vllm.engine import VllmEngine
-from turnkv.engine.vllm.http import Upstream
+from turnkv.config import ConfigError, load_settings
+from turnkv.engine import open_engine
 from turnkv.errors import UpstreamError
 from turnkv.gateway.audit import classify, engine_renderer
 from turnkv.reuse.assess import TemplateClass
@@ -20,10 +21,16 @@ ADVICE = {
 }
 
 
-async def check(url: str, model: str | None) -> int:
+async def check(url: str, model: str | None, config_file: str | None = None) -> int:
     base = url.rstrip("/")
-    async with aiohttp.ClientSession() as session:
-        engine = VllmEngine(Upstream(session, Timeouts()), block_size=16)
+    try:
+        # the engines of the settings do not matter here: the check renders on ``base`` alone
+        settings = load_settings(config_file, render=base, prefill=[base], decode=[base])
+        opened = open_engine(settings)
+    except ConfigError as exc:
+        print(f"turnkv check-template: {exc}")
+        return 2
+    async with opened as engine:
         try:
             if model is None:
                 cards = await engine.models(base)

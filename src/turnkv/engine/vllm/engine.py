@@ -35,7 +35,7 @@ from turnkv.engine.vllm import handles
 from turnkv.engine.vllm.http import Upstream
 from turnkv.engine.vllm.info import PLUGIN_HEADER, engine_info, load_sample
 from turnkv.engine.vllm.stream import DecodeCapture, VllmDecodeStream
-from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout
+from turnkv.errors import ClientError, UpstreamError, UpstreamStatus, UpstreamTimeout
 
 RENDER_PATH = "/v1/chat/completions/render"
 RELEASE_TIMEOUT_S = 10.0  # a release's request until P answers its headers
@@ -68,11 +68,18 @@ _NOT_FOR_PREFILL = (
 class VllmEngine:
     name = "vllm"
 
-    def __init__(self, upstream: Upstream, block_size: int) -> None:
+    def __init__(self, upstream: Upstream, block_size: int, *, allow_client_kv_transfer_params: bool = False) -> None:
         self.upstream = upstream
         self.block_size = block_size
+        self.allow_client_kv_transfer_params = allow_client_kv_transfer_params
 
     # -- one turn --------------------------------------------------------------------------------
+    def check_request(self, body: Mapping[str, Any]) -> None:
+        """``kv_transfer_params`` are turnkv's to set: a client's would steer P's and D's KV transfers
+        (unless ``allow_client_kv_transfer_params``)."""
+        if "kv_transfer_params" in body and not self.allow_client_kv_transfer_params:
+            raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
+
     async def render(self, base: str, body: Mapping[str, Any], meta: CallMeta) -> list[int]:
         req = {k: v for k, v in body.items() if k not in _NOT_FOR_RENDER}
         data = await self.upstream.post_json("render", base, RENDER_PATH, req, self._headers(meta))
@@ -240,7 +247,11 @@ async def vllm_engine(settings: Settings) -> AsyncIterator[VllmEngine]:
         limit=settings.max_connections, limit_per_host=0, keepalive_timeout=settings.engine_keep_alive_s
     )
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-        yield VllmEngine(Upstream(session, settings.timeouts, settings.upstream_api_key), settings.block_size)
+        yield VllmEngine(
+            Upstream(session, settings.timeouts, settings.upstream_api_key),
+            settings.block_size,
+            allow_client_kv_transfer_params=settings.allow_client_kv_transfer_params,
+        )
 
 
 def _prompt_ids(data: Mapping[str, Any]) -> list[int] | None:

@@ -94,8 +94,7 @@ async def create(request: Request) -> Response:
     raw = await _body(svc, request)
     req = models.parse(raw)
     check_model(req.model, svc.models)
-    if "kv_transfer_params" in raw and not s.allow_client_kv_transfer_params:
-        raise ClientError("kv_transfer_params is set by turnkv, not by clients", param="kv_transfer_params")
+    svc.engine.check_request(raw)
     who = principal(request)
     tenant = who.tenant
     previous = await _previous(svc, tenant, req.previous_response_id) if req.previous_response_id else None

@@ -1,4 +1,6 @@
-"""``FakeEngine``: a small deterministic engine family in memory, for in-process tests of the pipeline.
+"""``SimEngine``: a deterministic engine family in memory, made of the simulator's model, for in-process tests
+of the pipeline where a wrong reuse must show (``turnkv.engine.mock.MockEngine`` is the double for tests
+that only need scripted answers).
 
 It keeps what makes a wrong reuse visible and nothing more: each position's KV is a hash of the tokens
 that produced it (the simulator's oracle), KV pulled from D arrives verbatim, and the answer is drawn
@@ -33,7 +35,9 @@ from turnkv.engine.base import (
     DecodeAnswer,
     DecodeCall,
     DecodeStream,
+    EngineDefaults,
     EngineInfo,
+    Gathered,
     Handle,
     HandleFacts,
     HandleProblem,
@@ -46,7 +50,6 @@ from turnkv.engine.base import (
     StreamBroken,
 )
 from turnkv.errors import UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
-from turnkv.openai.answer import AnswerAccumulator
 from turnkv.sim.chat import ChatTemplate, Delta, OutputParser, RenderError
 from turnkv.sim.oracle import ROOT_KV, Generator, Sampling, kv_extend, kv_step, opens_thinking
 from turnkv.sim.tokenizer import Tokenizer
@@ -124,16 +127,6 @@ class Instance:
         return sum(len(p.kv) for p in self.pins.values())
 
 
-@dataclass
-class FakeCollected:
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: dict[str, Any] | None = None
-    answer: AnswerAccumulator = field(default_factory=AnswerAccumulator)
-    prompt_token_ids: list[int] | None = None
-    handle: Handle | None = None
-
-
 @dataclass(frozen=True)
 class Generated:
     """An answer: its ids, its parsed text per event, and the KV of every position that has one."""
@@ -147,8 +140,8 @@ class Generated:
     tool_calls: list[dict[str, Any]]
 
 
-class FakeEngine:
-    name = "fake"
+class SimEngine(EngineDefaults):
+    name = "sim"
 
     def __init__(
         self,
@@ -296,7 +289,7 @@ class FakeEngine:
     async def open_decode(self, base: str, call: DecodeCall, meta: CallMeta) -> FakeStream:
         d, g, cached, handle = await self._decode(base, call, None)
         prompt = self._prompt(call.body, call.prompt_ids)
-        collected = FakeCollected(prompt_token_ids=prompt if call.track and not d.faults.no_token_ids else None)
+        collected = Gathered(prompt_token_ids=prompt if call.track and not d.faults.no_token_ids else None)
         f = d.faults
         if f.no_handle_in_stream:
             handle = None
@@ -313,7 +306,7 @@ class FakeEngine:
         d, g, cached, handle = await self._decode(base, call, timeout_s)
         prompt = self._prompt(call.body, call.prompt_ids)
         message = _message(g)
-        collected = FakeCollected(
+        collected = Gathered(
             token_ids=list(g.ids),
             finish_reason=g.finish_reason,
             handle=handle,
@@ -485,7 +478,7 @@ class FakeEngine:
 
 
 async def _behind(inst: Instance, leg: str, timeout_s: float | None) -> None:
-    """Wait behind the instance's other work until it is done (``FakeEngine.free``), or ``timeout_s``."""
+    """Wait behind the instance's other work until it is done (``SimEngine.free``), or ``timeout_s``."""
     inst.behind += 1
     try:
         await asyncio.wait_for(inst.freed.wait(), min(timeout_s or NEVER_S, NEVER_S))
@@ -540,7 +533,7 @@ class FakeStream(DecodeStream):
         d: Instance,
         call: DecodeCall,
         g: Generated,
-        collected: FakeCollected,
+        collected: Gathered,
         handle: Handle | None,
         usage: dict[str, Any],
         faults: StreamFaults,
@@ -578,7 +571,7 @@ class FakeStream(DecodeStream):
         return out
 
     @property
-    def collected(self) -> FakeCollected:
+    def collected(self) -> Gathered:
         return self._collected
 
     async def read(self) -> list[Piece] | None:
@@ -674,4 +667,4 @@ def _merge(into: Delta, d: Delta) -> None:
     into.tool_calls += d.tool_calls
 
 
-__all__ = ["MODEL", "FakeEngine", "Faults"]
+__all__ = ["MODEL", "SimEngine", "Faults"]

@@ -1,0 +1,132 @@
+"""docs/extending.md's recipes, each followed by a toy: an engine family behind the seam, a front end through
+``prepare_turn``, a reuse policy and a routing plugin, each running turns through the whole gateway in
+process (httpx over ASGI, the app's lifespan running)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.types import Receive, Scope, Send
+
+from turnkv.config import Settings
+from turnkv.engine.base import PrefillResult
+from turnkv.engine.mock import Call, Decode, MockEngine, Prefill, Render, Reply
+from turnkv.gateway.app import create_app
+from turnkv.gateway.services import Services
+
+P, D = "http://p.toy", "http://d.toy"
+ROLES = {"system": 1, "user": 2, "assistant": 3}
+END = 4  # ends a message
+BASE: dict[str, Any] = {
+    "prefill": [P],
+    "decode": [D],
+    "models": ["toy"],
+    "decision_headers": "full",
+    "template_audit": False,
+}
+
+
+def toy_render(messages: Sequence[Mapping[str, Any]], generation: bool = True) -> list[int]:
+    """A toy chat template over a toy tokenizer: a role id, one id per character, an end id."""
+    ids: list[int] = []
+    for m in messages:
+        ids += [ROLES[str(m["role"])], *map(ord, str(m.get("content") or "")), END]
+    return ids + ([ROLES["assistant"]] if generation else [])
+
+
+class ToyEngines:
+    """The handler of a ``MockEngine``: P and D of a toy family. D answers with the user's last words
+    reversed and, when it took P's KV, pins its sequence under a handle of its own."""
+
+    def __init__(self) -> None:
+        self.pins: dict[str, int] = {}  # D's pinned sequences: pin id -> tokens
+        self.pulled: list[tuple[str, int]] = []  # (pin id, tokens) of each pull P made
+
+    def __call__(self, call: Call) -> Any:
+        if isinstance(call, Render):
+            return toy_render(call.body["messages"])
+        if isinstance(call, Prefill):
+            return self.prefill(call)
+        if isinstance(call, Decode):
+            return self.decode(call)
+        self.pins.pop(str(call.handle["pin"]), None)  # a release
+        return None
+
+    def prefill(self, call: Prefill) -> PrefillResult:
+        ids = list(call.call.prompt_ids or toy_render(call.call.body["messages"]))
+        pulled = 0
+        if call.call.handle is not None:
+            pin = str(call.call.handle.handle["pin"])
+            assert pin in self.pins, "P pulls only a pin D holds"
+            del self.pins[pin]
+            pulled = call.call.handle.tokens
+            if pulled:
+                self.pulled.append((pin, pulled))
+        return PrefillResult(
+            for_decode={"staged": len(ids)},
+            cached_tokens=pulled,
+            prompt_tokens=len(ids),
+            prompt_ids=ids if call.call.return_ids else None,
+        )
+
+    def decode(self, call: Decode) -> Reply:
+        ids = list(call.call.prompt_ids or toy_render(call.call.body["messages"]))
+        words = str(call.call.body["messages"][-1]["content"])[::-1]
+        answer = [*map(ord, words), END]
+        handle = None
+        if call.call.for_decode is not None:  # D took P's KV: it pins the sequence for a next turn
+            pin = f"d-{len(self.pins) + len(self.pulled)}"
+            self.pins[pin] = len(ids) + len(answer) - 1
+            handle = {"pin": pin, "tokens": self.pins[pin]}
+        return Reply(words, token_ids=answer, prompt_ids=ids, handle=handle)
+
+
+@contextlib.asynccontextmanager
+async def running(app: Starlette) -> AsyncIterator[tuple[httpx.AsyncClient, Services]]:
+    """The app with its lifespan running, and a client of it."""
+    async with app.router.lifespan_context(app) as state:
+        assert state is not None
+        lifespan_state = dict(state)
+
+        async def with_state(scope: Scope, receive: Receive, send: Send) -> None:
+            scope["state"] = dict(lifespan_state)
+            await app(scope, receive, send)
+
+        transport = httpx.ASGITransport(app=with_state)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test", timeout=30) as client:
+            yield client, lifespan_state["services"]
+
+
+def conversation(n: int) -> list[dict[str, Any]]:
+    """The first ``n`` turns' messages of a conversation with the toy D (long enough to fill blocks)."""
+    messages: list[dict[str, Any]] = []
+    for i in range(n):
+        words = f"turn {i}: the quick brown fox jumps over the lazy dog"
+        messages.append({"role": "user", "content": words})
+        if i < n - 1:
+            messages.append({"role": "assistant", "content": words[::-1]})
+    return messages
+
+
+async def test_a_toy_engine_family_behind_the_seam_runs_a_conversation_that_reuses_ds_kv() -> None:
+    toy = ToyEngines()
+    engine = MockEngine(toy, model="toy")
+    app = create_app(Settings(**BASE, policy={"name": "always-pull"}), engine=engine)
+    async with running(app) as (client, _):
+        for n, stream in ((1, False), (2, True), (3, False)):
+            body = {"model": "toy", "messages": conversation(n), "stream": stream}
+            r = await client.post("/v1/chat/completions", json=body, headers={"x-session-id": "toy-1"})
+            assert r.status_code == 200, r.text
+            words = conversation(n)[-1]["content"][::-1]
+            assert words in r.text  # the toy D's answer, as a client of the plain engine gets it
+            assert "pin" not in r.text  # D's handle is the gateway's, never the client's
+            if n > 1:
+                assert (r.headers["x-turnkv-outcome"], r.headers["x-turnkv-action"]) == ("full", "pull")
+        # each later turn pulled the pin the turn before it left on D, and only the last one is still pinned
+        assert [pin for pin, _ in toy.pulled] == ["d-0", "d-1"]
+        assert list(toy.pins) == ["d-2"]
+    assert toy.pins == {}  # a gateway without a shared store gives every pin back when it stops
