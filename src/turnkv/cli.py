@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     from turnkv.gateway.connections import edge_limits
     from turnkv.launch import serve
 
-    configure_stdlib(settings.log_level)
+    configure_stdlib(settings.log_level, json=settings.log_json)
     serve(create_app(settings), settings.host, settings.port, edge=edge_limits(settings))
     return 0
 

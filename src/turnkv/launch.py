@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -90,6 +91,8 @@ def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning", *, ed
     drain: Drain | None = getattr(getattr(app, "state", None), "drain", None)
     delay_s = float(getattr(app.state, "shutdown_delay_s", 0.0)) if drain is not None else 0.0
     graceful = delay_s + drain.drain_s + GRACE_S if drain is not None else GRACE_S
+    if logging.getLogger().handlers:  # the process configured its logging (configure_stdlib): uvicorn's too
+        extra["log_config"] = None
     config = uvicorn.Config(
         app, log_level=log_level, access_log=False, timeout_graceful_shutdown=int(graceful + 1), lifespan="on", **extra
     )

@@ -10,6 +10,7 @@ increment from ``increase()``.
 from __future__ import annotations
 
 import contextlib
+import json
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -115,3 +116,10 @@ def test_the_first_failure_of_each_kind_shows_in_increase(
     assert store_errors, "Redis's absence was counted as store errors"
     appeared = sorted(set(last) - set(first))
     assert not appeared, f"series that appeared with their first increment: {appeared}"
+    # and each failure was logged as an event with its fields, on a JSON line like every other line
+    lines = (c.log_dir / "gateway.log").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert all(isinstance(e, dict) and "event" in e for e in events)
+    down = next(e for e in events if e["event"] == "store.down")
+    assert down["level"] == "warning" and down["logger"] == "turnkv.store" and {"op", "why", "kind"} <= set(down)
+    assert {"upstream.error", "instance.restarted", "turn"} <= {e["event"] for e in events}

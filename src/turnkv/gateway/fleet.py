@@ -327,7 +327,7 @@ class Fleet:
         e = self._engines[url]
         ok = await engine.health(url)
         if ok != e.healthy:
-            log.warning("instance.%s url=%s", "healthy" if ok else "unhealthy", url)
+            log.warning("instance.healthy url=%s" if ok else "instance.unhealthy url=%s", url)
         e.healthy = ok
         if ok and e.version is None:
             info = await engine.info(url, e.role)

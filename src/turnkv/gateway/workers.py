@@ -95,7 +95,7 @@ def _worker(settings: Settings, ready: Any, lifeline: Connection, metrics_dir: s
     from turnkv.logging import configure_stdlib
 
     threading.Thread(target=_exit_with_supervisor, args=(lifeline,), daemon=True).start()
-    configure_stdlib(settings.log_level)
+    configure_stdlib(settings.log_level, json=settings.log_json)
     settings = worker_share(settings)
     sock = bind(settings.host, settings.port, reuse_port=True)
     sock.listen(LISTEN_BACKLOG)

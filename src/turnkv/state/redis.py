@@ -536,7 +536,7 @@ class RedisStore:
                     return 0
                 return await _hold_open(client.connection_pool, n)
         except (*_REDIS_ERRORS, _NoConnectTurn) as exc:
-            log.warning("store.warm_failed error=%s: %s", type(exc).__name__, exc)
+            log.warning("store.warm_failed error=%s detail=%s", type(exc).__name__, exc)
             return 0
 
     async def close(self) -> None:
