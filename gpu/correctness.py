@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Correctness on the real engines: a planted mismatch changes the answer; turnkv's answers do not.
 
-Needs a model whose output depends on its history (gpu/make_sharp_model.py; the kit's dummy weights
+Needs a model whose output depends on its history (gpu/make_sharp_model.py; dummy weights
 ignore the history). Engines: gpu/engines.py ``trio`` (P without prefix caching, so P pulls every
 block D holds that it is given a handle for; D0 without the plugin; D1 with it).
 

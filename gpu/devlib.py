@@ -2,12 +2,13 @@
 
 Standard library only, so the scripts run under the device's plain ``python3`` before anything is
 installed. Every engine and gateway is started in its own process session (it outlives the call that
-started it, as the kit's pd_up.sh does) and recorded in ``STATE_DIR/procs/<name>.json``; a later call finds
+started it) and recorded in ``STATE_DIR/procs/<name>.json``; a later call finds
 it there, reuses it when its command line is the same, or stops it (the whole process group).
 
 Backends:
-* ``vllm``: ``python3 -m vllm.entrypoints.cli.main serve`` with the kit's flags (pd_up.sh), vLLM from
-  ``/root/site``; the turnkv plugin is on ``PYTHONPATH`` only for engines started with ``plugin=True``.
+* ``vllm``: ``python3 -m vllm.entrypoints.cli.main serve``, vLLM from this interpreter's environment (``pip
+  install vllm``) or the offline install (``VLLM_SITE``); the turnkv plugin is on ``PYTHONPATH`` only for
+  engines started with ``plugin=True``.
 * ``sim``: ``python -m turnkv sim`` on the same ports, to test these scripts without a GPU. A "plugin"
   engine is a simulator with ``--vllm-compat 0.33`` (streams end with the handle).
 
@@ -34,12 +35,17 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
-STATE_DIR = Path(os.environ.get("TURNKV_GPU_STATE", "/root/gpu-state" if os.geteuid() == 0 else "/tmp/turnkv-gpu"))
-VLLM_SITE = os.environ.get("TURNKV_VLLM_SITE", "/root/site")
-PLUGIN_SITE = os.environ.get("TURNKV_PLUGIN_SITE", "/root/plugin-site")
-GATEWAY_SITE = os.environ.get("TURNKV_GATEWAY_SITE", "/root/turnkv-site")
-KIT = Path(os.environ.get("TURNKV_KIT", "/root/kit"))
-MODEL_NAME = "model"  # --served-model-name, as pd_up.sh
+# What gpu/setup.sh installs, and where (gpu/README.md): each under TURNKV_GPU_HOME unless named on its own
+GPU_HOME = Path(os.environ.get("TURNKV_GPU_HOME") or ("/root" if os.geteuid() == 0 else Path.home() / ".turnkv-gpu"))
+STATE_DIR = Path(os.environ.get("TURNKV_GPU_STATE") or GPU_HOME / "gpu-state")  # process records, engine logs
+_OFFLINE_SITE = GPU_HOME / "site"  # vLLM installed from the offline bundle (gpu/offline/install.sh)
+# vLLM: the offline install where there is one, else this python3's own environment (pip install vllm)
+VLLM_SITE = os.environ.get("TURNKV_VLLM_SITE", str(_OFFLINE_SITE) if (_OFFLINE_SITE / ".done").exists() else "")
+PLUGIN_SITE = os.environ.get("TURNKV_PLUGIN_SITE") or str(GPU_HOME / "plugin-site")
+GATEWAY_SITE = os.environ.get("TURNKV_GATEWAY_SITE") or str(GPU_HOME / "turnkv-site")
+KIT = Path(os.environ.get("TURNKV_KIT") or GPU_HOME / "kit")  # the model folders (gpu/make_model.py)
+SHARP_MODEL = GPU_HOME / "models" / "sharp"  # the history-sensitive model (gpu/make_sharp_model.py)
+MODEL_NAME = "model"  # --served-model-name
 # a prefill for remote decode with nothing to pull (turnkv.engine.vllm.handles.P_ONLY; no turnkv import here)
 P_ONLY = {
     "do_remote_decode": True,
@@ -49,7 +55,7 @@ P_ONLY = {
     "remote_host": None,
     "remote_port": None,
 }
-HEALTH_TIMEOUT_S = 240.0  # the kit's pd_up.sh waits 300 s; these engines are smaller or alone
+HEALTH_TIMEOUT_S = 240.0  # an 8b-shaped engine with dummy weights starts in about 2 minutes
 HTTP_TIMEOUT_S = 180.0
 
 
@@ -270,7 +276,7 @@ class EngineSpec:
     plugin: bool = False
     kv_extra: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config members
     bidirectional: bool = True
-    dummy: bool = True  # --load-format dummy (the kit's models have no weights)
+    dummy: bool = True  # --load-format dummy (gpu/make_model.py's folders have no weights)
     max_model_len: int = 32768
     sim_extra: list[str] = field(default_factory=list)  # more flags for the simulator only
 
@@ -289,7 +295,7 @@ def kv_config(spec: EngineSpec) -> str:
 
 def vllm_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     cmd = [
-        "python3",
+        sys.executable,
         "-m",
         "vllm.entrypoints.cli.main",
         "serve",
@@ -311,9 +317,8 @@ def vllm_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     if spec.dummy:
         cmd += ["--load-format", "dummy"]
     cmd += spec.flags
-    path = VLLM_SITE + (os.pathsep + PLUGIN_SITE if spec.plugin else "")
     env = {
-        "PYTHONPATH": path,
+        "PYTHONPATH": pythonpath(VLLM_SITE, PLUGIN_SITE if spec.plugin else ""),
         "VLLM_USE_FLASHINFER_SAMPLER": "0",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_port),
@@ -562,7 +567,7 @@ def tail(path: Path, n: int = 25) -> str:
 
 def start_engine(spec: EngineSpec, *, time_scale: float = 0.05, timeout_s: float = HEALTH_TIMEOUT_S) -> dict[str, Any]:
     """Start (or reuse) one engine and wait until it answers /health. One at a time: two vLLM
-    engines profiling GPU memory at once on one GPU can misread each other (kit README)."""
+    engines profiling GPU memory at once on one GPU can misread each other (seen on the H200)."""
     cmd, env = vllm_command(spec) if backend() == "vllm" else sim_command(spec, time_scale)
     rec = _spawn(spec.name, cmd, env, spec.url, timeout_s)
     rec["spec"] = asdict(spec)
@@ -573,8 +578,14 @@ def start_engine(spec: EngineSpec, *, time_scale: float = 0.05, timeout_s: float
 
 
 def gateway_env() -> dict[str, str]:
-    parts = [str(ROOT / "src"), GATEWAY_SITE, VLLM_SITE] if backend() == "vllm" else [str(ROOT / "src")]
-    return {"PYTHONPATH": os.pathsep.join(parts)}
+    if backend() == "vllm":
+        return {"PYTHONPATH": pythonpath(str(ROOT / "src"), GATEWAY_SITE, VLLM_SITE)}
+    return {"PYTHONPATH": str(ROOT / "src")}
+
+
+def pythonpath(*parts: str) -> str:
+    """A PYTHONPATH of the folders given (an empty one, such as vLLM from the environment, left out)."""
+    return os.pathsep.join(p for p in parts if p)
 
 
 def start_gateway(
@@ -600,8 +611,7 @@ def start_gateway(
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     cfg_file = STATE_DIR / f"{name}.yaml"
     cfg_file.write_text(json.dumps(cfg, indent=1))
-    python = "python3" if backend() == "vllm" else sys.executable
-    cmd = [python, "-m", "turnkv", "serve", "--config", str(cfg_file)]
+    cmd = [sys.executable, "-m", "turnkv", "serve", "--config", str(cfg_file)]
     digest = hashlib.sha256(cfg_file.read_bytes()).hexdigest()[:12]  # a changed config restarts it
     return _spawn(name, cmd, {**gateway_env(), "TURNKV_CFG_DIGEST": digest}, f"http://{HOST}:{port}", timeout_s)
 
@@ -650,7 +660,7 @@ def word_vocabulary(url: str, candidates: list[str], want: int) -> list[tuple[st
 
 
 def candidate_words() -> list[str]:
-    """Lower-case identifiers from Python's standard library sources: the kit's tokenizer was trained
+    """Lower-case identifiers from Python's standard library sources: gpu/make_model.py's tokenizer was trained
     on them, so most are single tokens; the simulator's tokenizer has its own word list."""
     import keyword
     import re

@@ -5,10 +5,10 @@
   off), decode D0 on :8200 (no plugin) and decode D1 on :8300 (turnkv plugin), 0.25 of the GPU each,
   NIXL with bidirectional KV on all three, request chat templates allowed (the correctness runs send
   the "strip" template per request). For fixtures, the plugin check and correctness.
-* ``pair8b``: the kit's 8b model with dummy weights (Qwen3-8B shape), P on :8100 and D on :8200, both with
+* ``pair8b``: gpu/make_model.py's 8b model with dummy weights (Qwen3-8B shape), P on :8100 and D on :8200, both with
   the plugin (on D so that streamed turns capture D's handle, on both so that each says which GPU it
-  computes on), 0.42 each as the kit's pd_up.sh. For TTFT and load.
-* ``pair1b``: the kit's 1b model, for link-rate experiments (engine restarts are cheaper).
+  computes on), 0.42 of the GPU's memory each. For TTFT and load.
+* ``pair1b``: gpu/make_model.py's 1b model, for link-rate experiments (engine restarts are cheaper).
 
 usage: engines.py up trio|pair8b|pair1b [--p-flags=...] [--ucx NAME=VALUE ...]
        engines.py down [PREFIX] | status
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import devlib
 from devlib import EngineSpec
 
-SHARP = "/root/models/sharp"
+SHARP = str(devlib.SHARP_MODEL)
 
 
 def trio(model: str = SHARP, *, template: str = "keep", base_port: int = 8100, dummy: bool = False) -> list[EngineSpec]:
@@ -54,7 +54,7 @@ def trio(model: str = SHARP, *, template: str = "keep", base_port: int = 8100, d
 
 def start_trio(*, start: bool = True) -> tuple[list[EngineSpec], dict[str, object]]:
     """Start the trio, falling back where something does not start, so that one call still returns
-    what it can: the kit's 1b model with dummy weights if the history-sensitive model does not load
+    what it can: gpu/make_model.py's 1b model with dummy weights if the history-sensitive model does not load
     (fixtures and the plugin check stay valid; correctness results then prove nothing), and no
     plugin engine if D1 does not start (its cases are left out). ``start=False`` returns what an
     earlier call of this machine started (recorded in STATE_DIR/trio-state.json)."""

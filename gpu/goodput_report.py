@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The H200 goodput sweep's report (issue 11), from the JSON files ``gpu/load.py`` wrote in parts G1-G3.
+"""The goodput report: a sweep of conversations at once, from the JSON files ``gpu/load.py`` wrote (parts G1-G6).
 
 usage: python gpu/goodput_report.py [load_G*.json ...] [--out results/gpu/goodput-report]
 
 Per number of conversations at once and per mode: goodput (turns within both SLOs per second of the
-wave) and attainment, TTFT p50 / p99 of first and of later turns, ITL p99 and TPOT p99; then the issue's
+wave) and attainment, TTFT p50 / p99 of first and of later turns, ITL p99 and TPOT p99; then the
 ratios: turnkv adaptive against the best baseline (colocated, plain P/D, vLLM's multi-turn proxy policy)
 and its ITL p99 against plain P/D's. Writes ``report.md`` and ``goodput.png`` (goodput, later turns'
 TTFT p99 and ITL p99 against conversations, a line per mode) into OUT and prints the table rows. A file
@@ -328,13 +328,13 @@ def plot(values: Values, modes: Sequence[str], title: str, path: Path) -> None:
     plt.close(fig)
 
 
-INTRO = """# Goodput on one H200: a sweep of conversations at once (issue 11)
+INTRO = """# Goodput on one H200: a sweep of conversations at once
 
-vLLM 0.26.0 + NIXL, the kit's Qwen3-8B-shaped model with dummy weights, P (:8100) and D (:8200, with the
+vLLM 0.26.0 + NIXL, gpu/make_model.py's Qwen3-8B-shaped model with dummy weights, P (:8100) and D (:8200, with the
 turnkv plugin) sharing one H200 at 0.42 of its memory each, `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` on both, P's
 prefix cache on. Per count of conversations at once (a closed loop: each conversation sends its next turn
-after the answer and a think time) and per mode, one wave per round (`gpu/load.py`, `gpu/session.sh G1-G5`;
-G4-G5 ran the modes in interleaved rounds, `#n` in a mode's name, each round with new prompts and the same
+after the answer and a think time) and per mode, one wave per round (`gpu/load.py`, `gpu/session.sh G1-G6`;
+G4-G6 ran the modes in interleaved rounds, `#n` in a mode's name, each round with new prompts and the same
 think times for every mode, and the tables "across rounds" give each mode's median and range): *plain*
 is vLLM's P/D through a turnkv gateway without conversation ids, *vllm-multiturn* the gateway as vLLM's
 multi-turn proxy policy (pulls the previous handle, unchecked), *adaptive* turnkv as shipped (from G4 on,
@@ -386,12 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         head, body = rows(pts, modes)
         parts += [f"\n## Per count and mode, goodput at {slo_name(slo)}\n", md_table(head, body)]
         thead, tbody = targets(pts, a.ours or [OURS])
-        parts += [f"\n## The issue's ratios at {slo_name(slo)}\n", md_table(thead, tbody)]
+        parts += [f"\n## The ratios at {slo_name(slo)}\n", md_table(thead, tbody)]
         if several:
             shead, sbody = spread(pts)
             rhead, rbody = spread_targets(pts, a.ours or [OURS])
             parts += [f"\n## Across rounds at {slo_name(slo)}: median (min-max)\n", md_table(shead, sbody)]
-            parts += [f"\n## The issue's ratios across rounds at {slo_name(slo)}\n", md_table(rhead, rbody)]
+            parts += [f"\n## The ratios across rounds at {slo_name(slo)}\n", md_table(rhead, rbody)]
             print(md_table(shead, sbody))
             print(md_table(rhead, rbody))
         if pts:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How fast NIXL moves KV between P and D on this host, under UCX/NIXL/vLLM settings that might raise it.
 
-The kit measured about 0.45 GB/s: UCX ends up on TCP for same-GPU reads (vllm#52607: ``cuda_ipc`` does
+The H200 host measured about 0.45 GB/s: UCX ends up on TCP for same-GPU reads (vllm#52607: ``cuda_ipc`` does
 not serve GET without NVLink; UCX disables cuda_ipc ``get_zcopy`` then, openucx/ucx#7566), and
 ``UCX_TLS=cuda_ipc,cuda_copy,tcp,self`` changed nothing while dropping tcp failed ("no active messages
 transport"). Each variant below restarts P and D with its settings (both sides need them), then

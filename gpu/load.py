@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Many streamed conversations at once, in two waves back to back, per serving mode (issue 9's load proof).
+"""Many streamed conversations at once, in waves, per serving mode: decode memory under load, and goodput.
 
 Engines: gpu/engines.py ``pair8b`` (P :8100, D :8200 with the turnkv plugin, 0.42 of the H200 each),
 started once (or found running) and kept across modes; ``--p-cache off`` restarts P only. Modes, in
@@ -17,7 +17,7 @@ the order given (``--modes``):
 * ``adaptive-first``: adaptive with first turns on D allowed while prefills wait at P
   (``policy.params.decode_local_first: true``);
 * ``vllm-multiturn``: the gateway as vLLM's multi-turn proxy (policy ``vllm-multiturn``: every later turn
-  hands P the previous handle, unchecked, and P pulls it; never decode-local), a baseline for issue 11;
+  hands P the previous handle, unchecked, and P pulls it; never decode-local), a baseline for goodput;
 * ``colocated``: straight to D, no gateway: D prefills and decodes each turn itself;
 * ``pd-direct`` (not in the default list): the client runs vLLM's P/D handshake itself. With
   ``bidirectional_kv_xfer`` on, D then pins every turn's blocks for ``decoder_kv_blocks_ttl`` and
@@ -32,7 +32,7 @@ one before it ended. Words are ones that are one token each on the engine's toke
 restricted to them (``allowed_token_ids``) so that each answer re-tokenizes exactly, as a real model's
 mostly does. Every request has a client deadline (``--request-timeout-s``): a miss is counted as hung.
 
-A sweep (issue 11's goodput on the GPU): ``--conversations 8,16,32`` runs the waves at each count in
+A sweep (goodput on the GPU): ``--conversations 8,16,32`` runs the waves at each count in
 turn, smallest first, within each mode (one gateway for them all). Each wave also says its goodput as
 ``vllm bench serve --goodput`` counts it for a closed loop: the turns that met both SLOs
 (``--slo-ttft-ms``, ``--slo-tpot-ms``; ``turnkv.bench.goodput``) per second of the wave's wall time,
@@ -86,8 +86,8 @@ from load_metrics import (
     timeline,
 )
 
-if devlib.backend() == "vllm":  # aiohttp: the device image has it; vLLM's wheels in /root/site too
-    sys.path += [devlib.GATEWAY_SITE, devlib.VLLM_SITE]
+if devlib.backend() == "vllm":  # turnkv's dependencies vLLM lacks, and an offline vLLM install, where set up
+    sys.path += [p for p in (devlib.GATEWAY_SITE, devlib.VLLM_SITE) if p]
 
 from turnkv.bench.client import Target
 from turnkv.bench.goodput import Slo, meets, point_stats

@@ -2,8 +2,8 @@
 """Write a small Qwen3-architecture model whose greedy output depends on its history.
 
 vLLM's ``--load-format dummy`` fills weights with tiny uniform values: attention is then nearly
-uniform and the output ignores what the history says (../shared/device/README.md: a changed history
-token left the top-5 logprobs unchanged). This writes real random weights instead, scaled so that
+uniform and the output ignores what the history says (on the H200 a changed history token left the
+first token's top-5 logprobs unchanged to 4 decimals). This writes real random weights instead, scaled so that
 
 * attention is sharp: Qwen3 normalises q and k per head (``q_norm``, ``k_norm``), so the sharpness is
   set by those norms' weights (``--qk-gain``; logits have a standard deviation of about gain²);
@@ -11,10 +11,10 @@ token left the top-5 logprobs unchanged). This writes real random weights instea
 * logits are far apart (``--logit-std``), so bf16 rounding rarely flips the greedy choice.
 
 Only numpy is needed (no torch, no safetensors package): the weights are written as a bf16
-safetensors file by hand. The tokenizer and chat template are copied from a folder written by the
-kit's make_model.py (``.stage/kit/model-1b-keep`` or ``-strip``), so prompts tokenize as on the other
-kit models. ``forward`` is a numpy reference of the same network, used by ``--check`` here and by
-gpu/correctness.py on the device to confirm vLLM loaded these weights.
+safetensors file by hand. The tokenizer and chat template are copied from a folder written by
+gpu/make_model.py (``model-1b-keep`` or ``-strip``), so prompts tokenize as on the other model folders.
+``forward`` is a numpy reference of the same network, used by ``--check`` here and by gpu/correctness.py
+on the GPU host to confirm vLLM loaded these weights.
 
 usage: make_sharp_model.py OUT --tokenizer-from DIR [--check] [shape and scale options]
 """

@@ -6,7 +6,7 @@ streams see while an engine decodes ``B`` of them at a context of ``C`` tokens, 
 step is when a prefill of ``P`` tokens is scheduled beside them (vLLM's chunked prefill: the decode
 tokens and the prefill chunk share ``max_num_batched_tokens``; a longer prefill is split over steps).
 
-One engine (the kit's 8b model, dummy weights: the Qwen3-8B shape; NIXL connector as on a decode engine;
+One engine (gpu/make_model.py's 8b model, dummy weights: the Qwen3-8B shape; NIXL connector as on a decode engine;
 prefix caching on; ``--max-num-batched-tokens 8192``), alone on the GPU. Per group (B, C):
 
 1. B streams start (prompts of C one-token words each, unique, ``ignore_eos``, long answers); the script

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time to first token by turn (1..6) through turnkv, on the 8b shape, per policy; and the NIXL rate.
 
-Engines: gpu/engines.py ``pair8b`` (the kit's Qwen3-8B-shaped model, dummy weights, which is fine for
+Engines: gpu/engines.py ``pair8b`` (gpu/make_model.py's Qwen3-8B-shaped model, dummy weights, which is fine for
 timing; P on :8100, D on :8200 with the turnkv plugin so that streamed turns capture D's handle),
 both on the one H200. ``--p-cache off`` restarts P with ``--no-enable-prefix-caching`` (D keeps its).
 

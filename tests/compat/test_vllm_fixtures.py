@@ -8,7 +8,7 @@ recorded one: status, content type, the same JSON key sets in the same order, th
 enum-like values, SSE framing, and the sequence of stream chunk shapes (tests/compat/protocol.py).
 
 Without recorded fixtures the tests skip. The 0.26.0 set was recorded on one H200 on 2026-11-29
-(gpu/run_session.md, call A).
+(`bash gpu/session.sh A`, gpu/README.md).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _params() -> list[Any]:
         if not versions:
             why = (
                 f"no fixtures recorded under {root.relative_to(ROOT)} yet (gpu/record_fixtures.py on the GPU "
-                "host; gpu/run_session.md)"
+                "host: gpu/README.md)"
             )
             out.append(pytest.param(label, None, None, id=f"{label}-none", marks=pytest.mark.skip(reason=why)))
             continue
