@@ -48,6 +48,8 @@ from turnkv.engine.base import (
     PrefillCall,
     PrefillResult,
     StreamBroken,
+    WriteBack,
+    WriteBackResult,
 )
 from turnkv.errors import UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
 from turnkv.sim.chat import ChatTemplate, Delta, OutputParser, RenderError
@@ -120,7 +122,7 @@ class Instance:
     staged: dict[str, list[int]] = field(default_factory=dict)  # P: prompt KV prefilled for a D, by id
     pins: dict[str, Pin] = field(default_factory=dict)  # D: sequences pinned for a next turn, by id
     released: list[str] = field(default_factory=list)  # D: pins freed by a release
-    calls: list[str] = field(default_factory=list)  # what it was asked: render, prefill, decode, release
+    calls: list[str] = field(default_factory=list)  # what it was asked: render, prefill, decode, release, write_back
 
     @property
     def pinned_tokens(self) -> int:
@@ -328,6 +330,17 @@ class SimEngine(EngineDefaults):
         if d is not None and pin is not None:
             del d.pins[str(handle["remote_request_id"])]
             d.released.append(str(handle["remote_request_id"]))
+
+    async def write_back(self, base: str, call: WriteBack) -> WriteBackResult:
+        p = await self._enter(base, "write_back", call.timeout_s)
+        d, pin = self._pin_of(call.handle)
+        if pin is None or d is None:
+            raise UpstreamStatus(
+                500, {"error": {"message": "KV transfer failed: the handle is unknown"}}, leg="prefill", instance=base
+            )
+        del d.pins[str(call.handle["remote_request_id"])]  # read: D frees the blocks
+        self._remember(p, call.token_ids[: len(pin.kv)])  # in P's prefix cache now, unpinned
+        return WriteBackResult.CACHED
 
     # -- handles -----------------------------------------------------------------------------------
     def read_handle(self, handle: Handle, *, seq_len: int, block_size: int) -> HandleFacts | HandleProblem:

@@ -14,7 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from turnkv.config import Settings
 from turnkv.engine.base import PrefillResult
-from turnkv.engine.mock import Call, Decode, MockEngine, Prefill, Render, Reply
+from turnkv.engine.mock import Call, Decode, MockEngine, Prefill, Render, Reply, WriteBackCall
 from turnkv.gateway.app import create_app
 from turnkv.gateway.services import Services
 
@@ -53,7 +53,8 @@ class ToyEngines:
             return self.prefill(call)
         if isinstance(call, Decode):
             return self.decode(call)
-        self.pins.pop(str(call.handle["pin"]), None)  # a release
+        handle = call.call.handle if isinstance(call, WriteBackCall) else call.handle
+        self.pins.pop(str(handle["pin"]), None)  # a release, or a write-back: D frees the blocks
         return None
 
     def prefill(self, call: Prefill) -> PrefillResult:

@@ -224,6 +224,7 @@ def add_bench_parser(sub: Any) -> None:
             "goodput",
             "reliability",
             "render-ahead",
+            "shared-gpu",
         ],
     )
     s.add_argument("--out", default=None, help="output directory (default results/<suite>-<time>)")

@@ -93,6 +93,29 @@ class PrefillCall:
 
 
 @dataclass(frozen=True)
+class WriteBack:
+    """A finished turn's KV handed from D to a prefill engine's prefix cache: P pulls the blocks ``handle``
+    pins on D for ``token_ids`` (the sequence the handle holds: the turn's prompt and D's answer) into its
+    own prefix cache, keyed by those ids and evictable as any other, and D frees them. A next turn that
+    extends the sequence then finds it at P, with nothing pinned anywhere meanwhile."""
+
+    handle: Handle
+    token_ids: Sequence[int]
+    model: str | None
+    timeout_s: float  # until P has pulled the blocks (its first output)
+    priority: int | None = None  # the engine's request priority, where it schedules by priority (None: none sent)
+
+
+class WriteBackResult(enum.StrEnum):
+    """What a write-back left on the prefill engine."""
+
+    CACHED = "cached"  # the blocks are in P's prefix cache, evictable; D freed them
+    # ... but P finished the request before the gateway's abort reached it: P holds them pinned as D did (vLLM
+    # pins a finished request's blocks that came with D's handle, for decoder_kv_blocks_ttl)
+    PINNED = "pinned"
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     for_decode: Handle | None  # what D needs to take P's KV over (vLLM: P's kv_transfer_params)
     cached_tokens: int | None  # prompt tokens P did not compute (its prefix cache and the pull)
@@ -299,6 +322,11 @@ class HandleRules(Protocol):
     async def release(self, base: str, handle: Handle, model: str | None) -> None:
         """Free the blocks ``handle`` pins on D, through the prefill engine at ``base``."""
 
+    async def write_back(self, base: str, call: WriteBack) -> WriteBackResult:
+        """Hand the blocks ``call.handle`` pins on D to the prefix cache of the prefill engine at ``base``
+        (``WriteBack``); returns once P holds them and D has been told to free them. Raises an
+        ``UpstreamError`` when P could not (D's blocks then stay pinned: release them)."""
+
 
 class EngineProbes(Protocol):
     """The engine's own view of itself, read by the fleet's background loops and at start."""
@@ -357,3 +385,7 @@ class EngineDefaults:
 
     async def api_post(self, base: str, path: str, body: Any, meta: CallMeta) -> dict[str, Any]:
         raise UpstreamStatus(404, {"error": {"message": f"{path} is not served by this engine"}}, leg="render")
+
+    async def write_back(self, base: str, call: WriteBack) -> WriteBackResult:
+        """No write-back: the handle stays pinned, to be released."""
+        raise UpstreamStatus(501, {"error": {"message": "write-back is not served by this engine"}}, leg="prefill")

@@ -1,9 +1,10 @@
 """``MockEngine``: an engine family whose calls a handler function answers, for tests that need scripted
 answers only (as httpx's ``MockTransport`` answers requests with a handler).
 
-The handler gets each turn call as a value (``Render``, ``Prefill``, ``Decode``, ``Release``) and returns
-what the call returns: the prompt's token ids, a ``PrefillResult``, a ``Reply`` (D's answer, streamed or
-whole as the call asks), or None for a release; or it raises an ``UpstreamError``. It may be async. A
+The handler gets each turn call as a value (``Render``, ``Prefill``, ``Decode``, ``Release``,
+``WriteBackCall``) and returns what the call returns: the prompt's token ids, a ``PrefillResult``, a ``Reply``
+(D's answer, streamed or whole as the call asks), None for a release, a ``WriteBackResult`` or None (cached)
+for a write-back; or it raises an ``UpstreamError``. It may be async. A
 handle is a dict with a ``pin`` (its pin id) and the ``tokens`` it holds. Everything else is
 ``EngineDefaults``' (healthy, no version, no load, nothing passed through), but ``models``.
 """
@@ -30,6 +31,8 @@ from turnkv.engine.base import (
     Piece,
     PrefillCall,
     PrefillResult,
+    WriteBack,
+    WriteBackResult,
 )
 
 
@@ -57,7 +60,13 @@ class Release:
     handle: Handle
 
 
-Call = Render | Prefill | Decode | Release
+@dataclass(frozen=True)
+class WriteBackCall:
+    base: str
+    call: WriteBack
+
+
+Call = Render | Prefill | Decode | Release | WriteBackCall
 
 
 @dataclass(frozen=True)
@@ -177,6 +186,10 @@ class MockEngine(EngineDefaults):
     async def release(self, base: str, handle: Handle, model: str | None) -> None:
         await self._answer(Release(base, handle))
 
+    async def write_back(self, base: str, call: WriteBack) -> WriteBackResult:
+        result = await self._answer(WriteBackCall(base, call))
+        return WriteBackResult.CACHED if result is None else WriteBackResult(result)
+
     def read_handle(self, handle: Handle, *, seq_len: int, block_size: int) -> HandleFacts | HandleProblem:
         tokens = handle.get("tokens")
         if not isinstance(tokens, int) or "pin" not in handle:
@@ -195,4 +208,4 @@ class MockEngine(EngineDefaults):
         return [ModelCard(self.model, self.max_model_len)]
 
 
-__all__ = ["Call", "Decode", "MockEngine", "Prefill", "Release", "Render", "Reply", "ScriptedStream"]
+__all__ = ["Call", "Decode", "MockEngine", "Prefill", "Release", "Render", "Reply", "ScriptedStream", "WriteBackCall"]

@@ -43,6 +43,7 @@ class BlockPool:
         # Free blocks in eviction order: the least recently freed is handed out first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}
+        self.evictions = 0  # prefix-cache entries lost to reuse of their free blocks
 
     @property
     def num_blocks(self) -> int:
@@ -51,6 +52,11 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks that hold a prefix-cache entry, in use or free."""
+        return len(self._cached)
 
     def usage(self) -> float:
         return 1.0 - len(self._free) / max(1, len(self.blocks))
@@ -83,6 +89,7 @@ class BlockPool:
             b = self.blocks[bid]
             if b.hash is not None and self._cached.get(b.hash) == bid:
                 del self._cached[b.hash]  # evicted from the prefix cache
+                self.evictions += 1
             b.hash = None
             b.ref = 1
             out.append(bid)

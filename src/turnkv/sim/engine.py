@@ -26,6 +26,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
@@ -33,6 +34,7 @@ from pydantic import BaseModel, Field
 from turnkv.sim.blocks import BlockPool, OutOfBlocks, block_hashes
 from turnkv.sim.connector import EXPIRY_SAFETY_MARGIN_S, Connector
 from turnkv.sim.costs import CostModel
+from turnkv.sim.gpu import SharedGpu
 from turnkv.sim.metrics import EngineMetrics
 from turnkv.sim.oracle import ROOT_KV, Generator, Sampling, kv_extend, kv_step
 from turnkv.sim.sequence import EngineError, Output, Seq
@@ -90,6 +92,9 @@ class EngineConfig(BaseModel):
     clock_skew_s: float = 0.0
     seed: int = 0
     costs: CostModel = Field(default_factory=CostModel)
+    gpu_share_file: str | None = Field(
+        None, description="a file the engines on one GPU share its compute through (``sim.gpu``); none: its own"
+    )
 
     @property
     def has_connector(self) -> bool:
@@ -116,10 +121,14 @@ class Engine:
         self.blocked = 0  # requests waiting for free blocks
         self._sidechannel = SideChannelServer(self.connector.on_side_channel)
         self._tasks: list[asyncio.Task[None]] = []
+        self.gpu: SharedGpu | None = None
         self._cache_root = hash(("turnkv-sim", config.seed))
+        self._evictions_counted = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
+        if self.cfg.gpu_share_file and self.cfg.costs.time_scale > 0:
+            self.gpu = SharedGpu(Path(self.cfg.gpu_share_file))
         if self.cfg.has_connector:
             self.side_channel_port = await self._sidechannel.start(
                 self.cfg.side_channel_host, self.cfg.side_channel_port
@@ -132,6 +141,8 @@ class Engine:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._sidechannel.close()
+        if self.gpu is not None:
+            self.gpu.close()
 
     @property
     def pins(self) -> dict[str, Pin]:
@@ -145,6 +156,9 @@ class Engine:
             len(self._waiting) + self.blocked + len(self._preempted) + sum(s.stalled for s in self._running)
         )
         self.metrics.kv_usage.set(self.pool.usage())
+        self.metrics.cached_blocks.set(self.pool.num_cached)
+        self.metrics.evictions.inc(self.pool.evictions - self._evictions_counted)
+        self._evictions_counted = self.pool.evictions
 
     def pinned_tokens(self) -> int:
         return self.connector.pinned_tokens()
@@ -163,6 +177,7 @@ class Engine:
         self.connector.pins.clear()
         self.engine_id = str(uuid.uuid4())
         self.pool = BlockPool(self.cfg.num_blocks, self.cfg.block_size, enable_caching=self.cfg.prefix_caching)
+        self._evictions_counted = 0
         self.release_blocks([])  # requests waiting for blocks try the new pool
         self.metrics.process_start.set(time.time())
 
@@ -283,6 +298,13 @@ class Engine:
         """Wait out a simulated duration, scaled by ``time_scale``."""
         await asyncio.sleep(self.cfg.costs.scaled(seconds))
 
+    async def compute(self, seconds: float) -> None:
+        """Run ``seconds`` of GPU work: alone, or sharing the GPU with the engines computing on it too."""
+        if self.gpu is None:
+            await self.sleep(seconds)
+        else:
+            await self.gpu.run(seconds, self.sleep)
+
     async def _step_loop(self) -> None:
         while True:
             if not self._waiting and not self._running and not self._preempted:
@@ -303,7 +325,7 @@ class Engine:
                 len(decoding), sum(s.num_computed for s in decoding), [(n, s.num_computed) for s, n in chunks]
             )
             freed = self._freed
-            await self.sleep(duration)
+            await self.compute(duration)
             for seq in decoding:
                 if not seq.done:
                     self._decode_one(seq)

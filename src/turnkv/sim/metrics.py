@@ -151,6 +151,10 @@ class EngineMetrics:
         self.pinned_peak = Gauge(
             "sim:pinned_tokens_peak", "Most KV tokens decode-side handles pinned at once", registry=r
         )
+        # ... and what its prefix cache keeps and loses: blocks holding an entry now (in use or free), and
+        # entries evicted so far (a free block that held one handed to another request)
+        self.cached_blocks = Gauge("sim:prefix_cache_blocks", "Blocks holding a prefix-cache entry", registry=r)
+        self.evictions = Counter("sim:prefix_cache_evictions", "Prefix-cache entries evicted", registry=r)
         self._peak = 0
         self._lv = lv
 

@@ -93,6 +93,13 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
         help="say this engine computes on this GPU (repeat for several), as turnkv's vLLM plugin says "
         "a real engine's in its x-turnkv-plugin header: a gateway with shared_gpu auto compares P's and D's",
     )
+    p.add_argument(
+        "--gpu-share-file",
+        default=None,
+        metavar="PATH",
+        help="share one GPU's compute with the other engines given the same file (P and D on one device: "
+        "each step runs at 1/k of the GPU while k of them compute); default: a GPU of its own",
+    )
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("cost model")
     g.add_argument("--time-scale", type=float, default=1.0, help="multiplies every simulated duration; 0 = free")
@@ -171,6 +178,7 @@ def settings_from_args(a: argparse.Namespace) -> SimSettings:
         clock_skew_s=a.clock_skew,
         seed=a.seed,
         costs=costs,
+        gpu_share_file=a.gpu_share_file,
     )
     return SimSettings(
         host=a.host,

@@ -30,9 +30,10 @@ from turnkv.bench.records import ConfigResult
 from turnkv.bench.redis_server import RedisServer
 from turnkv.bench.runner import run_load
 from turnkv.bench.sampler import ResourceSampler
+from turnkv.bench.watch import MetricWatch
 from turnkv.bench.workload import WorkloadSpec
 
-ENGINE_METRICS = ("vllm:prompt_tokens_by_source", "vllm:prefix_cache", "vllm:nixl_")
+ENGINE_METRICS = ("vllm:prompt_tokens_by_source", "vllm:prefix_cache", "vllm:nixl_", "vllm:num_preemptions", "sim:")
 GATEWAY_METRICS = (
     "turnkv_reuse_decisions",
     "turnkv_link_",
@@ -66,6 +67,7 @@ class Deployment:
     decodes: int = 1
     replicas: int = 1
     relay_server: str = "aiohttp"  # relay, pd-relay: aiohttp.web, or uvicorn with a bare ASGI app (baseline_asgi)
+    shared_gpu: bool = False  # pd, pd-direct: every engine on one GPU, sharing its compute (the sim's --gpu-share-file)
 
     def __post_init__(self) -> None:
         if min(self.prefills, self.decodes, self.replicas) < 1:
@@ -90,6 +92,7 @@ class Deployment:
             "decodes": self.decodes,
             "replica_engines": self.replicas,
             "relay_server": self.relay_server,
+            "shared_gpu": self.shared_gpu,
         }
 
     @property
@@ -99,6 +102,8 @@ class Deployment:
     def commands(self) -> list[str]:
         """The equivalent shell commands (ports are picked at start: shown as placeholders)."""
         e = " ".join(self.engine_flags)
+        if self.shared_gpu:
+            e = f"{e} --gpu GPU-0 --gpu-share-file $GPU_SHARE_FILE".strip()
         if self.kind == "colocated":
             return [f"turnkv sim --role colocated {e}".strip() + _times(self.replicas)]
         if self.kind == "relay":
@@ -151,6 +156,7 @@ class Bench:
     plans: tuple[ConfigPlan, ...]
     warmup: WorkloadSpec | None = None
     sample: Sampling | None = None  # RSS and open fds of the processes over each load
+    watch: tuple[str, ...] = ()  # engine metrics read every half second over each load (``bench.watch``)
 
 
 def with_duration(bench: Bench, duration_s: float | None) -> Bench:
@@ -223,8 +229,11 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
             started.append(gateway)
             target = Target(url=gateway.url)
         else:
-            specs = [(n, "prefill", (*d.engine_flags, *d.prefill_flags)) for n in _names("prefill", d.prefills)]
-            specs += [(n, "decode", (*d.engine_flags, *d.decode_flags)) for n in _names("decode", d.decodes)]
+            common = d.engine_flags
+            if d.shared_gpu:  # one device: they say so (a gateway's shared_gpu auto sees it) and share its compute
+                common = (*common, "--gpu", "GPU-0", "--gpu-share-file", str(log_dir / "gpu.share"))
+            specs = [(n, "prefill", (*common, *d.prefill_flags)) for n in _names("prefill", d.prefills)]
+            specs += [(n, "decode", (*common, *d.decode_flags)) for n in _names("decode", d.decodes)]
             engs = _start_engines(specs, log_dir, started)
             ps, ds = engs[: d.prefills], engs[d.prefills :]
             gateway = None
@@ -303,7 +312,7 @@ def run_bench(bench: Bench, log_root: Path, *, show_progress: bool = True) -> li
             if bench.warmup is not None:
                 asyncio.run(run_load(bench.warmup, dep.target, label="warm-up", show_progress=False))
             for plan in bench.plans:
-                results.append(_measure(plan, d, dep, show_progress, bench.sample))
+                results.append(_measure(plan, d, dep, show_progress, bench.sample, bench.watch))
         finally:
             if d.pin:
                 os.sched_setaffinity(0, own_affinity)
@@ -321,10 +330,18 @@ def _sampler(dep: Deployed, sampling: Sampling) -> ResourceSampler:
 
 
 def _measure(
-    plan: ConfigPlan, d: Deployment, dep: Deployed, show_progress: bool, sampling: Sampling | None = None
+    plan: ConfigPlan,
+    d: Deployment,
+    dep: Deployed,
+    show_progress: bool,
+    sampling: Sampling | None = None,
+    watch: Sequence[str] = (),
 ) -> ConfigResult:
     meta: dict[str, Any] = {"commands": d.commands(), "tags": plan.tags}
     sampler = _sampler(dep, sampling) if sampling is not None else None
+    watcher = MetricWatch({e.name: e.url for e in dep.engines}, watch) if watch else None
+    if watcher is not None:
+        watcher.start()
     if sampler is not None:
         sampler.sample()  # the idle state before the load
         sampler.start()
@@ -340,8 +357,12 @@ def _measure(
     except BaseException:
         if sampler is not None:
             sampler.stop()
+        if watcher is not None:
+            watcher.stop()
         raise
     wall = time.perf_counter() - t0
+    if watcher is not None:
+        meta["watched"] = watcher.stop()
     if sampler is not None and sampling is not None:
         time.sleep(sampling.settle_s)  # a measurement window: what the load left behind once idle
         sampler.stop()

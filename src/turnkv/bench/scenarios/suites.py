@@ -21,6 +21,7 @@ from turnkv.bench.scenarios import (
     overhead,
     reliability,
     render_ahead,
+    shared_gpu,
     smoke,
 )
 from turnkv.bench.scenarios.base import Bench, run_bench, with_duration, with_gateway_workers
@@ -35,6 +36,7 @@ SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
     "goodput": (goodput.benches, goodput.analyze),
     "reliability": (reliability.benches, reliability.analyze),
     "render-ahead": (render_ahead.benches, render_ahead.analyze),
+    "shared-gpu": (shared_gpu.benches, shared_gpu.analyze),
 }
 TITLES = {
     "fifth-turn": "turnkv bench: fifth-turn TTFT on the simulator",
@@ -45,6 +47,7 @@ TITLES = {
     "goodput": "turnkv bench: goodput under SLOs, load sweeps on the simulator",
     "reliability": "turnkv bench: reliability, many concurrent streams for minutes",
     "render-ahead": "turnkv bench: pull turns with the render off the critical path, against vLLM's multi-turn proxy",
+    "shared-gpu": "turnkv bench: agents at 64 conversations on one GPU that P and D share, two waves",
 }
 
 

@@ -30,17 +30,23 @@ from turnkv.engine.base import (
     ModelCard,
     PrefillCall,
     PrefillResult,
+    WriteBack,
+    WriteBackResult,
 )
 from turnkv.engine.vllm import handles
-from turnkv.engine.vllm.http import Upstream
+from turnkv.engine.vllm.http import Upstream, map_aiohttp_errors
 from turnkv.engine.vllm.info import PLUGIN_HEADER, engine_info, load_sample
 from turnkv.engine.vllm.stream import DecodeCapture, VllmDecodeStream
-from turnkv.errors import ClientError, UpstreamError, UpstreamStatus, UpstreamTimeout
+from turnkv.errors import ClientError, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
 
 RENDER_PATH = "/v1/chat/completions/render"
 RELEASE_TIMEOUT_S = 10.0  # a release's request until P answers its headers
 RELEASE_WAIT_S = 2.0  # then, until its first event: past it the release is aborted in P's queue (D is told)
 RELEASE_MAX_TOKENS = 16  # P decodes until the gateway closes the stream, not to a finish that would pin
+# a write-back too: a request that finishes with its params' do_remote_decode unset is a "D node" to vLLM's
+# connector, which pins its blocks for decoder_kv_blocks_ttl (pull_scheduler.py request_finished, 0.26); one
+# aborted after its first output frees them into P's prefix cache, where they were cached when the pull ended
+WRITE_BACK_MAX_TOKENS = 64
 # request fields that do not shape the prompt (vLLM's render refuses some of them)
 _NOT_FOR_RENDER = (
     "stream",
@@ -186,6 +192,41 @@ class VllmEngine:
         finally:
             resp.close()  # P aborts the request: D has been told, or is told by the abort
 
+    async def write_back(self, base: str, call: WriteBack) -> WriteBackResult:
+        """Send P the handle's sequence as token ids with D's handle for a remote prefill
+        (``handles.write_back_request``), streamed, and close the stream at its first output: P has then
+        pulled D's blocks (its request waits for the pull before it computes the last token) and cached them,
+        and its read told D to free them. The close aborts the request, so P keeps no pin of its own: its
+        blocks go to its prefix cache, evictable. Should the request have finished by then (P decoded its
+        ``WRITE_BACK_MAX_TOKENS`` before the abort reached it), P pins the blocks as D did: ``PINNED``. An
+        error event, or an end before any output, is P failing the pull (``kv_load_failure_policy: fail``)."""
+        body: dict[str, Any] = {
+            "prompt": list(call.token_ids),
+            "max_tokens": WRITE_BACK_MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "kv_transfer_params": handles.write_back_request(call.handle, len(call.token_ids), self.block_size),
+        }
+        if call.model:
+            body["model"] = call.model
+        if call.priority is not None:
+            body["priority"] = call.priority
+        try:
+            async with asyncio.timeout(call.timeout_s):
+                resp = await self.upstream.open_stream(
+                    "prefill", base, "/v1/completions", body, self._headers(CallMeta())
+                )
+                try:
+                    with map_aiohttp_errors("prefill", base):
+                        finished = await _first_output(resp, base)
+                finally:
+                    resp.close()  # P aborts the request: its blocks go to its prefix cache, unpinned
+        except TimeoutError:
+            raise UpstreamTimeout(
+                "write-back: the prefill engine did not pull in time", leg="prefill", instance=base
+            ) from None
+        return WriteBackResult.PINNED if finished else WriteBackResult.CACHED
+
     # -- handles -------------------------------------------------------------------------------
     def read_handle(self, handle: Handle, *, seq_len: int, block_size: int) -> HandleFacts | HandleProblem:
         return handles.read_handle(handle, seq_len=seq_len, block_size=block_size)
@@ -252,6 +293,33 @@ async def vllm_engine(settings: Settings) -> AsyncIterator[VllmEngine]:
             settings.block_size,
             allow_client_kv_transfer_params=settings.allow_client_kv_transfer_params,
         )
+
+
+async def _first_output(resp: aiohttp.ClientResponse, base: str) -> bool:
+    """Read a completion stream up to its first event with output, and whatever else the engine has already
+    sent; whether the request had finished by then (raises on an error event or an end without output)."""
+    async for raw in resp.content:
+        event = _event(raw, base)
+        if event is None or not event.get("choices"):
+            continue
+        finished = event["choices"][0].get("finish_reason") is not None
+        rest = resp.content.read_nowait()  # sent already: the request may have ended meanwhile
+        return finished or b'"finish_reason":"' in rest.replace(b" ", b"")
+    raise UpstreamProtocolError("write-back: the stream ended without output", leg="prefill", instance=base)
+
+
+def _event(raw: bytes, base: str) -> dict[str, Any] | None:
+    """One SSE line's event (None: not an event); an error event raises."""
+    line = raw.strip()
+    if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+        return None
+    try:
+        event = json.loads(line[5:])
+    except ValueError:
+        raise UpstreamProtocolError("write-back: unreadable event", leg="prefill", instance=base) from None
+    if not isinstance(event, dict) or "error" in event:
+        raise UpstreamStatus(500, event if isinstance(event, dict) else None, leg="prefill", instance=base)
+    return event
 
 
 def _prompt_ids(data: Mapping[str, Any]) -> list[int] | None:

@@ -63,6 +63,18 @@ def release_request(handle: Handle) -> Handle:
     return out
 
 
+def write_back_request(handle: Handle, tokens: int, block_size: int) -> Handle:
+    """D's handle, cut to its first ``tokens`` tokens, as a remote prefill on P of exactly those tokens: P
+    pulls every block its own prefix cache lacks (D's list end-trimmed to P's blocks, which line up when
+    P's prompt is the handle's first ``tokens`` tokens), caches them under the prompt's hashes, and its read
+    tells D to free the request's blocks (``pull_scheduler.py`` get_num_new_matched_tokens,
+    update_state_after_alloc; ``scheduler.py`` _update_waiting_for_remote_kv caches them; 0.26)."""
+    out = trim_handle(handle, tokens, block_size)
+    out["do_remote_prefill"] = True
+    out["do_remote_decode"] = False
+    return out
+
+
 def prefill_params(use: HandleUse | None, block_size: int) -> Handle:
     """What P gets as its ``kv_transfer_params``: the stored handle trimmed to what it may pull, or
     turned into a release, or nothing to pull at all."""
