@@ -32,13 +32,7 @@ from turnkv.state.base import Claim, ClaimStatus
 
 
 async def _render(svc: Services, turn: Turn) -> list[int]:
-    base = svc.settings.render
-    if base is None:
-        inst = svc.router.pick("prefill")
-        if inst is None:
-            raise ClientError("no prefill engine is configured")
-        base = inst.url
-    return await svc.engine.render(base, turn.body, turn.meta)
+    return await svc.engine.render(svc.render_base(), turn.body, turn.meta)
 
 
 async def _claim(svc: Services, turn: Turn) -> tuple[Claim | None, Reason]:
