@@ -5,18 +5,26 @@ process (httpx over ASGI, the app's lifespan running)."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import httpx
+import pytest
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from turnkv.config import Settings
 from turnkv.engine.base import PrefillResult
 from turnkv.engine.mock import Call, Decode, MockEngine, Prefill, Render, Reply, WriteBackCall
-from turnkv.gateway.app import create_app
+from turnkv.errors import ClientError
+from turnkv.gateway.app import ROUTES, create_app
+from turnkv.gateway.hot import TurnRoute
+from turnkv.gateway.intake import prepare_turn, receive
 from turnkv.gateway.services import Services
+from turnkv.gateway.turn.driver import run_turn
 
 P, D = "http://p.toy", "http://d.toy"
 ROLES = {"system": 1, "user": 2, "assistant": 3}
@@ -86,6 +94,14 @@ class ToyEngines:
         return Reply(words, token_ids=answer, prompt_ids=ids, handle=handle)
 
 
+class ToyEngine(MockEngine):
+    """The toy family with a rule of its own on what clients send (as vLLM's on ``kv_transfer_params``)."""
+
+    def check_request(self, body: Mapping[str, Any]) -> None:
+        if "toy_kv" in body:
+            raise ClientError("toy_kv is set by turnkv, not by clients", param="toy_kv")
+
+
 @contextlib.asynccontextmanager
 async def running(app: Starlette) -> AsyncIterator[tuple[httpx.AsyncClient, Services]]:
     """The app with its lifespan running, and a client of it."""
@@ -131,3 +147,54 @@ async def test_a_toy_engine_family_behind_the_seam_runs_a_conversation_that_reus
         assert [pin for pin, _ in toy.pulled] == ["d-0", "d-1"]
         assert list(toy.pins) == ["d-2"]
     assert toy.pins == {}  # a gateway without a shared store gives every pin back when it stops
+
+
+async def toy_front_end(request: Request) -> Response:
+    """``POST /v1/toy``: ``{"model", "asked": [questions...], "answered": [answers...]}`` in, ``{"answer"}``
+    out; the conversation is named by ``X-Session-ID``, as for chat."""
+    received = await receive(request)  # drain, body limits, the engine's rules, the model: as every turn
+    asked, answered = received.body.get("asked"), received.body.get("answered", [])
+    if not isinstance(asked, list) or not isinstance(answered, list) or len(asked) != len(answered) + 1:
+        raise ClientError("asked: one more question than answers", param="asked")
+    messages: list[dict[str, Any]] = []
+    for i, q in enumerate(asked):
+        messages.append({"role": "user", "content": q})
+        if i < len(answered):
+            messages.append({"role": "assistant", "content": answered[i]})
+    turn = prepare_turn(received, {"model": received.body.get("model"), "messages": messages})
+    answer = await run_turn(received.svc, turn)
+    chat = json.loads(bytes(answer.body))
+    reused = answer.headers.get("x-turnkv-outcome", "")
+    return JSONResponse({"answer": chat["choices"][0]["message"]["content"], "reused": reused})
+
+
+@pytest.mark.parametrize("cors", [False, True], ids=["fast_path", "through_starlette"])
+async def test_a_toy_front_end_comes_in_the_one_way_and_its_turns_reuse(cors: bool) -> None:
+    toy = ToyEngines()
+    settings = Settings(**BASE, policy={"name": "always-pull"}, cors={"allow_origins": ["*"] if cors else []})
+    app = create_app(
+        settings, engine=ToyEngine(toy, model="toy"), routes=[*ROUTES, TurnRoute("/v1/toy", toy_front_end)]
+    )
+    session = {"x-session-id": "toy-front-end"}
+    async with running(app) as (client, _):
+        asked = [m["content"] for m in conversation(3) if m["role"] == "user"]
+        answered: list[str] = []
+        for n in range(1, 4):
+            r = await client.post(
+                "/v1/toy", json={"model": "toy", "asked": asked[:n], "answered": answered}, headers=session
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["answer"] == asked[n - 1][::-1]
+            assert r.json()["reused"] == ("full" if n > 1 else "none")
+            answered.append(r.json()["answer"])
+        # what every front end refuses, this one refuses too, before any engine call
+        calls = len(toy.pulled)
+        bad = [
+            ({"model": "gpt-9", "asked": ["hi"]}, 404, "model"),
+            ({"model": "toy", "asked": ["hi"], "toy_kv": {}}, 400, "toy_kv"),
+            ({"model": "toy", "asked": "hi"}, 400, "asked"),
+        ]
+        for body, status, param in bad:
+            r = await client.post("/v1/toy", json=body, headers=session)
+            assert (r.status_code, r.json()["error"]["param"]) == (status, param), r.text
+        assert len(toy.pulled) == calls

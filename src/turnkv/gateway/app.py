@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypedDict
 
 import anyio
@@ -21,19 +21,19 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from turnkv.config import Settings
 from turnkv.engine import open_engine
 from turnkv.engine.base import Engine
-from turnkv.errors import GatewayError, UpstreamError, UpstreamStatus
-from turnkv.gateway import routes
+from turnkv.errors import GatewayError, UpstreamError, UpstreamStatus, UpstreamUnavailable
+from turnkv.gateway import routes as endpoints
 from turnkv.gateway.audit import classify, engine_renderer
 from turnkv.gateway.decode_admission import DecodeAdmission
 from turnkv.gateway.edge import Edge, EdgeMiddleware
 from turnkv.gateway.error_responses import on_gateway_error, on_http_exception, on_unexpected
 from turnkv.gateway.fleet import Fleet
-from turnkv.gateway.hot import GatewayApp
+from turnkv.gateway.hot import GatewayApp, TurnRoute
 from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
@@ -61,6 +61,21 @@ STOP_TICK_S = 0.1
 SHUTDOWN_RELEASE_S = 5.0
 WARM_WITHIN_S = 5.0  # opening the Redis pool at start; a Redis not there yet is met by the first calls
 logger = logging.getLogger("turnkv.app")
+# the one route table: Starlette routes them all, the fast path (gateway/hot.py) serves its TurnRoute rows
+ROUTES: tuple[BaseRoute, ...] = (
+    TurnRoute("/v1/chat/completions", endpoints.chat_completions),
+    TurnRoute("/v1/completions", endpoints.completions),
+    TurnRoute("/v1/responses", responses_routes.create),
+    Route("/v1/responses/{response_id}", responses_routes.retrieve, methods=["GET"]),
+    Route("/v1/models", endpoints.models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", endpoints.model, methods=["GET"]),
+    Route("/tokenize", endpoints.tokenize, methods=["POST"]),
+    Route("/detokenize", endpoints.detokenize, methods=["POST"]),
+    Route("/version", endpoints.version, methods=["GET"]),
+    Route("/health", endpoints.health, methods=["GET"]),
+    Route("/ready", endpoints.ready, methods=["GET"]),
+    Route("/metrics", endpoints.metrics, methods=["GET"]),
+)
 
 
 class State(TypedDict):
@@ -135,10 +150,10 @@ async def _report(svc: Services) -> None:
 
 async def _audit_once(svc: Services) -> bool:
     """Learn the served model names and classify the chat template; False when no engine answered."""
-    inst = svc.router.pick("prefill")
-    base = svc.settings.render or (inst.url if inst else None)
-    if base is None:
-        return False
+    try:
+        base = svc.render_base()
+    except UpstreamUnavailable:
+        return False  # nothing to ask yet: the next attempt may find an engine
     try:
         if not svc.catalog.models:
             cards = await svc.engine.models(base)
@@ -235,12 +250,14 @@ def create_app(
     drain: Drain | None = None,
     engine: Engine | None = None,
     store: ConversationStore | None = None,
+    routes: Sequence[BaseRoute] = ROUTES,
 ) -> Starlette:
     """The gateway; ``multiprocess_dir`` is set by ``serve --workers N`` (workers.py): where the workers'
     metrics meet, so that /metrics reports all of them. ``drain`` is how the server that runs the app
     tells it a shutdown began (``launch.run_uvicorn``). ``engine`` and ``store``: used instead of the ones
     the settings name (tests pass an engine double, ``engine.mock.MockEngine`` or the simulator-backed
-    one, and a store of their own)."""
+    one, and a store of their own). ``routes``: the route table (``ROUTES``, or one with a front end of the
+    caller's own)."""
     drain = drain or Drain(settings.drain_s)
 
     @contextlib.asynccontextmanager
@@ -345,29 +362,10 @@ def create_app(
                 ],
             ),
         )
-    turns = {
-        "/v1/chat/completions": routes.chat_completions,
-        "/v1/completions": routes.completions,
-        "/v1/responses": responses_routes.create,
-    }
     app = GatewayApp(
-        # the turns skip Starlette's stack (gateway/hot.py), unless a CORS middleware must see them
-        hot={} if cors.allow_origins else turns,
+        routes=routes,
         edge=edge,
-        routes=[
-            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
-            Route("/v1/completions", routes.completions, methods=["POST"]),
-            Route("/v1/responses", responses_routes.create, methods=["POST"]),
-            Route("/v1/responses/{response_id}", responses_routes.retrieve, methods=["GET"]),
-            Route("/v1/models", routes.models, methods=["GET"]),
-            Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
-            Route("/tokenize", routes.tokenize, methods=["POST"]),
-            Route("/detokenize", routes.detokenize, methods=["POST"]),
-            Route("/version", routes.version, methods=["GET"]),
-            Route("/health", routes.health, methods=["GET"]),
-            Route("/ready", routes.ready, methods=["GET"]),
-            Route("/metrics", routes.metrics, methods=["GET"]),
-        ],
+        fast=not cors.allow_origins,  # the turns skip Starlette's stack (gateway/hot.py), unless CORS must see them
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_exception, Exception: on_unexpected},

@@ -1,6 +1,7 @@
 """The turn routes served as plain ASGI, beside Starlette's router: which requests skip its stack.
 
-A POST to a turn path (chat, completions, responses) goes from the server straight to the ``Edge``
+The app has one route table (``app.ROUTES``); its ``TurnRoute`` rows are the turns. A POST to a turn
+path (chat, completions, responses) goes from the server straight to the ``Edge``
 (authentication, admission) and its endpoint, with the same exception handlers as every other route,
 but without Starlette's middleware stack and route matching: its ServerErrorMiddleware, its
 ExceptionMiddleware and the route's own exception wrapper each wrap ``send``, so each costs a Python
@@ -12,13 +13,14 @@ middleware must see it, goes through Starlette as before.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from turnkv.errors import GatewayError
@@ -48,13 +50,23 @@ class HotRoute:
         await response(scope, receive, send)
 
 
-class GatewayApp(Starlette):
-    """Starlette, serving the ``hot`` paths' POSTs itself (through ``edge``) and all else as usual."""
+class TurnRoute(Route):
+    """A turn's endpoint (``POST path``): Starlette's route, and on the fast path the same endpoint."""
 
-    def __init__(self, *, hot: Mapping[str, Endpoint], edge: Edge, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, path: str, endpoint: Endpoint) -> None:
+        super().__init__(path, endpoint, methods=["POST"])
+        self.turn_endpoint = endpoint
+
+
+class GatewayApp(Starlette):
+    """Starlette over one route table, serving its ``TurnRoute`` POSTs itself (through ``edge``) unless
+    ``fast`` is off (a CORS middleware must see every request), and all else as usual."""
+
+    def __init__(self, *, routes: Sequence[BaseRoute], edge: Edge, fast: bool = True, **kwargs: Any) -> None:
+        super().__init__(routes=routes, **kwargs)
         self._edge = edge
-        self._hot = {path: HotRoute(endpoint) for path, endpoint in hot.items()}
+        turns = [r for r in routes if isinstance(r, TurnRoute)] if fast else []
+        self._hot = {r.path: HotRoute(r.turn_endpoint) for r in turns}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):

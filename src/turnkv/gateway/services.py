@@ -11,6 +11,7 @@ from typing import Any
 
 from turnkv.config import Settings
 from turnkv.engine.base import Engine
+from turnkv.errors import UpstreamUnavailable
 from turnkv.gateway.decode_admission import DecodeAdmission
 from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.lifecycle import Drain
@@ -64,3 +65,15 @@ class Services:
     def models(self) -> list[str]:
         """The model names requests may name: the configured ones, else what the engines serve."""
         return self.settings.models or self.catalog.models
+
+    def render_base(self) -> str:
+        """Where renders, the template audit and the engine API passed through go: the render service, else
+        a prefill engine the router picks. None to pick is a server condition (``UpstreamUnavailable``, a
+        503): a turn that meets it renders nothing and loses its reuse, a passed-through call fails with it,
+        the audit tries again later."""
+        if self.settings.render:
+            return self.settings.render
+        inst = self.router.pick("prefill")
+        if inst is None:
+            raise UpstreamUnavailable("no prefill engine is available to render", leg="render")
+        return inst.url

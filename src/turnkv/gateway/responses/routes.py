@@ -1,12 +1,12 @@
 """``POST /v1/responses`` and ``GET /v1/responses/{id}``: a Responses request runs as a chat turn.
 
-Create: the body is checked (``models``), the previous response's history is read back (tenant-
-scoped: another tenant's id is not found), the request becomes a chat request (``translate``), its
-conversation is found as for chat (``identity.conversation_of``: a ``previous_response_id`` claims
-the record its response stored), and the turn runs through ``turn.driver.run_turn``, the pipeline
-every chat turn takes. The chat answer is turned into a Response (JSON) or into the Responses
-stream events (``events``); the response is stored, unless ``store: false``, before the client sees
-it complete, so a next request sent at once finds it.
+Create: the request comes in as every turn does (``intake.receive``), its body is checked (``models``),
+the previous response's history is read back (tenant-scoped: another tenant's id is not found), the
+request becomes a chat request (``translate``) and a turn (``intake.prepare_turn``: its conversation is
+found as for chat, a ``previous_response_id`` claiming the record its response stored), and the turn runs
+through ``turn.driver.run_turn``, the pipeline every chat turn takes. The chat answer is turned into a
+Response (JSON) or into the Responses stream events (``events``); the response is stored, unless
+``store: false``, before the client sees it complete, so a next request sent at once finds it.
 """
 
 from __future__ import annotations
@@ -19,13 +19,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from turnkv.errors import ClientError, GatewayError, ShuttingDown, StoreError
-from turnkv.gateway.auth import cache_salt
-from turnkv.gateway.body import ChatBody, check_model, check_output_length, validate
-from turnkv.gateway.fields import engine_body, engine_fields, shown
-from turnkv.gateway.identity import conversation_of
+from turnkv.errors import ClientError, GatewayError, StoreError
+from turnkv.gateway.intake import conversation_header, prepare_turn, principal, receive, services
 from turnkv.gateway.responses import events, models, translate
-from turnkv.gateway.routes import _body, _request_id, principal, services
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.driver import run_turn
 from turnkv.gateway.turn.request import Turn
@@ -57,7 +53,7 @@ async def _previous(svc: Services, tenant: str, resp_id: str) -> dict[str, Any]:
         ) from exc
     doc = json.loads(raw) if raw else None
     if not isinstance(doc, dict) or doc.get("tenant") != tenant:
-        err = ClientError(f"Previous response with id '{shown(resp_id)}' not found.", param="previous_response_id")
+        err = ClientError(f"Previous response with id '{resp_id}' not found.", param="previous_response_id")
         err.code = "previous_response_not_found"
         raise err
     return doc
@@ -88,50 +84,24 @@ def _turnkv_headers(resp: Response, turn: Turn) -> dict[str, str]:
 
 
 async def create(request: Request) -> Response:
-    svc = services(request)
-    s = svc.settings
-    if svc.drain.refusing:
-        raise ShuttingDown("the gateway is shutting down; send the turn again")
-    raw = await _body(svc, request)
+    received = await receive(request)
+    svc, raw, tenant = received.svc, received.body, received.who.tenant
     req = models.parse(raw)
-    check_model(req.model, svc.models)
-    svc.engine.check_request(raw)
-    who = principal(request)
-    tenant = who.tenant
     previous = await _previous(svc, tenant, req.previous_response_id) if req.previous_response_id else None
     history = list(previous["messages"]) if previous else []
     history += translate.input_messages(req.input)
-    body = engine_body(translate.chat_body(req, raw, history), chat=True, allowed=engine_fields(s))
-    parsed = validate(body, ChatBody)
-    model = body.get("model") or next(iter(svc.models), None)
-    check_output_length(body, svc.catalog.model_len.get(model) if isinstance(model, str) else None)
-    body["cache_salt"] = cache_salt(tenant, raw.get("cache_salt"))
-    conversation = conversation_of(
-        request.headers,
-        raw,
-        session_headers=s.session_headers,
-        tenant=tenant,
-        max_length=s.max_session_id_length,
-        messages=body["messages"],
-        response_key=previous.get("key") if previous else None,
-        from_history=s.conversation_from_history,
-    )
-    turn = Turn.of(
-        request_id=_request_id(request),
-        body=body,
-        parsed=parsed,
-        authorization=who.forward_authorization,
-        conversation=conversation,
+    body = translate.chat_body(req, raw, history)
+    turn = prepare_turn(
+        received, body, messages=body["messages"], response_key=previous.get("key") if previous else None
     )
     resp_id = translate.new_id("resp")
     answer = await run_turn(svc, turn)
-    key = conversation.store_key if conversation else None
+    key = turn.conversation.store_key if turn.conversation else None
     if not isinstance(answer, StreamingResponse):
         return await _whole(svc, req, turn, answer, resp_id, tenant, history, key)
     stream = events.EventStream(resp_id, req)
     answer.body_iterator = _translated(svc, req, answer.body_iterator, stream, tenant, history, key)
-    answer.headers["x-turnkv-conversation"] = conversation.source if conversation else "none"
-    return answer
+    return conversation_header(turn, answer)
 
 
 async def _whole(
@@ -210,5 +180,5 @@ async def retrieve(request: Request) -> Response:
         raise StoreUnavailable("the response store is unavailable") from exc
     doc = json.loads(raw) if raw else None
     if not isinstance(doc, dict) or doc.get("tenant") != tenant:
-        raise ResponseNotFound(f"Response with id '{shown(resp_id)}' not found.", param="response_id")
+        raise ResponseNotFound(f"Response with id '{resp_id}' not found.", param="response_id")
     return JSONResponse(doc["response"])

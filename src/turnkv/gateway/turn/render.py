@@ -20,7 +20,7 @@ import dataclasses
 import time
 from array import array
 
-from turnkv.errors import ClientError, StoreBusy, StoreError, UpstreamError, UpstreamStatus, UpstreamUnavailable
+from turnkv.errors import ClientError, StoreBusy, StoreError, UpstreamError, UpstreamStatus
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn import direct, plan
 from turnkv.gateway.turn.request import Turn
@@ -32,13 +32,7 @@ from turnkv.state.base import Claim, ClaimStatus
 
 
 async def _render(svc: Services, turn: Turn) -> list[int]:
-    base = svc.settings.render
-    if base is None:
-        inst = svc.router.pick("prefill")
-        if inst is None:
-            raise UpstreamUnavailable("no prefill engine is available", leg="render")
-        base = inst.url
-    return await svc.engine.render(base, turn.body, turn.meta)
+    return await svc.engine.render(svc.render_base(), turn.body, turn.meta)
 
 
 async def _claim(svc: Services, turn: Turn) -> tuple[Claim | None, Reason]:
