@@ -78,7 +78,7 @@ def test_each_configuration_is_what_it_stands_for(sweep_out: Path) -> None:
 
 def test_report_tables_targets_and_plot(sweep_out: Path) -> None:
     md = (sweep_out / "report.md").read_text()
-    for heading in ("## 1p1d", "### Goodput", "### TTFT ms", "### ITL ms", "### TPOT ms", "## Targets (issue 11)"):
+    for heading in ("## 1p1d", "### Goodput", "### TTFT ms", "### ITL ms", "### TPOT ms", "## Targets"):
         assert heading in md
     assert "| goodput >= best of colocated, plain, vllm-multiturn | 1p1d r2" in md
     assert "| ITL p99 <= 1.10x plain P/D | 1p1d r2 |" in md

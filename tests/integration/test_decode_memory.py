@@ -374,7 +374,7 @@ def test_no_decode_local_turn_on_a_decode_engine_short_of_kv(procs: list[launch.
 def test_no_decode_local_turn_on_a_decode_engine_queued_longer_than_the_idle_prefill_engine(
     procs: list[launch.Running], tmp_path: Path
 ) -> None:
-    # issue 11: D's KV pressure out of the way (1.01) and no decode admission, so only D's queue counts:
+    # D's KV pressure out of the way (1.01) and no decode admission, so only D's queue counts:
     # long answers fill D and one of them waits for blocks, while P is idle. D's queue is the longer one:
     # the turn goes through P (and waits for D's blocks there all the same), and says decode_queue.
     c = _realtime_cluster(

@@ -1,4 +1,4 @@
-"""P's queue in the decision (issue 11): simulated engines over real HTTP, the gateway's own prefills in flight
+"""P's queue in the decision: simulated engines over real HTTP, the gateway's own prefills in flight
 on P as the queue a later turn would wait in, the openai SDK as client, every answer checked against a
 colocated engine's.
 

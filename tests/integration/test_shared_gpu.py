@@ -1,4 +1,4 @@
-"""Whether P and D share a GPU, as the engines say it (issue 11): simulated engines over real HTTP that name
+"""Whether P and D share a GPU, as the engines say it: simulated engines over real HTTP that name
 their GPUs as turnkv's vLLM plugin names a real engine's (``x-turnkv-plugin: ...; gpus=GPU-...``), a gateway
 left at ``shared_gpu: auto``, the openai SDK as client, every answer checked against a colocated engine's.
 

@@ -227,7 +227,7 @@ async def test_a_handle_is_kept_as_a_hedge_where_a_pull_beats_p_recomputing_the_
 ) -> None:
     """D is idle and would take the next turn itself, P's cache holds the history: no pull is expected. But
     should D not have room then and P's cache have lost the history, pulling the long history over a fast
-    link beats recomputing it on P: the handle stays pinned, and the capture says why (issue 11)."""
+    link beats recomputing it on P: the handle stays pinned, and the capture says why."""
     policy = {"name": "adaptive", "params": {"keep_hedge": hedge}}
     async with gateway(policy=policy, costs={"link_gbps": 300.0}) as gw:
         a = await Chat(gw, session="c1").say(" ".join(f"word{i}" for i in range(3000)))  # a long history

@@ -3,7 +3,7 @@
 What the cost model learns of P's prefill time: P's time on a turn's prefill, not its wait behind this
 gateway's earlier prefills there (``Slot.served_s``). The call's wall time counts P's queue in: at a
 saturated P the estimate learnt from it was 74x P's compute per token, which priced recomputes and pulls
-alike by the queue and let noise decide between them (issue 11). And what P's queue adds to a decision:
+alike by the queue and let noise decide between them. And what P's queue adds to a decision:
 each action's P compute charged for the prefills waiting there (``prefill_waiting``, ``charges_ms``)."""
 
 from __future__ import annotations

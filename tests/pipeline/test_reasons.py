@@ -195,7 +195,7 @@ async def test_an_unhealthy_decode_engine_is_left_for_another() -> None:
 
 @pytest.mark.parametrize("routing", ["load-affinity", "affinity"])
 async def test_a_conversation_whose_decode_engine_is_queued_moves_to_the_other(routing: str) -> None:
-    # issue 11: with load-affinity, a D on which requests wait (here 400 ms, as its queue-time histogram
+    # with load-affinity, a D on which requests wait (here 400 ms, as its queue-time histogram
     # says) over 100 ms longer than on the other loses the conversation: the turn pulls the old D's blocks
     # through P and decodes on the other D, and says why. Plain affinity does not look at D's queue.
     engine = SimEngine([P0], [D0, D1])
@@ -315,7 +315,7 @@ async def test_decode_local(direct: bool) -> None:
 
 
 async def test_decode_local_that_would_slow_the_streams_on_d_past_the_itl_budget_goes_through_p() -> None:
-    # D runs streams; prefilling the turn there would stretch their steps past a 1 ms budget (issue 11)
+    # D runs streams; prefilling the turn there would stretch their steps past a 1 ms budget
     async with gateway(policy={"name": "adaptive", "params": {"itl_budget_ms": 1.0}}) as gw:
         chat = await conversation(gw)
         gw.engine[D0].running = 8
@@ -341,7 +341,7 @@ async def test_decode_local_that_would_lengthen_ds_step_past_its_headroom_goes_t
     headroom: float | None, shared: bool | str, gpus: tuple[str, str] | None, reason: str
 ) -> None:
     # D runs streams and would prefill a 600-word turn in one step (no --long-prefill-token-threshold): that
-    # step would be far more than 10% longer than D's step alone, though no absolute budget is set (issue 11).
+    # step would be far more than 10% longer than D's step alone, though no absolute budget is set.
     # A short turn adds only its attention, well within: it stays decode-local either way. With P on D's GPU
     # (the setting shared_gpu, or with auto the engines naming the same GPU) the path through P would compute
     # the same new words and more there: decode-local.
@@ -402,7 +402,7 @@ async def test_a_decode_engine_short_of_kv_or_queued_longer_than_p_takes_no_deco
 async def test_a_decode_engine_queued_less_than_p_still_takes_the_turn_decode_local(
     direct: bool, local_queue: str
 ) -> None:
-    # issue 11: requests wait on D (20 ms each, as its queue-time histogram says), but P has others'
+    # requests wait on D (20 ms each, as its queue-time histogram says), but P has others'
     # prefills queued (4 of 300 ms): the turn would wait longer at P, so D takes it. With
     # decode_memory.local_queue: refuse (as before), any request waiting on D refuses it.
     async with gateway(
@@ -594,7 +594,7 @@ def test_every_reason_is_covered() -> None:
 
 async def test_decode_local_turns_prefilling_on_d_are_counted_until_their_first_token() -> None:
     # three conversations' decode-local turns wait on D for their first token: a fourth turn planned meanwhile
-    # is told that three prefills share D's steps with it (issue 11: the ITL check counts their chunks)
+    # is told that three prefills share D's steps with it (the ITL check counts their chunks)
     async with gateway(policy={"name": "decode-local"}) as gw:
         chats = [await conversation(gw, stream=True, session=f"c{i}") for i in range(4)]
         gw.engine.faults(D0, busy=3)  # the next three streams' first outputs wait behind D's other work

@@ -1,4 +1,4 @@
-"""Routing by load and affinity together (``routing: load-affinity``, issue 11), in process over the fake
+"""Routing by load and affinity together (``routing: load-affinity``), in process over the fake
 engines: a later turn goes to the P that served its conversation (its prefix cache holds the history)
 until that P's queue is longer than recomputing the whole prompt elsewhere; then to the other P, and back
 once the queue is gone. Every answer is checked against a colocated engine's (``Chat``)."""

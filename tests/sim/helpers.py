@@ -1,6 +1,6 @@
 """Helpers for the simulator's tests: apps in process, SSE parsing, metrics, and proxy-shaped requests.
 
-The P and D request builders copy what vLLM's proxies send (vllm-pd-protocol.md §1.1, §1.3, §2.3):
+The P and D request builders copy what vLLM's P/D proxies send:
 P gets the client body with ``stream: false``, ``max_tokens: 1``, no ``stream_options`` or
 ``min_tokens``, and ``do_remote_decode: true`` (plus D's handle on a later turn); D gets the client
 body unchanged with P's ``kv_transfer_params``.

@@ -1,4 +1,4 @@
-"""Response shapes of the simulated engine, key for key, against vLLM's (vllm-shapes.md), in process."""
+"""Response shapes of the simulated engine, key for key, against vLLM's, in process."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 What is pulled: a D request with ``do_remote_prefill`` pulls everything its prefix cache lacks; a P
 request carrying D's handle pulls ``min(remote_num_tokens, prompt) - local_hit`` tokens unless that
 is below ``kv_recompute_threshold``, and D is told to free its pin either way; remote blocks are
-end-trimmed to the local ones (vllm-pd-protocol.md §1.4, §2.3).
+end-trimmed to the local ones, as vLLM's NIXL connector does.
 """
 
 from __future__ import annotations

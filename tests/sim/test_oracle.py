@@ -1,8 +1,8 @@
 """The KV-content oracle across real P, D and colocated sims: a correct reuse gives exactly the
 colocated answer, and a reuse of blocks computed for other tokens gives a different one.
 
-Each conversation turn is driven the way the upstream multi-turn proxy drives it (vllm-pd-protocol.md
-§2.3): P gets the turn with ``max_tokens: 1`` and, from turn 2, D's previous handle flipped to
+Each conversation turn is driven the way vLLM's multi-turn proxy (``disagg_proxy_multiturn.py``) drives it:
+P gets the turn with ``max_tokens: 1`` and, from turn 2, D's previous handle flipped to
 ``do_remote_decode``; D gets the client's request with P's params.
 """
 

@@ -1,4 +1,4 @@
-"""The P/D protocol between real sim processes on 127.0.0.1 (vllm-pd-protocol.md §1, §2).
+"""The P/D protocol between real sim processes on 127.0.0.1: one-way P->D and the bidirectional readback.
 
 Requests are shaped as vLLM's proxies shape them (see ``helpers.prefill_body``/``decode_body``).
 Every effect is read from a response, the sims' /metrics, or /_sim/state after the response

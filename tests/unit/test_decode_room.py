@@ -1,5 +1,5 @@
 """Whether the D holding a conversation has room for its turn decode-local, with D's queue weighed against
-P's (``reuse.room``, issue 11), D's queue as the metrics give it (``reuse.load.decode_queue``), and what D's
+P's (``reuse.room``), D's queue as the metrics give it (``reuse.load.decode_queue``), and what D's
 queue does to the policy's estimates and decision (``reuse.cost.estimate``, ``adaptive``)."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_a_decode_engine_without_a_queue_has_room() -> None:
 
 
 def test_requests_waiting_on_d_refuse_the_turn_only_when_ds_queue_is_longer_than_ps() -> None:
-    # before issue 11 any request waiting on D refused it, exactly when P's queue was longest too
+    # refusing it whenever a request waits on D (local_queue: refuse) refuses it when P's queue is longest too
     assert room(decode_queue_ms=40.0, prefill_queue_ms=900.0) is RoomState.QUEUED
     assert room(decode_queue_ms=40.0, prefill_queue_ms=40.0) is RoomState.QUEUED
     assert room(decode_queue_ms=40.0, prefill_queue_ms=10.0) is RoomState.QUEUE_LONGER

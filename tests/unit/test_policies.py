@@ -477,7 +477,7 @@ def test_a_bad_headroom_fails_at_start(bad: object) -> None:
         build_policy("adaptive", {"itl_headroom": bad})
 
 
-# -- P's queue: an action's P compute charged for the turns that will wait behind it (issue 11) ----------
+# -- P's queue: an action's P compute charged for the turns that will wait behind it ----------
 
 # a link where a whole-history pull is a little slower than P recomputing it at an idle P (~0.4 s each)
 SLOWISH = CostParams(link_fixed_s=0.005, link_bytes_per_s=3.2e9)

@@ -34,3 +34,28 @@ def test_docs_hold_pages_and_a_few_plots_not_results() -> None:
     kinds = {f.suffix for f in files}
     assert kinds <= {".md", ".png"}, f"results belong under results/ (git-ignored), not docs/: {kinds}"
     assert len([f for f in files if f.suffix == ".png"]) <= 8, "only the plots BENCHMARKS.md shows"
+
+
+# What a reader outside this project's process cannot follow: its issue numbers, rounds and stops, its branch
+# names, and documents that are not in the repository.
+PROCESS = re.compile(
+    r"\bissues? #?\d+"
+    r"|\bround \d+\b|\bstop \d+\b"
+    r"|\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth) stop\b"
+    r"|\b(?:goodput|hotpath|edges|seam|core|docs|ops|doctor|writeback)\d+\b"
+    r"|\.\./shared\b|/work/|vllm-shapes\.md|vllm-pd-protocol\.md|performance-anchors|style-anchors"
+    r"|vllm-scale-out|landscape\.md",
+    re.IGNORECASE,
+)
+SCANNED = ("src", "tests", "docs", "gpu", "plugins", "scripts", "deploy", "examples", "README.md", "BENCHMARKS.md")
+
+
+def test_no_process_words_or_outside_references() -> None:
+    found = []
+    for path in (p for top in SCANNED for p in _tracked(top)):
+        if path == Path(__file__).resolve() or path.suffix in {".png", ".gz", ".tgz"} or not path.exists():
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if match := PROCESS.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {match.group(0)!r}")
+    assert found == [], "name the change, the run or vLLM's own file instead"

@@ -179,7 +179,7 @@ def test_a_bad_profile_refuses_the_start(routing: str, profiles: dict[str, Routi
         Settings(prefill=["http://p"], decode=["http://d"], routing=routing, routing_profiles=profiles)
 
 
-# -- load-affinity (issue 11): P by the turn's estimated wait, its cache counted; D as affinity ------------
+# -- load-affinity: P by the turn's estimated wait, its cache counted; D as affinity ------------
 
 
 def queued(url: str, work_s: float, since: float = 100.0) -> InstanceView:

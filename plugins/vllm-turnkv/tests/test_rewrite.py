@@ -1,4 +1,4 @@
-"""The SSE rewriting against chunks as vLLM 0.26 writes them (vllm-shapes.md §2, §4) and as 0.33 would."""
+"""The SSE rewriting against chunks as vLLM 0.26 writes them and as 0.33 would."""
 
 from __future__ import annotations
 

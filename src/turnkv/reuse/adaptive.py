@@ -35,8 +35,8 @@ only what is past the pulled blocks, decode-local nothing) delays every turn tha
 before P's queue drains. The policy takes about as many to come as wait there now (``prefill_crowding``
 per waiting prefill, 1.0 by default) and charges each action its P compute that many times over
 (``Decision.charges``, logged beside the estimates). Minimising each turn's own TTFT alone, a saturated P
-recomputed histories a pull would have spared it (issue 11: vLLM's multi-turn proxy, which always pulls,
-had twice adaptive's goodput there). At an idle P nothing is charged.
+recomputed histories a pull would have spared it (vLLM's multi-turn proxy, which always pulls, had twice
+adaptive's goodput there: docs/history.md). At an idle P nothing is charged.
 
 ``keeps_pin`` says whether a turn's new handle stays pinned for the next turn (``Keep``): ``pull`` where a
 next turn like this one would pull it; ``hedge`` where it would not (D would take it, or P's cache hold the
@@ -267,7 +267,7 @@ class AdaptivePolicy:
         if now is Action.PULL:
             return Keep.PULL
         no_local = replace(facts, decode_local_possible=False)
-        if not self.p.keep_hedge:  # as before issue 11's hedge: none after a turn D would take itself
+        if not self.p.keep_hedge:  # without the hedge: none after a turn D would take itself
             if now is Action.DECODE_LOCAL or self.decide(no_local, costs).action is not Action.PULL:
                 return Keep.NOT_NEEDED
             return Keep.PULL

@@ -30,9 +30,9 @@ ends, counts nowhere.
   and no prefill-time histogram, their part is left out and the source says so.
 * ``prefill_waiting``: the prefills at P now: this gateway's in flight there, and P's other requests
   (running and waiting, as its metrics said, beyond this gateway's own in flight when they were read). The
-  policy takes about as many turns to come to P behind a turn's prefill before P's queue drains (issue 11).
+  policy takes about as many turns to come to P behind a turn's prefill before P's queue drains.
 * ``decode_prefills``: the decode-local turns this gateway has sent to D whose first token has not come
-  (and their tokens): their prefill chunks share D's steps with a next decode-local turn's (issue 11).
+  (and their tokens): their prefill chunks share D's steps with a next decode-local turn's.
 * ``decode_queue_ms``: how long a request sent to D now would wait to be scheduled there: 0 while no
   request of another client waited there at its last read; else the mean wait of the requests it scheduled between its
   last two reads (``vllm:request_queue_time_seconds``), at least one step; without that histogram, one

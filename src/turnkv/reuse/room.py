@@ -10,9 +10,9 @@ Pure: D's KV usage, the turns the gateway holds for room on D, D's queue and P's
 * Requests waiting on D: a decode-local turn waits D's queue before its prefill starts there; through P
   it waits P's queue first, and D's requests waiting now are scheduled while it does. So D's queue is
   weighed against P's: D's longer, no (``decode_queue``); else yes (``queued``: the policy then weighs the
-  rest, with D's queue in its estimate). Before this (issue 11) any request waiting on D refused the turn,
-  which is when P's queue is longest too: the turn then waited longer at P. A P queue nobody measured
-  counts as none (D's queue then refuses, as before).
+  rest, with D's queue in its estimate). Refusing the turn whenever any request waits on D
+  (``decode_memory.local_queue: refuse``) refuses it when P's queue is longest too, and the turn then waits
+  longer at P. A P queue nobody measured counts as none (D's queue then refuses).
 * Nothing waits on D: yes (``free``).
 """
 

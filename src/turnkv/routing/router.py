@@ -5,11 +5,11 @@ the conversation unless it is much busier than the least loaded, else the least 
 equals), ``least-loaded`` and ``round-robin`` (benchmark baselines that ignore the conversation), or
 one of ``settings.routing_profiles``. Every built-in keeps the same filters: not tried, not avoided,
 routable. ``affinity`` weighs its scorer 2 against ``load``'s 1, so the conversation's engine, when
-within its slack, beats any other however idle. ``load-affinity`` (issue 11, docs/bench/goodput/routing.md)
+within its slack, beats any other however idle. ``load-affinity`` (docs/load.md)
 picks P by the turn's estimated wait there (``ttft``: P's queue, then what the turn computes on it, the
 conversation's P computing only what its cache lacks: affinity as a term of the estimate), and D as
 ``affinity`` does (the D holding the conversation, unless much busier), except that a D on which requests
-wait over 100 ms longer than on another loses the conversation (issue 11: its turn goes through P, pulling
+wait over 100 ms longer than on another loses the conversation (its turn goes through P, pulling
 the old D's blocks where that pays, to the other D; the turn says ``decode_moved``). A single candidate left by the
 filters is picked without scoring.
 """

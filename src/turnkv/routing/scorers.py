@@ -5,7 +5,7 @@ flight (``signal: in_flight``, the default: it moves with every request) or by w
 (``busy``). ``affinity``: 1 for the engine that holds the conversation, unless it has more than
 ``slack`` requests in flight above the least loaded one, or (with ``queue_slack_ms``) requests wait on it
 that much longer than on the least queued one (``reuse.load.decode_queue``): a conversation whose D is
-overloaded moves to another D, its turn through P pulling the old D's blocks (issue 11).
+overloaded moves to another D, its turn through P pulling the old D's blocks.
 ``pin-headroom``: the share of a decode engine's pin budget still free (1 when no budget is known, and for
 prefill engines). ``ttft``: for prefill engines, the turn's estimated wait there, least / theirs (10 ms
 added to both): P's queue (``reuse.load``: this gateway's prefills in flight at their estimated work, and

@@ -93,7 +93,7 @@ class SimServer:
             kwargs["enable_thinking"] = req.reasoning_effort != "none"
         thinking = self.settings.thinking and kwargs.get("enable_thinking", True) is not False
         # Tools are rendered even with tool_choice "none": vLLM leaves them out only with
-        # --exclude-tools-when-tool-choice-none, off by default (vllm-pd-protocol.md §7).
+        # --exclude-tools-when-tool-choice-none, off by default.
         try:
             text = self.template.render(
                 req.messages,
@@ -111,7 +111,7 @@ class SimServer:
         ids, thinking = self.render_chat(req)
         override = (req.kv_transfer_params or {}).get("prompt_token_ids")
         if override is not None and self.settings.engine.compat == "0.33":
-            # 0.32+: the renderer takes these ids instead of templating (vllm-pd-protocol.md §4.1).
+            # 0.32+: the renderer takes these ids instead of templating.
             if not (isinstance(override, list) and override and all(isinstance(i, int) for i in override)):
                 raise ApiError(
                     400,
@@ -283,7 +283,7 @@ class SimServer:
             if not started:
                 yield fmt.role_chunk(prep.prompt)
             # 0.26 skips empty outputs before it checks for errors: a request that fails before
-            # its first token ends the stream with no error event at all (vllm-shapes.md §3).
+            # its first token ends the stream with no error event at all.
             if not (fmt.compat == "0.26" and not out_ids):
                 yield error_event(fmt.compat, error_body("Internal server error", "InternalServerError", 500))
                 yield DONE
@@ -322,7 +322,7 @@ class SimServer:
             include_usage=bool((req.stream_options or {}).get("include_usage")),
             prompt_tokens_details=self.settings.prompt_tokens_details,
         )
-        # one prompt of a batch: the engine request is "cmpl-<id>-0" (vllm-shapes.md §4)
+        # one prompt of a batch: the engine request is "cmpl-<id>-0", as in vLLM
         prep = self._prepare(req, prompt, self._sampling(req, prompt, limit), rid + "-0", arrival)
         if req.stream:
             return StreamingResponse(self._completion_stream(prep, fmt), media_type="text/event-stream")

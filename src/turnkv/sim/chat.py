@@ -146,7 +146,7 @@ def _normalize_tool(t: Mapping[str, Any]) -> dict[str, Any]:
     """A tool as vLLM hands it to templates: ``ChatCompletionToolsParam.model_dump()``.
 
     ``description`` and ``parameters`` stay as None when omitted; ``strict`` and ``defer_loading``
-    are dropped when None; other keys are kept after the declared ones (vllm-pd-protocol.md §7).
+    are dropped when None; other keys are kept after the declared ones, as vLLM's request model keeps them.
     """
     if not isinstance(t, Mapping) or not isinstance(t.get("function"), Mapping):
         raise RenderError("each tool must be an object with a 'function' object")
@@ -189,7 +189,7 @@ class Delta:
 class OutputParser:
     """Splits generated ids into reasoning, content and tool calls, one token at a time.
 
-    As vLLM's Qwen3 reasoning parser and hermes tool parser do (vllm-pd-protocol.md §6): reasoning
+    As vLLM's Qwen3 reasoning parser and hermes tool parser do: reasoning
     is the raw text after ``<think>`` up to ``</think>`` (whitespace kept), and ``<tool_call>`` also
     ends it; parsing starts in reasoning unless thinking is off; other special tokens are dropped.
     ``<tool_call>`` ... ``</tool_call>`` spans are JSON tool calls (an unclosed last one too) and

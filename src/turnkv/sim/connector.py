@@ -1,16 +1,14 @@
 """The NixlConnector stand-in of one engine: what a request pulls, and which blocks stay pinned.
 
-Decides what vLLM's NixlPullConnectorScheduler and worker decide (vllm-pd-protocol.md §1.4,
-§2.2-§2.4): how many tokens a request pulls (all its prefix cache lacks for ``do_remote_prefill``;
-``min(remote_num_tokens, prompt) - local_hit`` for a handle carrying ``do_remote_decode``, unless
-below ``kv_recompute_threshold``), how remote blocks line up (the remote list end-trimmed to the
-local blocks, no token check), when a read is declined (within 5 s of the remote expiry, judged on
-the remote clock through the handshake's offset), what a failed pull does
-(``kv_load_failure_policy``), what a finished request returns and which blocks it pins for how
-long (P: ``kv_lease_duration``; D in bidirectional mode: ``decoder_kv_blocks_ttl``), what a request
-aborted before its blocks were allocated tells the remote engine (with ``do_remote_prefill`` still
-set: that it is done with the remote blocks, so they are freed; otherwise nothing), and what the
-side channel answers other engines.
+Decides what vLLM's NixlPullConnectorScheduler and worker decide (0.26-0.33): how many tokens a request pulls
+(all its prefix cache lacks for ``do_remote_prefill``; ``min(remote_num_tokens, prompt) - local_hit`` for a
+handle carrying ``do_remote_decode``, unless below ``kv_recompute_threshold``), how remote blocks line up (the
+remote list end-trimmed to the local blocks, no token check), when a read is declined (within 5 s of the
+remote expiry, judged on the remote clock through the handshake's offset), what a failed pull does
+(``kv_load_failure_policy``), what a finished request returns and which blocks it pins for how long (P:
+``kv_lease_duration``; D in bidirectional mode: ``decoder_kv_blocks_ttl``), what a request aborted before its
+blocks were allocated tells the remote engine (with ``do_remote_prefill`` still set: that it is done with the
+remote blocks, so they are freed; otherwise nothing), and what the side channel answers other engines.
 """
 
 from __future__ import annotations

@@ -17,11 +17,13 @@ split over several steps, each longer. A lone prefill of N tokens is the same fo
 batch. The constants are priors for the Qwen3-8B shape on one H200 (vLLM 0.26): the prefill terms
 from our own run there (a cold prefill through P took 113-121 ms for 4.2k tokens and 547-603 ms for
 16.4k: 8 ms + 23.5 us/token past the first 128 + 1.2 ns per token per token of context fits both),
-the decode terms from ../shared/reference/performance-anchors.md (~8 ms ITL at a small batch) and the
+the decode terms from published vLLM figures for an 8B model on one H100/H200 (~8 ms ITL at a small
+batch) and the
 KV read rate (144 KiB per token of context at ~3 TB/s effective). ``gpu/step_time.py`` measures
 decode step time against prefill tokens in the batch and batch size on real vLLM, and
 ``gpu/fit_step_time.py`` fits these constants from it. Its first run (2026-12-01, one engine alone on
-the H200, vLLM 0.26 with ``--enforce-eager`` as the kit runs it; docs/bench/step-time/) found a step of
+the H200, vLLM 0.26 with ``--enforce-eager`` as gpu/ runs it; BENCHMARKS.md, "Decode step time on one H200")
+found a step of
 23.8 ms + 15.4 us per stream + 12.4 ns per token of context read + 14.8 us per token past 512 + 1.235 ns
 of prefill attention (rms 13.6 ms over 248 samples: the eager engine's steps are noisy). The defaults
 stay the priors, which every simulator benchmark so far used; ``turnkv sim --decode-itl-ms 23.797

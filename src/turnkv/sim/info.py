@@ -1,7 +1,7 @@
 """The simulated engine's routes other than generation: token utilities, metadata and control.
 
 Decides what ``/v1/chat/completions/render``, ``/tokenize``, ``/detokenize``, ``/v1/models``,
-``/health``, ``/version`` and ``/metrics`` answer, in vLLM's shapes (vllm-shapes.md §5, §8), and
+``/health``, ``/version`` and ``/metrics`` answer, in vLLM's shapes, and
 what the simulator's own ``/_sim/faults`` and ``/_sim/state`` do.
 """
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 def sampling_params(req: ChatRequest, limit: int, kv: dict[str, Any] | None, compat: str) -> dict[str, Any]:
     """``SamplingParams`` as msgspec writes it with ``omit_defaults``: only non-default fields, in
-    struct order (vllm-shapes.md §5)."""
+    struct order."""
     # As recorded from vLLM 0.26 (tests/fixtures/vllm): the model's default sampling parameters come
     # first, even where they equal SamplingParams' own defaults.
     sp: dict[str, Any] = {

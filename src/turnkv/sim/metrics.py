@@ -6,7 +6,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-# Bucket lists as vLLM registers them (vllm-pd-protocol.md §8: v1/metrics/loggers.py, nixl/stats.py).
+# Bucket lists as vLLM registers them (vLLM's v1/metrics/loggers.py, and the NIXL connector's stats).
 _XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 _BYTES_BUCKETS = tuple(float(2**i) for i in range(11, 35, 2))  # 2^11 ... 2^33
 _TTFT_BUCKETS = (

@@ -8,7 +8,7 @@ rendered exactly as the simulated engines render them (the same template and tok
 are what a colocated engine would compute from.
 
 A render service is CPU-bound and small: every call holds one of its ``cores`` for a modelled duration
-(``RenderCosts``, fitted to vLLM 0.34 on 2 cores: ../shared/reference/vllm-scale-out; scaled by
+(``RenderCosts``, fitted to timings of vLLM 0.34's render service on 2 cores; scaled by
 ``time_scale``), calls beyond its cores queue, and ``/_sim/state`` reports the modelled busy seconds per
 route, so a render layer's capacity can be studied on one machine. Streaming derender's cost grows with
 everything a call replays (earlier output tokens and chunks, and the prompt it rescans).
@@ -176,7 +176,7 @@ def sampling_params(
     kv: dict[str, Any] | None,
     sim: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """``SamplingParams`` as msgspec writes it with ``omit_defaults`` (vllm-shapes.md §5): the model's
+    """``SamplingParams`` as msgspec writes it with ``omit_defaults`` (vLLM's ``/render`` answer): the model's
     default sampling parameters first, then only what differs from ``SamplingParams``' defaults. A
     ``max_tokens`` of 16 is SamplingParams' default and so is left out, as vLLM leaves it out."""
     extra = req.model_extra or {}

@@ -2,7 +2,7 @@
 
 Decides what is a valid request and how an invalid one is worded: pydantic schema failures as
 FastAPI's validation handler words them, ``max_tokens`` and context-length checks as vLLM's
-renderer words them (vllm-shapes.md §3 and §9), unknown model names as a 404.
+renderer words them, unknown model names as a 404.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def max_tokens(
     max_input = limit - value if value else limit
     if prompt_len > max_input:
         # Text prompts are tokenized with truncation to max_input + 1, so vLLM reports "at least"
-        # that many; token-id prompts report their exact length (vllm-shapes.md §9).
+        # that many; token-id prompts report their exact length.
         n = min(prompt_len, max_input + 1) if text_prompt else prompt_len
         least = "at least " if n == max_input + 1 else ""
         raise ApiError(

@@ -1,7 +1,7 @@
 """vLLM-shaped response bodies and SSE chunks, key for key, for the two compat levels.
 
 Full bodies carry every field (nulls included); stream chunks carry exactly the keys vLLM sets,
-in vLLM's field order, as compact JSON (vllm-shapes.md §0-§4). 0.33 adds ``kv_transfer_params``
+in vLLM's field order, as compact JSON (held to recordings of vLLM: tests/compat). 0.33 adds ``kv_transfer_params``
 to stream chunks (``null`` except on the chunk that has a ``finish_reason``), ``weight_versions``
 on that chunk, and ``completion_tokens_details`` to usage.
 """

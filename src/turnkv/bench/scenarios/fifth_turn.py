@@ -5,7 +5,7 @@ sweep on one slow and one fast link with P's cache cold), runs every configurati
 H200 speed (``--time-scale 1``: durations are not scaled, so TTFTs are real milliseconds, HTTP
 hops and simulator CPU included), and compares TTFT_5 side by side: against plain P/D (turnkv
 without session ids), against colocated serving with prefix caching, and against the best fixed
-policy, with the targets of issue 4.
+policy, with its targets (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
             pull_rows,
         ),
         "",
-        "## Targets (issue 4)",
+        "## Targets",
         "",
         "Where adaptive took the same turn-5 actions as the best fixed policy, the two ran the same path and "
         "their ratio measures run-to-run noise (8 samples each), not the policy.",

@@ -20,12 +20,11 @@ with two of each). Configurations, side by side at each rate:
   turn's prefill ``D_CHUNK_TOKENS`` tokens a step (``--long-prefill-token-threshold``; the policy is told),
   the planner passing D's step time, its streams' KV and P's queue; with several P, the ``load-affinity``
   routing (P by the turn's estimated wait there);
-* ``adaptive-no-itl``: adaptive without an ITL budget, D as vLLM's default (turnkv before issue 11);
+* ``adaptive-no-itl``: adaptive without an ITL budget, D as vLLM's default;
 * ``adaptive-pull``: adaptive with decode-local off (pull or recompute only);
 * ``adaptive-before`` (only when asked for): adaptive without the charge for P's queue
-  (``prefill_crowding: 0``: each turn minimises its own TTFT, as before round 2's sixth stop), to compare
-  the two in one run. (Earlier runs in BENCHMARKS.md used this name for adaptive before branch goodput4:
-  no ITL headroom, no hedge.)
+  (``prefill_crowding: 0``: each turn minimises its own TTFT), to compare the two in one run. (Some runs
+  in docs/history.md used this name for adaptive without the ITL headroom and the hedge.)
 * ``adaptive-first`` (only when asked for): adaptive with ``decode_local_first``: while prefills wait at
   P, a conversation's first turn may run on D too (its whole prompt, a chunk a step), where the policy
   finds that faster and D's ITL checks allow it.
@@ -74,7 +73,7 @@ RATES_1P1D = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
 KV_BLOCKS = 18000
 # D's --long-prefill-token-threshold: a decode-local turn's prefill at most this many tokens a step, so
 # that a step stays within the tokens it computes for free. It changes nothing for plain P/D and the
-# multi-turn proxy (D prefills one token of their turns); adaptive-no-itl runs D as before issue 11.
+# multi-turn proxy (D prefills one token of their turns); adaptive-no-itl runs D as vLLM's default.
 D_CHUNK_TOKENS = 64
 DECODE_CACHE_MAX_USAGE = 0.6
 # the gateway reads the engines' metrics (D's step time, KV usage, P's prefill times) this often in every
@@ -98,10 +97,10 @@ DESCRIPTIONS = {
     "vllm-multiturn": "turnkv --policy vllm-multiturn (vLLM's multi-turn proxy: previous handle pulled, unchecked)",
     "adaptive": "turnkv --policy adaptive with the ITL budget at the TPOT SLO, D prefilling 64 tokens a step, "
     "the engines' load passed (load-affinity routing with several P)",
-    "adaptive-no-itl": "turnkv --policy adaptive without an ITL budget (before issue 11)",
+    "adaptive-no-itl": "turnkv --policy adaptive without an ITL budget",
     "adaptive-pull": "turnkv --policy adaptive with decode-local off",
-    "adaptive-before": "adaptive without charging P's compute for the turns queued behind it (before round 2's "
-    "sixth stop: each turn minimises its own TTFT)",
+    "adaptive-before": "adaptive without charging P's compute for the turns queued behind it "
+    "(each turn minimises its own TTFT)",
     "adaptive-first": "adaptive with first turns on D too while prefills wait at P (decode_local_first)",
 }
 # what adaptive-before and adaptive-first change in adaptive's parameters
@@ -314,7 +313,7 @@ class Check:
 
 
 def checks(g: Grid) -> list[Check]:
-    """Issue 11's targets, per topology: at every rate turnkv's goodput >= the best baseline's and its ITL
+    """The targets, per topology: at every rate turnkv's goodput >= the best baseline's and its ITL
     p99 <= 1.10x plain P/D's; at the rate where plain P/D's goodput peaks, >= 1.5x plain P/D's."""
     out: list[Check] = []
     for topo, rates in g.items():
@@ -449,7 +448,7 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
         ]
     cs = checks(g)
     parts += [
-        "## Targets (issue 11)",
+        "## Targets",
         "",
         md_table(
             ["target", "where", "measured", "limit", "met"],

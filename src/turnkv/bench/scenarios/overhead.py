@@ -72,7 +72,7 @@ LOADS: tuple[tuple[str, dict[str, float]], ...] = (
 UNSATURATED = ("c1", "r25", "r50")
 SETUP_COMMANDS = ("hello", "client", "script", "ping", "info", "select", "auth")
 STREAMS = 256
-# issue 15: turnkv's gateway CPU per request over the bare relay's (0: reported, no target)
+# targets: turnkv's gateway CPU per request over the bare relay's (0: reported, no target)
 RATIO_TARGETS = (("turnkv-stateless", 1.15), ("turnkv-session", 0.0), ("turnkv-redis", 1.3))
 CHUNKS = 32
 
@@ -366,7 +366,7 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
         )
     out += _long_table(by)
     out += [
-        "## Targets (issues 4 and 15)",
+        "## Targets",
         "",
         md_table(
             ["target", "where", "measured", "limit", "met"],

@@ -1,5 +1,5 @@
 """The render-ahead suite: TTFT of pull turns (2 to 5) with the render off and on the critical path, against
-vLLM's multi-turn proxy on the same engine path (issue 15, item 1).
+vLLM's multi-turn proxy on the same engine path.
 
 Decides the matrix (2k, 16k and 32k-token histories on every link preset, P's prefix cache off, so that
 every later turn pulls D's KV) and the configurations per cell, run one after another in one process:
@@ -25,7 +25,7 @@ from turnkv.bench.stats import fmt_ms, fmt_ratio, summarize
 
 HISTORIES = (2000, 16000, 32000)
 CONFIGS = ("vllm-multiturn", "beside", "ahead")  # the baseline, before, after
-TARGET = 1.02  # issue 15: pull turns within 1.02x vLLM's multi-turn proxy
+TARGET = 1.02  # the target: pull turns within 1.02x vLLM's multi-turn proxy
 _POLICY = {"vllm-multiturn": "vllm-multiturn", "ahead": "always-pull", "beside": "always-pull"}
 _ENV = {"beside": (("TURNKV_AHEAD_CHECK", "render"),)}
 
