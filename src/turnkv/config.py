@@ -416,6 +416,12 @@ class Settings(BaseSettings):
     )
     upstream_api_key: str | None = Field(None, description="bearer token for the engines; default: the client's")
     allow_client_kv_transfer_params: bool = Field(False, description="let clients send kv_transfer_params")
+    engine_fields: list[str] = Field(
+        default_factory=list,
+        description="request fields clients may send to the engines beyond the allow-list (docs/security.md): "
+        "engine-private ones (priority, request_id, vllm_xargs, ec_transfer_params, logits_processors) or a newer "
+        "vLLM's own; the rest are refused with a 400 naming the field",
+    )
     routing: str = Field(
         "affinity",
         description="the routing profile: affinity (the engines that hold the "

@@ -139,7 +139,9 @@ def test_bad_chat_fields(client: TestClient, body: dict[str, Any], param: str) -
 
 
 def nested(depth: int) -> bytes:
-    return b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * depth + b"]" * depth + b"}"
+    """A body nested ``depth`` levels deep in a field open to any JSON (vLLM's chat_template_kwargs)."""
+    inner = b'{"x": ' * depth + b"1" + b"}" * depth
+    return b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": ' + inner + b"}"
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
 """Reads and checks a client's request before any engine sees it, and before its conversation's record is
 claimed: size, time to arrive, JSON (depth, text encodable as UTF-8), field types, model, output length.
 
-Known OpenAI fields are type-checked strictly (``"40"`` is not an integer); unknown ones pass through
-to the engines, as vLLM accepts its own extensions. Everything wrong here is a ``ClientError`` (a 4xx in
-OpenAI's shape); a body that stops arriving is a 408, a client gone mid-body a ``ClientGone``.
+Every field that may reach the engines (``fields``: OpenAI's and vLLM's documented ones) is type-checked
+strictly, as OpenAI and vLLM document it (``"40"`` is not an integer). Everything wrong here is a
+``ClientError`` (a 4xx in OpenAI's shape); a body that stops arriving is a 408, a client gone mid-body a
+``ClientGone``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from turnkv import jsonwire
 from turnkv.errors import BodyTooLarge, ClientError, ClientGone, ModelNotFound, RequestTimeout
+from turnkv.gateway.fields import shown
 
 Number = Annotated[float, Field(strict=True)]  # an int or a float, never a string or a bool
 
@@ -51,8 +53,39 @@ class StreamOptions(_Open):
     continuous_usage_stats: StrictBool | None = None
 
 
+class ResponseFormat(_Open):
+    type: StrictStr
+
+
+class FunctionDefinition(_Open):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Open):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Open):
+    name: StrictStr
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+Int64 = Annotated[int, Field(strict=True, ge=-(1 << 63), lt=1 << 63)]
+
+
 class _Common(_Open):
-    model: str | None = None
+    """The fields both endpoints share (``fields`` says which reach the engines), each of the type OpenAI
+    or vLLM documents: a wrong one is a 400 here, never a 500 or an engine's error after a prefill."""
+
+    model: StrictStr | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -61,12 +94,40 @@ class _Common(_Open):
     top_p: Number | None = Field(None, ge=0, le=1)
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
-    seed: StrictInt | None = None
+    logit_bias: dict[str, Annotated[float, Field(strict=True, ge=-100, le=100)]] | None = None
+    seed: Int64 | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    user: StrictStr | None = None
+    response_format: ResponseFormat | None = None
     logprobs: StrictBool | StrictInt | None = None  # chat: a flag; completions: how many
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    return_token_ids: StrictBool | None = None
-    min_tokens: StrictInt | None = Field(None, ge=0)
+    # vLLM's sampling parameters
+    use_beam_search: StrictBool | None = None
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: Number | None = Field(None, ge=0, le=1)
+    repetition_penalty: Number | None = Field(None, gt=0)
+    length_penalty: Number | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool | None = None
     ignore_eos: StrictBool | None = None
+    min_tokens: StrictInt | None = Field(None, ge=0)
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
+    prompt_logprobs: StrictInt | None = Field(None, ge=-1)
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    # structured outputs (and the guided_* fields of vLLM's releases before them)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: StrictStr | dict[str, Any] | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    return_token_ids: StrictBool | None = None
+    add_special_tokens: StrictBool | None = None
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
     session_id: str | None = None
     conversation_id: str | None = None
@@ -75,16 +136,33 @@ class _Common(_Open):
 class ChatBody(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    reasoning_effort: StrictStr | None = None
+    include_reasoning: StrictBool | None = None
+    thinking_token_budget: StrictInt | None = None
+    echo: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
 
 
 class CompletionBody(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: StrictInt | None = Field(None, ge=1)
+    echo: StrictBool | None = None
+    suffix: StrictStr | None = None
+    prompt_embeds: StrictStr | list[StrictStr] | None = None
 
 
 Body = TypeVar("Body", ChatBody, CompletionBody)
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")
+# what pydantic adds to an error's location besides field names: a union member's type or model class
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|literal\[.*\]|[A-Z][A-Za-z0-9]*)$")
 
 
 # Lone surrogates can only come from a \uD800-\uDFFF escape or from their (invalid) UTF-8 bytes: orjson
@@ -137,6 +215,12 @@ async def read_json(
     request: Request, max_bytes: int, *, timeout_s: float | None = None, max_depth: int = 64
 ) -> dict[str, Any]:
     """The body as a JSON object, read within ``timeout_s`` (408 past it)."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ClientError(
+            f"Content-Encoding {shown(encoding)!r} is not supported: send the request body uncompressed",
+            param="content-encoding",
+        )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
@@ -151,6 +235,8 @@ async def read_json(
         body: Any = jsonwire.loads(raw)
     except ValueError as exc:
         text = str(exc)
+        if "not valid UTF-8" in text:
+            raise ClientError(_not_utf8(raw)) from None
         if "surrogate" in text:
             raise ClientError(_SURROGATE_ERROR) from None
         if text.startswith("depth limit"):
@@ -161,6 +247,20 @@ async def read_json(
     if check_tree(body, max_depth, strings=False):
         return _stdlib_read(raw, max_depth)
     return body
+
+
+def _not_utf8(raw: bytes) -> str:
+    """Why a body orjson found not to be UTF-8 is not text: compressed, a surrogate's bytes, or the first
+    byte that is not UTF-8."""
+    if raw.startswith(b"\x1f\x8b"):
+        return "request body is gzip-compressed: send it uncompressed (Content-Encoding is not supported)"
+    if re.search(rb"\xed[\xa0-\xbf]", raw):
+        return _SURROGATE_ERROR
+    try:
+        raw.decode()
+    except UnicodeDecodeError as exc:
+        return f"request body is not valid UTF-8 (byte {exc.start})"
+    return "request body is not valid UTF-8"
 
 
 def _stdlib_read(raw: bytes, max_depth: int) -> dict[str, Any]:
@@ -181,13 +281,13 @@ def validate(body: dict[str, Any], model: type[Body]) -> Body:
         return model.model_validate(body)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
-        where = ".".join(str(x) for x in err["loc"] if not _TYPE_TAG.match(str(x)))
+        where = shown(".".join(str(x) for x in err["loc"] if not _TYPE_TAG.match(str(x))))
         raise ClientError(f"{where}: {err['msg']}", param=where or None) from exc
 
 
 def check_model(name: str | None, known: list[str]) -> None:
     if name is not None and known and name not in known:
-        raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
+        raise ModelNotFound(f"The model `{shown(name)}` does not exist.", param="model")
 
 
 def check_output_length(body: Mapping[str, Any], model_len: int | None) -> None:

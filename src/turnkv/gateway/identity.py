@@ -29,7 +29,6 @@ tenant, so one tenant can neither read nor consume another's handle, whatever id
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from typing import Any, Literal
 
 from turnkv import jsonwire
 from turnkv.errors import ClientError
-from turnkv.openai.answer import last_assistant
+from turnkv.openai.answer import last_assistant, tool_arguments
 
 _ID = re.compile(r"[A-Za-z0-9._:@/+=\-]+\Z")  # \Z, not $: "id\n" is not "id" (used with match)
 BODY_FIELDS = ("session_id", "conversation_id")
@@ -156,15 +155,6 @@ def conversation_of(
     return Conversation(tenant, claim, claim, "digest", store)
 
 
-def _canonical_args(args: Any) -> Any:
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except ValueError:
-            return args.strip()
-    return args
-
-
 def _text(content: Any) -> Any:
     """A message's text: a string, or its text parts joined; other parts count whole."""
     if isinstance(content, str):
@@ -193,7 +183,7 @@ def _calls(message: Mapping[str, Any]) -> list[Any]:
     for c in message.get("tool_calls") or ():
         fn = c.get("function") if isinstance(c, Mapping) else None
         if isinstance(fn, Mapping):
-            out.append([fn.get("name"), _canonical_args(fn.get("arguments"))])
+            out.append([fn.get("name"), tool_arguments(fn.get("arguments"))])
     return out
 
 

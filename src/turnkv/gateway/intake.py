@@ -4,10 +4,11 @@ Responses API, and any next one).
 ``receive`` takes a turn request off the wire: refused while the gateway drains, its body read within the
 limits (``body.read_json``), checked against the engine family's own rules (``Engine.check_request``) and
 the served models. The front end then reads its own shape and, where it is not chat completions itself,
-translates it into a chat (or completions) body. ``prepare_turn`` checks that body (field types, output
-length), finds the conversation (``identity.conversation_of``), sets the tenant's prefix-cache salt and
-builds the turn, which ``turn.driver.run_turn`` runs. All of it happens before the conversation's record is
-claimed, so bad input is a 4xx in OpenAI's shape and costs nothing.
+translates it into a chat (or completions) body. ``prepare_turn`` checks that body (what of it may reach
+the engines: ``fields``; field types, output length), finds the conversation (``identity.conversation_of``),
+sets the tenant's prefix-cache salt and builds the turn, which ``turn.driver.run_turn`` runs. All of it
+happens before the conversation's record is claimed, so bad input is a 4xx in OpenAI's shape and costs
+nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from starlette.responses import Response
 from turnkv.errors import ShuttingDown
 from turnkv.gateway.auth import Principal, cache_salt
 from turnkv.gateway.body import ChatBody, CompletionBody, check_model, check_output_length, read_json, validate
-from turnkv.gateway.identity import BODY_FIELDS, conversation_of
+from turnkv.gateway.fields import engine_body, engine_fields
+from turnkv.gateway.identity import conversation_of
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.request import Turn
 
@@ -95,6 +97,7 @@ def prepare_turn(
     response named) as ``identity.conversation_of`` takes them."""
     svc, s = received.svc, received.svc.settings
     body = received.body if body is None else body
+    clean = engine_body(body, chat=not completions, allowed=engine_fields(s))  # what may reach the engines
     parsed: ChatBody | CompletionBody = (
         validate(dict(body), CompletionBody) if completions else validate(dict(body), ChatBody)
     )
@@ -114,7 +117,6 @@ def prepare_turn(
             from_history=s.conversation_from_history,
         )
     )
-    clean = {k: v for k, v in body.items() if k not in BODY_FIELDS}
     clean["cache_salt"] = cache_salt(received.who.tenant, received.body.get("cache_salt"))
     return Turn.of(
         request_id=received.request_id,

@@ -20,6 +20,7 @@ from turnkv.engine.base import CallMeta
 from turnkv.errors import ModelNotFound, UpstreamError, UpstreamUnavailable
 from turnkv.gateway.auth import require_admin
 from turnkv.gateway.body import check_model
+from turnkv.gateway.fields import shown
 from turnkv.gateway.intake import (
     conversation_header,
     prepare_turn,
@@ -80,7 +81,9 @@ async def _engine_models(svc: Services) -> bytes | None:
     """A prefill engine's ``/v1/models`` body; None when it cannot say and the names are known anyway."""
     inst = svc.router.pick("prefill")
     if inst is None:
-        raise UpstreamUnavailable("no prefill engine is configured", leg="probe")
+        if svc.models:
+            return None
+        raise UpstreamUnavailable("no prefill engine is available", leg="probe")
     try:
         status, raw = await svc.engine.api_get(inst.url, "/v1/models")
     except UpstreamError:
@@ -119,7 +122,7 @@ async def model(request: Request) -> Response:
     for entry in entries if isinstance(entries, list) else []:
         if isinstance(entry, dict) and entry.get("id") == wanted:
             return JSONResponse(entry)
-    raise ModelNotFound(f"The model `{wanted}` does not exist.", param="model")
+    raise ModelNotFound(f"The model `{shown(wanted)}` does not exist.", param="model")
 
 
 async def health(request: Request) -> Response:

@@ -29,13 +29,40 @@ class EchoedAnswer:
     calls: int = 0  # tool calls it carries
 
 
+ARGUMENTS_DEPTH = 64  # tool-call arguments nested deeper are compared as text (a JSON encoder's recursion)
+
+
+def _nested_within(value: Any, depth: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > depth:
+                return False
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return True
+
+
+def _json_arguments(args: Any) -> tuple[bool, Any]:
+    """(True, the JSON value) of a tool call's arguments, or (False, their text, stripped) when they are not
+    JSON or are nested deeper than ``ARGUMENTS_DEPTH``: clients send any string there."""
+    if not isinstance(args, str):
+        return (True, args) if _nested_within(args, ARGUMENTS_DEPTH) else (False, str(args))
+    try:
+        value = json.loads(args)
+    except (ValueError, RecursionError):
+        return False, args.strip()
+    return (True, value) if _nested_within(value, ARGUMENTS_DEPTH) else (False, args.strip())
+
+
+def tool_arguments(args: Any) -> Any:
+    """A tool call's arguments as compared across turns: the JSON value they hold, else their text."""
+    return _json_arguments(args)[1]
+
+
 def _canonical_args(args: Any) -> str:
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return str(args).strip()
-    return json.dumps(args, sort_keys=True, ensure_ascii=False)
+    is_json, value = _json_arguments(args)
+    return json.dumps(value, sort_keys=True, ensure_ascii=False) if is_json else str(value)
 
 
 def answer_digest(content: str | None, tool_calls: Iterable[tuple[str, Any]]) -> str:

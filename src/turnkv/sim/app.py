@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,8 @@ from turnkv.sim.sequence import EngineError
 from turnkv.sim.settings import SimSettings
 from turnkv.sim.tokenizer import IncrementalDetokenizer, Tokenizer
 
+PRIVATE_FIELDS = ("priority", "vllm_xargs", "request_id")  # vLLM request fields that steer the engine
+
 
 class DroppedByFault(Exception):
     """Raised inside a stream to cut the connection mid-response (fault injection)."""
@@ -82,6 +85,9 @@ class SimServer:
         )
         self.engine = Engine(settings.engine, self.tok, self.metrics)
         self.faults = FaultInjector(settings.faults)
+        # requests that carried an engine-private field (priority, vllm_xargs, request_id), by field: a gateway
+        # in front is to pass them only where configured (/_sim/state)
+        self.private_fields: Counter[str] = Counter()
         digest = hashlib.sha256(settings.model_dump_json().encode()).hexdigest()[:8]
         self.fingerprint = f"vllm-{settings.version}-{digest}"
 
@@ -139,6 +145,11 @@ class SimServer:
             text_prompt=text_prompt,
         )
 
+    def note_private(self, req: GenerationRequest) -> None:
+        """Count the engine-private fields ``req`` carries (vLLM accepts them; nothing here acts on them)."""
+        sent = req.model_fields_set | set(req.model_extra or ())
+        self.private_fields.update(f for f in PRIVATE_FIELDS if f in sent)
+
     async def _admit(self) -> float:
         arrival = time.perf_counter()
         await self.faults.delay(arrival)
@@ -173,6 +184,7 @@ class SimServer:
     async def chat(self, request: Request) -> Response:
         try:
             req = await parse_body(request, ChatRequest)
+            self.note_private(req)
             check_model(req.model, self.settings.model)
             if req.n != 1:
                 raise ApiError(400, "the simulator supports n=1 only", param="n")
@@ -247,6 +259,7 @@ class SimServer:
         cached = sent = 0
         started = False
         drop = self.faults.take_drop()
+        freeze = self.faults.take_freeze()
         try:
             async with contextlib.aclosing(
                 self.engine.generate(
@@ -279,6 +292,8 @@ class SimServer:
                         sent += 1
                         if drop and sent >= self.faults.faults.drop_after_chunks:
                             raise DroppedByFault("connection dropped by fault injection")
+                        if freeze and sent >= self.faults.faults.drop_after_chunks:
+                            await asyncio.Event().wait()  # silent, the connection open, until the client leaves
         except EngineError:
             if not started:
                 yield fmt.role_chunk(prep.prompt)
@@ -296,6 +311,7 @@ class SimServer:
     async def completions(self, request: Request) -> Response:
         try:
             req = await parse_body(request, CompletionRequest)
+            self.note_private(req)
             check_model(req.model, self.settings.model)
             if req.n != 1:
                 raise ApiError(400, "the simulator supports n=1 only", param="n")
@@ -350,6 +366,8 @@ class SimServer:
         return internal_error().response()
 
     def _completion_prompt(self, prompt: Any) -> tuple[list[int], bool]:
+        if prompt == "" or prompt == []:
+            raise ApiError(400, "The decoder prompt cannot be empty", param="prompt")  # vLLM's words
         if isinstance(prompt, str):
             return self.tok.encode(prompt), True
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -134,7 +134,7 @@ def _normalize_message(m: Mapping[str, Any]) -> dict[str, Any]:
             if isinstance(args, str):
                 try:
                     args = json.loads(args) if args else {}
-                except json.JSONDecodeError as exc:
+                except (json.JSONDecodeError, RecursionError) as exc:  # vLLM: a 400 (RecursionError is a RuntimeError)
                     raise RenderError(str(exc)) from exc
             fn["arguments"] = {} if args is None else args  # vLLM parses history arguments
             norm.append({**c, "function": fn})

@@ -19,7 +19,12 @@ class Faults(BaseModel):
     fail_next: int = Field(0, ge=0, description="answer the next N generation requests with HTTP 500")
     delay_ms: float = Field(0.0, ge=0, description="added to every generation request before it starts")
     drop_next: int = Field(0, ge=0, description="drop the connection of the next N streams mid-stream")
-    drop_after_chunks: int = Field(2, ge=0, description="chunks sent before a stream is dropped")
+    drop_after_chunks: int = Field(2, ge=0, description="chunks sent before a stream is dropped (or frozen)")
+    freeze_next: int = Field(
+        0,
+        ge=0,
+        description="the next N streams stop sending mid-stream, their connection left open, until the client leaves",
+    )
 
 
 class FaultUpdate(BaseModel):
@@ -27,6 +32,7 @@ class FaultUpdate(BaseModel):
     delay_ms: float | None = Field(None, ge=0)
     drop_next: int | None = Field(None, ge=0)
     drop_after_chunks: int | None = Field(None, ge=0)
+    freeze_next: int | None = Field(None, ge=0)
     restart: bool = False
     expire_handles: bool = False
     reset_prefix_cache: bool = False
@@ -57,6 +63,12 @@ class FaultInjector:
     def take_drop(self) -> bool:
         if self.faults.drop_next > 0:
             self.faults.drop_next -= 1
+            return True
+        return False
+
+    def take_freeze(self) -> bool:
+        if self.faults.freeze_next > 0:
+            self.faults.freeze_next -= 1
             return True
         return False
 

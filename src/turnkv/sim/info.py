@@ -64,6 +64,7 @@ class InfoRoutes:
         self.renders += 1
         try:
             req = await parse_body(request, ChatRequest)
+            s.note_private(req)
             check_model(req.model, s.settings.model)
             ids, _, text_prompt = s.chat_prompt(req)
             limit = s.chat_max_tokens(req, len(ids), text_prompt)
@@ -215,6 +216,7 @@ class InfoRoutes:
                 "faults": s.faults.faults.model_dump(),
                 "delayed": s.faults.delayed,
                 "renders": self.renders,
+                "private_fields": dict(s.private_fields),
             }
         )
 

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from turnkv.errors import ClientError, GatewayError, StoreError
+from turnkv.gateway.fields import shown
 from turnkv.gateway.intake import conversation_header, prepare_turn, principal, receive, services
 from turnkv.gateway.responses import events, models, translate
 from turnkv.gateway.services import Services
@@ -53,7 +54,7 @@ async def _previous(svc: Services, tenant: str, resp_id: str) -> dict[str, Any]:
         ) from exc
     doc = json.loads(raw) if raw else None
     if not isinstance(doc, dict) or doc.get("tenant") != tenant:
-        err = ClientError(f"Previous response with id '{resp_id}' not found.", param="previous_response_id")
+        err = ClientError(f"Previous response with id '{shown(resp_id)}' not found.", param="previous_response_id")
         err.code = "previous_response_not_found"
         raise err
     return doc
@@ -180,5 +181,5 @@ async def retrieve(request: Request) -> Response:
         raise StoreUnavailable("the response store is unavailable") from exc
     doc = json.loads(raw) if raw else None
     if not isinstance(doc, dict) or doc.get("tenant") != tenant:
-        raise ResponseNotFound(f"Response with id '{resp_id}' not found.", param="response_id")
+        raise ResponseNotFound(f"Response with id '{shown(resp_id)}' not found.", param="response_id")
     return JSONResponse(doc["response"])
