@@ -5,12 +5,14 @@ nothing that is markup is ever released."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
 from turnkv.derender.answer import Answer, Delta, ToolCall, reconcile
 from turnkv.derender.detok import IncrementalText, LocalText
 from turnkv.derender.markup import Markup, MarkupSplitter, markup_for
+from turnkv.derender.tokenizer import TokenizerUnavailable, load_decode
 from turnkv.sim.tokenizer import Tokenizer
 
 QWEN = Markup()
@@ -99,3 +101,43 @@ async def test_incremental_text_adds_up_to_the_whole_decode(window: int) -> None
         assert out == tok.decode(ids) == text
         assert source.calls <= 2 * pushes  # one decode a push, two where the anchor moves
         assert max(len(a) for a in [inc.ids]) == len(ids)
+
+
+def byte_level_tokenizer(path: Path) -> Path:
+    """A small byte-level BPE tokenizer (the kind Qwen and Llama 3 use), trained here, with added tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|im_end|>", "<think>", "</think>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["the quick brown fox jumps over the lazy dog", "Ünïcödé → 漢字 🙂", "reasoning, then the answer"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    out = path / "tokenizer.json"
+    tok.save(str(out))
+    return out
+
+
+async def test_a_tokenizer_json_in_process_gives_the_same_text_incrementally(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as HfTokenizer
+
+    file = byte_level_tokenizer(tmp_path)
+    decode = load_decode(tmp_path)  # the model folder: its tokenizer.json
+    text = "<think>the fox → 漢字</think>🙂 Ünïcödé lazy dog<|im_end|>"
+    ids = HfTokenizer.from_file(str(file)).encode(text).ids
+    assert decode(ids) == text  # special tokens kept, as the parsers read them
+    rng = random.Random(5)
+    for _ in range(20):
+        inc, out, i = IncrementalText(LocalText(decode), window=4), "", 0
+        while i < len(ids):
+            n = rng.randint(1, 3)
+            out += await inc.push(ids[i : i + n], final=i + n >= len(ids))
+            assert "\ufffd" not in out
+            i += n
+        assert out == text
+    with pytest.raises(TokenizerUnavailable):
+        load_decode(tmp_path / "missing")

@@ -18,8 +18,9 @@ WAIT_S = 10.0  # the deadline of every wait in these tests
 class Recorder(StreamDerenderer):
     """A derenderer whose flushes cost a call: records each batch; ``gate`` holds a flush while it is clear."""
 
-    def __init__(self) -> None:
+    def __init__(self, silent: int = 0) -> None:
         super().__init__()
+        self.silent = silent  # the first feeds show no text (as a reasoning model's opening marker)
         self.batches: list[list[int]] = []
         self.fed = asyncio.Event()
         self.gate = asyncio.Event()
@@ -33,6 +34,8 @@ class Recorder(StreamDerenderer):
         self.batches.append(list(ids))
         self.fed.set()
         await asyncio.wait_for(self.gate.wait(), WAIT_S)
+        if len(self.batches) <= self.silent:
+            return Delta()
         return Delta(content="".join(f"<{i}>" for i in ids))
 
     async def finish(self, ids: Sequence[int], finish_reason: str, request_id: str) -> Ending:
@@ -56,10 +59,24 @@ async def run(chunks: list[Chunk], policy: FlushPolicy, d: StreamDerenderer) -> 
 
 
 async def test_first_ids_at_once_then_by_count() -> None:
-    d = Recorder()
-    chunks = [Chunk([i]) for i in range(10)] + [Chunk([10], "stop")]
-    out = await run(chunks, FlushPolicy(max_tokens=4, max_delay_s=WAIT_S), d)
-    assert d.batches == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    d, q = Recorder(), asyncio.Queue[Chunk | None]()
+    out: list[Delta | Ending] = []
+
+    async def consume() -> None:
+        async for x in relay(from_queue(q), d, FlushPolicy(max_tokens=4, max_delay_s=WAIT_S), request_id="r"):
+            out.append(x)
+
+    task = asyncio.create_task(consume())
+    for group in ([0], [1, 2, 3, 4, 5], [6, 7, 8, 9]):
+        d.fed.clear()
+        for i in group:
+            q.put_nowait(Chunk([i]))
+        await asyncio.wait_for(d.fed.wait(), WAIT_S)
+    q.put_nowait(Chunk([10], "stop"))
+    await asyncio.wait_for(task, WAIT_S)
+    # the first id alone, at once; then a flush only once four wait (the age bound is far off), the rest at the end
+    assert d.batches[0] == [0] and [i for b in d.batches for i in b] == list(range(11))
+    assert all(len(b) >= 4 for b in d.batches[1:-1]) and len(d.batches) == 4
     assert isinstance(out[-1], Ending) and out[-1].answer.content == "".join(f"<{i}>" for i in range(11))
     streamed = "".join(x.content for x in out[:-1] if isinstance(x, Delta)) + out[-1].rest.content
     assert streamed == out[-1].answer.content
@@ -85,7 +102,7 @@ async def test_waiting_ids_are_flushed_by_age_without_more_chunks() -> None:
     assert d.batches == [[1], [2, 3]]
     q.put_nowait(Chunk([], "length"))
     await asyncio.wait_for(task, WAIT_S)
-    assert stats.flushes == 2 and stats.first_token_wait_s is not None
+    assert stats.flushes == 3 and stats.first_token_wait_s is not None  # two feeds and the finish
     assert isinstance(out[-1], Ending) and out[-1].answer.finish_reason == "length"
 
 
@@ -121,3 +138,32 @@ async def test_a_one_chunk_answer_is_one_ending() -> None:
     d = Recorder()
     out = await run([Chunk([5, 6], "stop")], FlushPolicy(), d)
     assert d.batches == [[5, 6]] and len(out) == 1 and isinstance(out[0], Ending)
+
+
+async def test_an_error_reading_d_is_raised_where_the_relay_is_read() -> None:
+    async def broken() -> AsyncIterator[Chunk]:
+        yield Chunk([1])
+        raise ConnectionResetError("D went away")
+
+    with pytest.raises(ConnectionResetError):
+        async for _ in relay(broken(), Recorder(), FlushPolicy(), request_id="r"):
+            pass
+
+
+async def test_until_text_is_shown_every_flush_is_immediate() -> None:
+    d, q = Recorder(silent=2), asyncio.Queue[Chunk | None]()
+    policy = FlushPolicy(max_tokens=100, max_delay_s=WAIT_S)  # batches would wait for 100 ids otherwise
+
+    async def consume() -> list[Delta | Ending]:
+        return [x async for x in relay(from_queue(q), d, policy, request_id="r")]
+
+    task = asyncio.create_task(consume())
+    for i in range(3):  # two flushes without text, then the one that shows some: each at once
+        d.fed.clear()
+        q.put_nowait(Chunk([i]))
+        await asyncio.wait_for(d.fed.wait(), WAIT_S)
+    q.put_nowait(Chunk([3]))  # text was shown: this one waits for its batch, which the end flushes
+    q.put_nowait(Chunk([4], "stop"))
+    out = await asyncio.wait_for(task, WAIT_S)
+    assert d.batches == [[0], [1], [2], [3, 4]]
+    assert isinstance(out[-1], Ending)

@@ -299,3 +299,7 @@ def add_bench_parser(sub: Any) -> None:
     rep.add_argument("inputs", nargs="+")
     rep.add_argument("--out", required=True)
     rep.set_defaults(func=_report)
+
+    from turnkv.bench import render_layer
+
+    render_layer.add_parser(bsub)

@@ -49,7 +49,7 @@ class RemoteText:
 class IncrementalText:
     """New text as ids are pushed (see the module docstring)."""
 
-    def __init__(self, source: TextSource, *, context: int = 4, window: int = 64) -> None:
+    def __init__(self, source: TextSource, *, context: int = 4, window: int = 256) -> None:
         self.source = source
         self.context = context
         self.window = window

@@ -35,7 +35,10 @@ class DerenderConfig:
     tool_parser: str | None = "hermes"
     mode: Literal["auto", "incremental", "vllm-stream", "final"] = "auto"
     policy: FlushPolicy = field(default_factory=FlushPolicy)
-    window: int = 64  # tokens an incremental decode covers before its anchor moves up
+    # tokens an incremental decode covers before its anchor moves up: from the render service a wide window (a
+    # call each time it moves), in process a narrow one (each decode's cost grows with it)
+    window: int = 256
+    local_window: int = 16
 
 
 def reasoning_open(rendered: Mapping[str, Any], chat_request: Mapping[str, Any]) -> bool:
@@ -113,7 +116,7 @@ class Derender:
         markup = markup_for(self.config.reasoning_parser, self.config.tool_parser)
         if mode == "incremental" and markup is not None:
             source, remote = self.text_source()
-            text = IncrementalText(source, window=self.config.window)
+            text = IncrementalText(source, window=self.config.window if remote else self.config.local_window)
             splitter = MarkupSplitter(markup, reasoning_open=reasoning_open, parse_tools=parses_tools(chat_request))
             return IncrementalDerender(text, splitter, whole, remote=remote)
         if mode == "vllm-stream" and self.version >= STREAMING_DERENDER:

@@ -13,11 +13,11 @@ Three ways, chosen per stream (``Derender.stream``):
 * ``FinalOnlyDerender``: nothing until the end, then the whole answer in one delta (a 0.26 render service
   with parsers turnkv cannot read).
 
-``relay`` drives one: D's chunks are flushed to it in batches, by count (``FlushPolicy.max_tokens``) and by
-time (``max_delay_s`` after the oldest waiting id); the first ids are flushed the moment they arrive, so
-batching never delays the first token; and while a flush is in flight the ids that arrive meanwhile wait
-for the next one (one call in flight per stream; D's next chunk is read meanwhile, later ones wait in the
-connection's buffers).
+``relay`` drives one: D's chunks are flushed to it in batches, by count (``FlushPolicy.max_tokens``) and
+by time (``max_delay_s`` after the oldest waiting id); until a flush has shown the client text, ids are
+flushed the moment they arrive, so batching never delays the first visible token; and while a flush is in
+flight the ids that arrive meanwhile wait for the next one (one call in flight per stream; a reader task
+hands D's ids over, so D is read on).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class FlushPolicy:
 
     @classmethod
     def immediate(cls) -> FlushPolicy:
-        """Every chunk as it comes (a derenderer whose flushes cost no call)."""
+        """Every chunk as it comes."""
         return cls(max_tokens=1, max_delay_s=0.0)
 
 
@@ -229,6 +229,71 @@ class FlushStats:
     first_token_wait_s: float | None = None  # from D's first ids to the start of their flush (batching's delay)
 
 
+class _Batches:
+    """D's ids as the reader hands them over, and when a flush is due (the first ids, a full batch, the
+    oldest id's age, the end): ``due`` is set then, so the relay wakes once a flush, not once a chunk."""
+
+    def __init__(self, policy: FlushPolicy, clock: Callable[[], float]) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.pending: list[int] = []
+        self.oldest: float | None = None
+        self.finish: str | None = None
+        self.ended = False
+        self.error: BaseException | None = None
+        self.first = True
+        self.due = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        if chunk.token_ids:
+            if self.oldest is None:
+                self.oldest = self.clock()
+                if not self.first:
+                    self._timer = asyncio.get_running_loop().call_later(self.policy.max_delay_s, self.due.set)
+            self.pending += chunk.token_ids
+        if chunk.finish_reason is not None:
+            self.finish = chunk.finish_reason
+            self.ended = True
+        if self.first or self.ended or len(self.pending) >= self.policy.max_tokens:
+            self.due.set()
+
+    def eager(self) -> None:
+        """Flush at once again (nothing shown yet: the first visible text must not wait for a batch)."""
+        self.first = True
+        self.cancel_timer()
+        if self.pending:
+            self.due.set()
+
+    def end(self, error: BaseException | None) -> None:
+        self.ended = True
+        self.error = error
+        self.due.set()
+
+    def take(self) -> tuple[list[int], float | None]:
+        batch, oldest = self.pending, self.oldest
+        self.pending, self.oldest, self.first = [], None, False
+        self.cancel_timer()
+        self.due.clear()
+        return batch, oldest
+
+    def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+async def _read(chunks: AsyncIterator[Chunk], batches: _Batches) -> None:
+    try:
+        async for chunk in chunks:
+            batches.add(chunk)
+            if chunk.finish_reason is not None:
+                return
+        batches.end(UpstreamProtocolError("decode stream ended without a finish reason", leg="decode"))
+    except Exception as exc:  # handed to the relay, which raises it where its caller reads
+        batches.end(exc)
+
+
 async def relay(
     chunks: AsyncIterator[Chunk],
     derenderer: StreamDerenderer,
@@ -240,49 +305,56 @@ async def relay(
 ) -> AsyncIterator[Delta | Ending]:
     """Deltas as D's ids are flushed to ``derenderer``, then the ``Ending`` (see the module docstring).
 
-    D's next chunk is read while a flush is in flight (its ids join the next flush). A stream that ends
-    without a finish reason raises ``UpstreamProtocolError``."""
-    if not derenderer.remote_flushes:
-        policy = FlushPolicy.immediate()
+    D is read on while a flush is in flight (its ids join the next flush). A stream that ends without a
+    finish reason raises ``UpstreamProtocolError``; an error reading D is raised as it was."""
     stats = stats if stats is not None else FlushStats()
-    it = aiter(chunks)
-    pending: list[int] = []
-    oldest: float | None = None
-    first = True
-    nxt: asyncio.Future[Chunk] | None = None
+    if not derenderer.remote_flushes:
+        async for x in _each_chunk(chunks, derenderer, request_id, stats):
+            yield x
+        return
+    batches = _Batches(policy, clock)
+    shown = False  # a delta with text went out: until then every flush is immediate
+    reader = asyncio.ensure_future(_read(chunks, batches))
     try:
         while True:
-            if nxt is None:
-                nxt = asyncio.ensure_future(anext(it))
-            wait = None if oldest is None else max(0.0, oldest + policy.max_delay_s - clock())
-            done, _ = await asyncio.wait({nxt}, timeout=wait)
-            if nxt in done:
-                try:
-                    chunk = nxt.result()
-                except StopAsyncIteration:
-                    raise UpstreamProtocolError("decode stream ended without a finish reason", leg="decode") from None
-                nxt = None
-                if chunk.finish_reason is not None:
-                    yield await derenderer.finish([*pending, *chunk.token_ids], chunk.finish_reason, request_id)
-                    return
-                if not chunk.token_ids:
-                    continue
-                pending += chunk.token_ids
-                oldest = clock() if oldest is None else oldest
-                if not (first or len(pending) >= policy.max_tokens or clock() - oldest >= policy.max_delay_s):
-                    continue
-            if first and stats.first_token_wait_s is None and oldest is not None:
+            await batches.due.wait()
+            if batches.error is not None:
+                raise batches.error
+            finish = batches.finish
+            batch, oldest = batches.take()
+            if stats.flushes == 0 and oldest is not None:
                 stats.first_token_wait_s = clock() - oldest
-            first = False
-            batch, pending, oldest = pending, [], None
             stats.flushes += 1
-            if nxt is None:
-                nxt = asyncio.ensure_future(anext(it))  # read D on while the flush is in flight
-            delta = await derenderer.feed(batch)
-            if delta:
-                yield delta
+            if finish is not None:
+                yield await derenderer.finish(batch, finish, request_id)
+                return
+            if batch:
+                delta = await derenderer.feed(batch)
+                if delta:
+                    shown = True
+                    yield delta
+                elif not shown:
+                    batches.eager()
     finally:
-        if nxt is not None and not nxt.done():
-            nxt.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
-                await nxt
+        batches.cancel_timer()
+        if not reader.done():
+            reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+
+async def _each_chunk(
+    chunks: AsyncIterator[Chunk], derenderer: StreamDerenderer, request_id: str, stats: FlushStats
+) -> AsyncIterator[Delta | Ending]:
+    """Every chunk as it comes: for a derenderer whose flushes cost nothing but its own work."""
+    async for chunk in chunks:
+        if stats.flushes == 0:
+            stats.first_token_wait_s = 0.0
+        stats.flushes += 1
+        if chunk.finish_reason is not None:
+            yield await derenderer.finish(chunk.token_ids, chunk.finish_reason, request_id)
+            return
+        delta = await derenderer.feed(chunk.token_ids)
+        if delta:
+            yield delta
+    raise UpstreamProtocolError("decode stream ended without a finish reason", leg="decode")
