@@ -121,6 +121,48 @@ class DecodeMemory(BaseModel):
     )
 
 
+class WriteBackSettings(BaseModel):
+    """Write-back (docs/write-back.md): after a turn, D's KV goes to P's prefix cache and D's pin is freed."""
+
+    model_config = ConfigDict(frozen=True)
+    mode: str = Field(
+        "auto",
+        pattern="^(auto|always|off)$",
+        description="auto: per conversation, where P's cache has room and keeps what it is given, and the "
+        "conversation's think time leaves the transfer off the next turn's path; always: every handle the "
+        "policy would keep pinned is written back instead; off: handles stay pinned or are let go, as before",
+    )
+    max_in_flight: int = Field(
+        1, ge=1, description="write-backs at once on one prefill engine (each pulls a conversation's KV from D)"
+    )
+    prefill_max_kv_usage: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="P's KV usage (now, as the gateway counts it) above which no write-back is sent to it: one "
+        "that cannot be allocated would hold P's first-come queue, and a full P evicts what it is given",
+    )
+    max_wait_s: float = Field(
+        2.0,
+        ge=0,
+        description="how long a write-back may wait for P to have room and no queue; then D's pin is released "
+        "instead (its blocks stay in D's prefix cache)",
+    )
+    priority: int | None = Field(
+        None,
+        description="the request priority a write-back is sent with, for a P run with --scheduling-policy "
+        "priority (larger: later; live requests have 0): none sends no priority (vLLM refuses one otherwise)",
+    )
+    min_cache_factor: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="auto: the share of expected prefix-cache hits P must have been seen to deliver "
+        "(its cache keeps what it is given) for a write-back to pay",
+    )
+    timeout_s: float = Field(30.0, gt=0, description="one write-back, until P has pulled the blocks")
+
+
 class PolicySettings(BaseModel):
     model_config = ConfigDict(frozen=True)
     name: str = Field("adaptive", description="adaptive | always-pull | never-pull | decode-local")
@@ -405,6 +447,9 @@ class Settings(BaseSettings):
         "the cost of a 1-token request to a prefill engine",
     )
     decode_memory: DecodeMemory = Field(default_factory=DecodeMemory, description="decode KV pinned by handles")
+    write_back: WriteBackSettings = Field(
+        default_factory=WriteBackSettings, description="D's KV handed to P's prefix cache after a turn"
+    )
     drain_s: float = Field(
         30.0, ge=0, description="on SIGTERM: how long in-flight turns may finish; the rest end with an error event"
     )

@@ -40,6 +40,7 @@ from turnkv.gateway.pins import PinKeeper
 from turnkv.gateway.release import Releaser
 from turnkv.gateway.responses import routes as responses_routes
 from turnkv.gateway.services import Catalog, Services, TemplateAudit
+from turnkv.gateway.writeback import WriteBacks
 from turnkv.logging import make_logger
 from turnkv.reuse.assess import TemplateClass
 from turnkv.reuse.cost import CostParams
@@ -230,6 +231,7 @@ async def _shut_down(svc: Services) -> None:
             n = await svc.pins.release_all()
             if n:
                 svc.log.info("pins.shutdown", released=n)
+        await svc.write_backs.drain(SHUTDOWN_RELEASE_S)  # each written back, or its handle released
         await svc.releaser.drain(SHUTDOWN_RELEASE_S)
 
 
@@ -293,6 +295,7 @@ def create_app(
             catalog = Catalog()
             releaser = Releaser(eng, router, metrics, lambda: next(iter(settings.models or catalog.models), None))
             pins = PinKeeper(settings, fleet, guard, releaser, metrics, log)
+            write_backs = WriteBacks(eng, fleet, metrics, settings.write_back, releaser.submit, releaser.model)
             fleet.on_scraped = pins.on_scraped
             dm = settings.decode_memory
             admission = DecodeAdmission(
@@ -315,6 +318,7 @@ def create_app(
                 log=log,
                 releaser=releaser,
                 pins=pins,
+                write_backs=write_backs,
                 admission=admission,
                 drain=drain,
                 catalog=catalog,
@@ -326,6 +330,7 @@ def create_app(
                 fleet.run(eng, settings.health_interval_s, settings.scrape_interval_s),
                 _report(svc),
                 releaser.run(),
+                write_backs.run(),
                 pins.run(),
                 *([] if audited else [_audit_until_done(svc)]),
             ]

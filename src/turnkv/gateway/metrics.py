@@ -90,8 +90,15 @@ class Vocabulary:
         "duplicate",
         "dropped",
         "failed",
+        "write_back_failed",
+        "write_back_deferred",
+        "write_back_cancelled",
+        "write_back_dropped",
     )
     unused_left: tuple[str, ...] = ("unused", "not_needed")
+    # a write-back's end: in P's prefix cache (or pinned there, P having finished it before its abort), or given
+    # up on (its handle then released, counted in turnkv_handle_releases_total as write_back_<why>)
+    write_backs: tuple[str, ...] = ("cached", "pinned", "failed", "deferred", "cancelled", "dropped")
     roles: tuple[str, ...] = ("prefill", "decode")
 
     def retries(self) -> list[tuple[str, str]]:
@@ -237,6 +244,18 @@ class GatewayMetrics:
             ["why"],
             registry=r,
         )
+        self.write_backs = Counter(
+            "turnkv_write_backs",
+            "Handles written back from a decode engine to a prefill engine's prefix cache, by result",
+            ["result"],
+            registry=r,
+        )
+        self.write_back_seconds = Histogram(
+            "turnkv_write_back_seconds",
+            "From a turn's end to its KV in P's prefix cache (the wait for P's room included)",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         self.engine_up = Gauge(
             "turnkv_engine_up",
             "1 while the gateway counts an engine healthy (its health checks pass), 0 while it routes around it",
@@ -287,6 +306,7 @@ class GatewayMetrics:
         zero(self.rejections, ((why,) for why in v.rejections))
         zero(self.releases, ((why,) for why in v.releases))
         zero(self.unused_left, ((why,) for why in v.unused_left))
+        zero(self.write_backs, ((r,) for r in v.write_backs))
         for role, url in engines:
             self.engine_up.labels(role, url).set(1)
         for c in TemplateClass:

@@ -31,7 +31,7 @@ class Releaser:
         self._engine = engine
         self._router = router
         self._metrics = metrics
-        self._model = model  # the model a release names: the first served, once known
+        self.model = model  # the model a release names: the first served, once known
         self._queue: asyncio.Queue[Handle] = asyncio.Queue(QUEUE_SIZE)
         self._done: OrderedDict[str, None] = OrderedDict()
         self._busy = 0
@@ -76,7 +76,7 @@ class Releaser:
         if inst is None:
             return False
         try:
-            await self._engine.release(inst.url, handle, self._model())
+            await self._engine.release(inst.url, handle, self.model())
         except UpstreamError as exc:
             self._metrics.releases.labels("failed").inc()
             log.warning("release.failed instance=%s error=%s", inst.url, exc)

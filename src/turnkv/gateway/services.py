@@ -18,6 +18,7 @@ from turnkv.gateway.lifecycle import Drain
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
 from turnkv.gateway.release import Releaser
+from turnkv.gateway.writeback import WriteBacks
 from turnkv.reuse.assess import TemplateClass
 from turnkv.reuse.decision import ReusePolicy
 from turnkv.reuse.estimator import CostEstimator
@@ -57,6 +58,7 @@ class Services:
     log: Any  # a structlog BoundLogger
     releaser: Releaser
     pins: PinKeeper
+    write_backs: WriteBacks
     admission: DecodeAdmission
     drain: Drain
     catalog: Catalog = field(default_factory=Catalog)

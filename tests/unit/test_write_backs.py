@@ -1,0 +1,149 @@
+"""The write-back service (``gateway.writeback``): sent only while P has room, a few at a time, given up (the
+handle released) when P has none in time, when it fails, or when the conversation's next turn comes first.
+An engine whose write-backs a handler answers, a real fleet fed metrics readings."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from turnkv.config import WriteBackSettings
+from turnkv.engine.base import LoadSample, WriteBackResult
+from turnkv.engine.mock import Call, MockEngine, WriteBackCall
+from turnkv.errors import UpstreamStatus
+from turnkv.gateway.fleet import Fleet
+from turnkv.gateway.metrics import GatewayMetrics
+from turnkv.gateway.writeback import Job, ThinkTimes, WriteBacks
+
+P, D = "http://p0", "http://d0"
+
+
+class Rig:
+    def __init__(self, handler: Any = None, **settings: Any) -> None:
+        self.fleet = Fleet([P], [D])
+        self.fleet.apply_load(P, LoadSample(kv_usage=0.2, capacity_tokens=10_000))
+        self.metrics = GatewayMetrics(None, prefill=[P], decode=[D])
+        self.released: list[tuple[str, str]] = []
+        self.engine = MockEngine(handler or (lambda call: None))
+        self.wb = WriteBacks(
+            self.engine,
+            self.fleet,
+            self.metrics,
+            WriteBackSettings(**settings),
+            lambda h, why: self.released.append((h["pin"], why)),
+            lambda: "m",
+        )
+
+    def job(self, pin: str, key: str = "conv", lacks: int = 500) -> Job:
+        handle = {"pin": pin, "tokens": 600}
+        return Job(key, handle, list(range(600)), P, lacks, expires_at=time.time() + 300)
+
+    def count(self, result: str) -> float:
+        return self.metrics.write_backs.labels(result)._value.get()  # type: ignore[no-any-return]
+
+    def sent(self) -> list[str]:
+        return [c.call.handle["pin"] for c in self.engine.calls if isinstance(c, WriteBackCall)]
+
+
+async def until(predicate: Any) -> None:
+    for _ in range(500):  # bounded: 5 s
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("never came true")
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[list[asyncio.Task[None]]]:
+    tasks: list[asyncio.Task[None]] = []
+    yield tasks
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_write_back_goes_to_p_with_the_sequence_and_frees_nothing_else(running: list[Any]) -> None:
+    rig = Rig(priority=10)
+    running.append(asyncio.create_task(rig.wb.run()))
+    rig.wb.submit(rig.job("a"))
+    await asyncio.wait_for(rig.wb.drain(5), 5)
+    (call,) = [c for c in rig.engine.calls if isinstance(c, WriteBackCall)]
+    assert call.base == P and list(call.call.token_ids) == list(range(600))
+    assert (call.call.model, call.call.priority) == ("m", 10)
+    assert rig.count("cached") == 1 and rig.released == []
+    v = rig.fleet.view(P)
+    assert v is not None and v.in_flight == 0
+
+
+async def test_p_without_room_defers_it_and_the_handle_is_released(running: list[Any]) -> None:
+    # P's KV at 84% of 10,000 tokens: 500 more would pass 85%; past max_wait_s it is given up
+    rig = Rig(max_wait_s=0.0)
+    rig.fleet.apply_load(P, LoadSample(kv_usage=0.84, capacity_tokens=10_000))
+    running.append(asyncio.create_task(rig.wb.run()))
+    rig.wb.submit(rig.job("a"))
+    rig.wb.submit(rig.job("b", key="other", lacks=50))  # 50 more fit
+    await asyncio.wait_for(rig.wb.drain(5), 5)
+    assert rig.sent() == ["b"]
+    assert rig.released == [("a", "write_back_deferred")] and rig.count("deferred") == 1
+
+
+async def test_at_most_max_in_flight_run_at_once_on_one_p(running: list[Any]) -> None:
+    gate = asyncio.Event()
+    started = asyncio.Event()
+
+    async def handler(call: Call) -> None:
+        started.set()
+        await gate.wait()
+
+    rig = Rig(handler, max_in_flight=1, max_wait_s=30.0)
+    running.append(asyncio.create_task(rig.wb.run()))
+    rig.wb.submit(rig.job("a"))
+    rig.wb.submit(rig.job("b", key="other"))
+    await asyncio.wait_for(started.wait(), 5)
+    await until(lambda: rig.wb.waiting == 1)  # the other waits for P's room
+    assert rig.sent() == ["a"]
+    gate.set()
+    await asyncio.wait_for(rig.wb.drain(5), 5)
+    assert rig.sent() == ["a", "b"] and rig.count("cached") == 2
+
+
+async def test_a_failed_write_back_releases_the_handle(running: list[Any]) -> None:
+    def handler(call: Call) -> None:
+        raise UpstreamStatus(500, {"error": {"message": "Internal server error"}}, leg="prefill")
+
+    rig = Rig(handler)
+    running.append(asyncio.create_task(rig.wb.run()))
+    rig.wb.submit(rig.job("a"))
+    await asyncio.wait_for(rig.wb.drain(5), 5)
+    assert rig.released == [("a", "write_back_failed")] and rig.count("failed") == 1
+
+
+async def test_the_next_turn_cancels_a_write_back_not_yet_sent(running: list[Any]) -> None:
+    rig = Rig(max_wait_s=30.0)
+    rig.fleet.apply_load(P, LoadSample(kv_usage=0.99, capacity_tokens=10_000))  # no room: it waits
+    running.append(asyncio.create_task(rig.wb.run()))
+    rig.wb.submit(rig.job("a"))
+    rig.wb.cancel("conv")
+    await asyncio.wait_for(rig.wb.drain(5), 5)
+    assert rig.sent() == [] and rig.released == [("a", "write_back_cancelled")]
+
+
+async def test_a_pinned_result_is_counted(running: list[Any]) -> None:
+    rig = Rig(lambda call: WriteBackResult.PINNED)
+    running.append(asyncio.create_task(rig.wb.run()))
+    rig.wb.submit(rig.job("a"))
+    await asyncio.wait_for(rig.wb.drain(5), 5)
+    assert rig.count("pinned") == 1 and rig.released == []
+
+
+def test_think_time_is_a_low_quantile_of_the_gaps_once_enough_are_seen() -> None:
+    t = ThinkTimes()
+    for gap in (5.0, 0.4, 0.6, 0.5, 0.7, 0.45, 0.55):
+        t.observe(gap)
+    assert t.quantile() is None  # seven: too few
+    t.observe(0.05)
+    assert t.quantile() == 0.05 and t.quantile(0.5) == 0.55
