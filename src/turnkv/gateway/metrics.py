@@ -15,12 +15,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from turnkv.gateway.turn.results import Capture, Fallback
 from turnkv.reuse.assess import Reason, TemplateClass
 from turnkv.reuse.cost import Action
+
+# no x_created series beside each counter and histogram: nothing reads them, and with every label value
+# exported from the start they would double /metrics (process-wide, as prometheus_client has it)
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
