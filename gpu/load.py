@@ -6,6 +6,9 @@ started once (or found running) and kept across modes; ``--p-cache off`` restart
 the order given (``--modes``):
 * ``plain``: through a turnkv gateway without a conversation id: vLLM's P/D, each turn recomputed on P
   (or served from P's prefix cache); the gateway gives D's unused handle back at once;
+* ``turnkv``: turnkv at its defaults as agents call it, without a conversation id (the gateway finds each
+  conversation from its history; write-back, ``shared_gpu: auto``);
+* ``turnkv-no-write-back``: the same with ``write_back.mode: off`` (handles kept pinned or let go);
 * ``adaptive``: turnkv's adaptive policy (``X-Session-ID``), ``shared_gpu`` left at ``auto`` (the default): with
   the plugin on both engines the gateway finds they share the GPU;
 * ``adaptive-separate``: the same told P and D do not share it (``shared_gpu: false``; what ``auto`` gave
@@ -107,6 +110,7 @@ class Mode:
     name: str
     gateway: bool
     session: bool  # send X-Session-ID
+    history: bool = False  # without X-Session-ID, the gateway finds each conversation from its history
     policy: str = "adaptive"
     params: tuple[tuple[str, Any], ...] = ()
     settings: tuple[tuple[str, Any], ...] = ()  # the gateway's own (top-level settings)
@@ -115,6 +119,10 @@ class Mode:
 MODES = {
     "plain": Mode("plain", gateway=True, session=False),
     "adaptive": Mode("adaptive", gateway=True, session=True),
+    "turnkv": Mode("turnkv", gateway=True, session=False, history=True),
+    "turnkv-no-write-back": Mode(
+        "turnkv-no-write-back", gateway=True, session=False, history=True, settings=(("write_back", {"mode": "off"}),)
+    ),
     "adaptive-pull": Mode("adaptive-pull", gateway=True, session=True, params=(("decode_local", False),)),
     "vllm-multiturn": Mode("vllm-multiturn", gateway=True, session=True, policy="vllm-multiturn"),
     # P and D share the GPU here: the policy told so (its ITL checks then refuse only what P would compute less of)
@@ -401,7 +409,7 @@ def run_mode(
         "policy": {"name": mode.policy, "params": params},
         **dict(mode.settings),
     }
-    if not mode.session:
+    if not mode.session and not mode.history:
         # plain P/D: no conversation at all (the gateway would otherwise find each one from its history)
         settings["conversation_from_history"] = False
     log0 = devlib.log_size(gw_name)

@@ -32,6 +32,12 @@
 #                            pull turns 2-5 at 2k, 16k, 32k: vllm-multiturn, always-pull, always-pull-beside
 #                            in rounds (A B C A B C), 5 reps; engines kept up for R2                  ~9.5 min
 #   bash gpu/session.sh R2   the same engines, 5 more rounds (seed 12); stops both                    ~9.5 min
+#   bash gpu/session.sh W1   setup, 8b pair, 64 conversations x 3 turns x 2 waves, no session id: turnkv at its
+#                            defaults, then plain P/D (the same gateway, conversation_from_history false)  ~8 min
+#   bash gpu/session.sh W2   the same engines, 32 conversations x 5 turns x 2 waves; stops both         ~8 min
+#   bash gpu/session.sh W3   single-turn vllm bench serve (random 8k in, 256 out, --ignore-eos, goodput
+#                            ttft:2000 tpot:30), prefix caching off on both engines, through turnkv and
+#                            plain P/D at 1-4 req/s (gpu/bench_serve.py; skipped without vllm); stops both  ~8 min
 # (R1, R2: TURNKV_TTFT_ARGS adds flags to ttft.py's command line, e.g. smaller sizes on the simulator)
 # (L1-L3, G1-G2: gpu/load.py; TURNKV_LOAD_ARGS adds flags to its command line, e.g. smaller sizes on the simulator)
 # Every step has its own time limit so a part ends well inside 10 minutes and the
@@ -39,7 +45,7 @@
 # (process sessions of their own) until a later part stops them or the machine goes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G6, R1, R2, P1}"
+part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G6, R1, R2, P1, W1-W3}"
 : "${OUT:=$PWD/results/gpu}"  # the repository's results/ (git ignores it), unless the caller names one
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -147,6 +153,22 @@ case "$part" in
     # nothing in load.py runs past its budget but stopping a gateway (<= 40 s) and writing its JSON
     step "load_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
     [ "$part" = L3 ] && python3 gpu/engines.py down
+    ;;
+  W1|W2)  # agents without a session id, as the write-back issue's table ran them: turnkv's defaults against plain
+    load=(python3 gpu/load.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --p-cache on --modes turnkv,plain)
+    case "$part" in
+      W1) if [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/setup.sh || { pack; exit 1; }; fi
+          load+=(--label W1_64 --conversations 64 --turns 3) ;;
+      W2) load+=(--label W2_32 --conversations 32 --turns 5) ;;
+    esac
+    step "load_$part" "$(left 575)" "${load[@]}" --time-budget-s "$(left 525)" ${TURNKV_LOAD_ARGS:-}
+    [ "$part" = W2 ] && python3 gpu/engines.py down
+    ;;
+  W3)  # single-turn goodput with vLLM's own client, prefix caching off on every engine (the seed's command)
+    python3 gpu/engines.py down  # the load parts' engines have prefix caching on
+    step bench_serve "$(left 575)" python3 gpu/bench_serve.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y \
+      --time-budget-s "$(left 500)" ${TURNKV_BENCH_SERVE_ARGS:-}
+    python3 gpu/engines.py down
     ;;
   G4|G5|G6)  # goodput: shared_gpu found by the gateway (auto), and rounds of modes for this GPU's noise
     load=(python3 gpu/load.py --ucx UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y --p-cache on --turns 3 --waves 1)
