@@ -10,7 +10,7 @@ from tests.pipeline.harness import P0, P1, Chat, Gateway, gateway
 from tests.sim_engine import SimEngine
 from tests.store_contract import rec
 from turnkv.gateway.turn import render
-from turnkv.state.base import Claim, ClaimStatus
+from turnkv.reuse.assess import Reason
 
 
 async def _second_turn_on_a_new_p(gw: Gateway) -> Chat:
@@ -50,10 +50,10 @@ async def test_a_pull_ahead_is_checked_on_the_ids_p_returns_else_on_a_render(
 
 @pytest.mark.parametrize(
     ("tail", "proved", "reason"),
-    [([7, 8], True, "no_session"), ([7, "8"], False, "render_failed"), ([7, 2**70], False, "render_failed")],
+    [([7, 8], True, None), ([7, "8"], False, Reason.RENDER_FAILED), ([7, 2**70], False, Reason.RENDER_FAILED)],
 )
 async def test_ids_the_records_digest_proves_are_checked_to_be_ints_past_it(
-    tail: list[object], proved: bool, reason: str
+    tail: list[object], proved: bool, reason: Reason | None
 ) -> None:
     # the digest proves the record's tokens; what P returned past them must still be 64-bit ints, or P's
     # answer is a protocol error, as ids the chain cannot take always were
@@ -61,6 +61,6 @@ async def test_ids_the_records_digest_proves_are_checked_to_be_ints_past_it(
     assert record.tokens_digest is not None
     async with gateway() as gw:
         ids = [*range(40), *tail]
-        checked = render.from_prefill(gw.svc, ids, Claim(ClaimStatus.FOUND, record))
-        assert (checked.proved, checked.reason.value) == (proved, reason)
+        checked = render.from_prefill(gw.svc, ids, record)
+        assert (checked.proved, checked.reason) == (proved, reason)
         assert gw.metric("turnkv_upstream_errors_total", leg="prefill", kind="protocol") == (0 if proved else 1)

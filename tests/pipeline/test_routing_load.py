@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.pipeline.harness import D0, P0, P1, Chat, gateway
+from tests.pipeline.harness import D0, D1, P0, P1, Chat, gateway
 from tests.sim_engine import SimEngine
 
 HISTORY = "Tell me everything about the weather in every town you know, in detail. " * 40
@@ -49,3 +49,22 @@ async def test_a_long_queue_at_the_conversations_p_sends_its_turns_to_the_other_
         # at a time: sent together, the last ones wait behind the first ones' prefills, measured in wall
         # time, and may be sent back to the idle P that holds an older prefix)
         assert await all_turns("fourth", one_at_a_time=True) == moved
+
+
+async def test_the_decode_leg_goes_to_the_d_the_turn_was_planned_or_admitted_to() -> None:
+    # round-robin takes tied engines in turn at every pick. A turn's D is picked once: the decode leg goes
+    # where the plan put it (a decode-local turn can go nowhere else), or, planned to none, where admission
+    # reserved room for it. Picked again there, every new conversation landed on the same D, and a
+    # decode-local turn could be handed another D than its own and fall back through P.
+    engine = SimEngine([P0], [D0, D1])
+    async with gateway(engine, decode=[D0, D1], routing="round-robin", policy={"name": "decode-local"}) as gw:
+        chats = [Chat(gw, session=f"c{i}") for i in range(CONVERSATIONS)]
+        for c in chats:
+            assert (await c.say("Plan a trip.")).status == 200
+        homes = [t["decode"] for t in gw.turns]
+        assert homes == [D0, D1] * (CONVERSATIONS // 2)  # taken in turn
+        for _ in range(2):
+            for c, home in zip(chats, homes, strict=True):
+                a = await c.say("And then?")
+                t = gw.turns[-1]
+                assert (a.action, t["decode"], t.get("retries")) == ("decode_local", home, None), t

@@ -57,7 +57,7 @@ class Reason(enum.StrEnum):
     DECODE_BUSY = "decode_busy"  # D's KV is nearly full, or turns wait in the gateway for room on it: not decode-local
     DECODE_QUEUE = "decode_queue"  # requests wait on D longer than the turn would wait at P: not decode-local
     DECODE_MOVED = "decode_moved"  # routing put the turn on another D than the one holding it (by load)
-    PREFILL_BUSY = "prefill_busy"  # a first turn ran on D: P's queue made P's path the slower (``plan.first``)
+    PREFILL_BUSY = "prefill_busy"  # a first turn ran on D: P's queue made P's path the slower (``turn.plan``)
 
 
 class TemplateClass(enum.StrEnum):
@@ -84,6 +84,12 @@ class Assessment:
     @property
     def outcome(self) -> str:
         return "full" if self.full else ("partial" if self.tokens > 0 else "none")
+
+    @classmethod
+    def whole(cls, record: ConversationRecord) -> Assessment:
+        """D's whole sequence taken to match: proved by the record before any render, or believed unchecked
+        (the baselines that check no tokens, as vLLM's example proxy does)."""
+        return cls(record, record.num_tokens, True, Reason.FULL_MATCH, True)
 
 
 def _none(reason: Reason, record: ConversationRecord | None = None, releasable: bool = False) -> Assessment:

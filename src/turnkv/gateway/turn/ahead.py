@@ -8,10 +8,10 @@ critical path: render, then the token check, then P's request. Two ways to take 
   vLLM), so the render would still lead P's request by almost all of its time;
 * plan from the record and send P the prompt as messages, as plain P/D (and vLLM's multi-turn proxy) do:
   P renders it itself, and the token check, which must pass before D starts, runs on the prompt ids P
-  returns (or on a render beside P's leg: ``ahead_check`` below). This one is taken (``plan.ahead``
-  decides, this module runs the leg).
+  returns (or on a render beside P's leg: ``ahead_check`` below). This one is taken (the SHORTCUT step
+  decides, ``turn.shortcut``; this module runs the leg).
 
-Only where the record already proves the history (``plan.ahead``): the template keeps history, the
+Only where the record already proves the history (``shortcut.proves_history``): the template keeps history, the
 client echoed the last answer as D produced it, the history before it digests as stored, and the
 record is usable. Then:
 
@@ -45,14 +45,16 @@ record is usable. Then:
 * a policy that checks no tokens (the ``vllm-multiturn`` and unchecked baselines) is never rendered
   once its record is usable: as vLLM's proxy, it pulls the previous handle with the messages.
 
-Decode-local turns are the direct path's (``turn.direct``); turns the record does not prove are
-rendered first and planned (``turn.render``, ``turn.plan``).
+Decode-local turns are the direct path's (``turn.shortcut``); turns the record does not prove are
+rendered first and planned (``turn.render``, ``turn.plan``). What the check finds reaches the plan by its
+own method (``TurnRun.checked``: ``Plan.checked``); a pull it does not prove falls back
+(``Plan.downgrade``).
+Transition: PREFILL → DECODE once the check has proved what P pulled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 import anyio
@@ -60,9 +62,8 @@ import anyio
 from turnkv.gateway.turn import plan, prefill, render
 from turnkv.gateway.turn.results import Fallback, Plan, Prefilled, Rendered
 from turnkv.gateway.turn.run import STOP_WAIT_S, TurnRun
-from turnkv.reuse.assess import Reason
-from turnkv.reuse.cost import Action
-from turnkv.state.base import Claim
+from turnkv.reuse.assess import Assessment, Reason
+from turnkv.state.record import ConversationRecord
 
 
 async def _stop(leg: asyncio.Future[Prefilled]) -> None:
@@ -75,15 +76,22 @@ async def _stop(leg: asyncio.Future[Prefilled]) -> None:
         leg.exception()  # retrieved: its outcome no longer matters
 
 
-def _proved(run: TurnRun, checked: Rendered, done: Prefilled | None) -> bool:
-    """Whether the check proves the prefix P pulls, and P (if it has answered) counted the rendered prompt;
-    the plan keeps what the check found either way."""
-    send, ids = run.plan.send, checked.prompt_ids
-    a = plan.check(run.svc, run.turn, checked)
-    if a is not None:
-        reason = a.reason if run.plan.reason is Reason.FULL_MATCH else run.plan.reason  # the policy's own stands
-        run.plan = dataclasses.replace(run.plan, assessment=a, reason=reason)
-    if send is None or ids is None or a is None or a.tokens < send.tokens:
+def _check(run: TurnRun, checked: Rendered) -> Assessment | None:
+    """The token check on ``checked``; the plan keeps what it found (``TurnRun.checked``). A render that
+    failed on the messages ends the turn: the client hears why."""
+    if checked.failure is not None:
+        run.checked(checked, None)
+        run.refused(checked.reason or Reason.REQUEST_REJECTED)
+        raise checked.failure
+    found = plan.check(run.svc, run.turn, checked, run.claimed.claim)
+    run.checked(checked, found)
+    return found
+
+
+def _covers(p: Plan, checked: Rendered, found: Assessment | None, done: Prefilled | None) -> bool:
+    """Whether the check proves the prefix P pulls, and P (if it has answered) counted the rendered prompt."""
+    send, ids = p.send, checked.prompt_ids
+    if send is None or ids is None or found is None or found.tokens < send.tokens:
         return False
     return done is None or done.result.prompt_tokens is None or done.result.prompt_tokens == len(ids)
 
@@ -106,15 +114,15 @@ async def prefill_checked(run: TurnRun) -> Prefilled:
     """P's leg of an ahead turn: a checked pull returns only once the token check proved what P pulled
     (on the ids P returned, or on a render beside P's leg: ``ahead_check``); otherwise the turn falls back
     to plain P/D with the checked ids."""
-    claim = run.rendered.claim
-    if claim is None or not run.plan.pulls_ahead:
+    record = run.claimed.record
+    if record is None or not run.plan.pulls_ahead:
         return await prefill.run(run)
     if run.svc.settings.ahead_check == "prefill":
-        return await _checked_on_prefill_ids(run, claim)
-    return await _checked_beside_render(run, claim)
+        return await _checked_on_prefill_ids(run, record)
+    return await _checked_beside_render(run, record)
 
 
-async def _checked_on_prefill_ids(run: TurnRun, claim: Claim) -> Prefilled:
+async def _checked_on_prefill_ids(run: TurnRun, record: ConversationRecord) -> Prefilled:
     """P pulls and prefills, and returns the prompt ids it computed from; the check runs on them before D
     starts. An engine that returns none is rendered for the check once P has answered."""
     done = await prefill.run(run)
@@ -122,37 +130,29 @@ async def _checked_on_prefill_ids(run: TurnRun, claim: Claim) -> Prefilled:
         return done
     ids = done.result.prompt_ids
     if ids is not None:
-        checked = render.from_prefill(run.svc, ids, claim)
+        checked = render.from_prefill(run.svc, ids, record)
     else:
-        checked = await run.until_aborted(render.checked(run.svc, run.turn, claim))
-    run.rendered = checked
-    if checked.failure is not None:  # the messages themselves are wrong: the client hears why
-        run.plan = Plan(Action.RECOMPUTE, checked.reason)
-        raise checked.failure
-    if _proved(run, checked, done):
+        checked = await run.until_aborted(render.run(run.svc, run.turn, record))
+    if _covers(run.plan, checked, _check(run, checked), done):
         return done
     run.fall_back(Fallback.RENDER_MISMATCH)  # what P pulled was not proved: none of it is used
     return await prefill.run(run)
 
 
-async def _checked_beside_render(run: TurnRun, claim: Claim) -> Prefilled:
+async def _checked_beside_render(run: TurnRun, record: ConversationRecord) -> Prefilled:
     """P pulls and prefills while the render runs beside it; D waits for the check on the render's ids."""
     leg = asyncio.ensure_future(prefill.run(run))
     pending: asyncio.Future[Rendered] | None = None
     try:
         await _after_p_request(run, leg)
-        pending = asyncio.ensure_future(render.checked(run.svc, run.turn, claim))
+        pending = asyncio.ensure_future(render.run(run.svc, run.turn, record))
         checked = await run.until_aborted(pending)
-        run.rendered = checked
-        if checked.failure is not None:  # the messages themselves are wrong: the client hears why
-            await _stop(leg)
-            run.plan = Plan(Action.RECOMPUTE, checked.reason)
-            raise checked.failure
+        found = _check(run, checked)  # P's leg is stopped below if this raises
         if not run.plan.pulls_ahead:  # P's pull failed meanwhile: its leg went on without the handle
             return await leg
-        if _proved(run, checked, None):
+        if _covers(run.plan, checked, found, None):
             done = await leg
-            if not run.plan.pulls_ahead or _proved(run, checked, done):
+            if not run.plan.pulls_ahead or _covers(run.plan, checked, found, done):
                 return done
         await _stop(leg)
         if run.plan.pulls_ahead:  # what P pulled was not proved: none of it is used

@@ -21,15 +21,14 @@ import anyio
 
 from turnkv.engine.base import Handle, HandleProblem
 from turnkv.errors import StoreError
+from turnkv.gateway.identity import Conversation
 from turnkv.gateway.services import Services
-from turnkv.gateway.turn import report
+from turnkv.gateway.turn import plan, report
 from turnkv.gateway.turn.direct import bytes_per_token, history_digest
 from turnkv.gateway.turn.direct import enabled as direct_enabled
-from turnkv.gateway.turn.plan import facts, room, turn_load
-from turnkv.gateway.turn.results import Capture
+from turnkv.gateway.turn.results import AfterTurn, Capture
 from turnkv.gateway.turn.run import TurnRun
 from turnkv.reuse.chain import ChainBuilder, sequence_digest
-from turnkv.reuse.decision import Keep
 from turnkv.state.record import ConversationRecord
 
 # the store keeps a record this long past its last usable moment, to tell "expired" from "none"
@@ -111,105 +110,85 @@ def build_record(run: TurnRun) -> ConversationRecord | Capture:
     )
 
 
-def _crowded(svc: Services, rec: ConversationRecord) -> bool:
-    """Whether requests wait on D for blocks while stored pins hold more than the low watermark: a pin
-    kept now would hold them there for a next turn that may never come (plain P/D, which pins nothing,
-    serves them first). ``decode_memory.pin: always`` keeps pins regardless."""
-    d = svc.fleet.view(rec.decode_url)
-    return d is not None and svc.settings.decode_memory.pin != "always" and svc.pins.crowded(d, rec.num_tokens)
-
-
-def _keeps_pin(run: TurnRun, rec: ConversationRecord) -> Keep:
-    """Whether the new handle is worth its pinned bytes until the next turn, and why (the policy's own view
-    of a next turn like this one)."""
-    svc = run.svc
-    if svc.settings.decode_memory.pin == "always":
-        return Keep.PULL
-    bs = svc.settings.block_size
-    claimed = run.rendered.claim.record if run.rendered.claim is not None else None
-    grown = rec.prompt_tokens - (claimed.num_tokens if claimed is not None else 0)
-    new = max(bs, grown if claimed is not None else rec.prompt_tokens // 8)  # the next turn's new part, guessed
-    d = svc.fleet.view(rec.decode_url)
-    p = svc.fleet.view(rec.prefill_url)
-    costs = svc.estimator.params()
-    load = turn_load(svc, p, d, costs)
-    f = facts(
-        rec,
-        prompt_tokens=rec.num_tokens + new,
-        matched=rec.num_tokens,
-        prefill=p,
-        decode=d,
-        decode_holds=d is not None and room(svc, d, load).ok,
-        block_size=bs,
-        load=load,
-    )
-    return svc.policy.keeps_pin(f, costs)
-
-
 async def finish(run: TurnRun, *, ok: bool) -> Capture:
     """Store the next record (or put the claimed one back), give back every handle nobody will use."""
-    svc, conv = run.svc, run.turn.conversation
-    rec = build_record(run) if ok else Capture.FAILED
-    new_handle = run.collected.handle
-    if isinstance(rec, ConversationRecord) and rec.handle is not None and _crowded(svc, rec):
-        _release(svc, rec.handle, "decode_crowded")  # its blocks go to the turns waiting on D
-        rec = rec.unpin("decode_crowded")
-    keep = Keep.PULL
-    if isinstance(rec, ConversationRecord) and rec.handle is not None:
-        keep = _keeps_pin(run, rec)
-        if not keep.kept:
-            _leave(svc, rec.decode_url, rec.handle, rec.num_tokens, "not_needed")  # then in D's prefix cache
-            rec = rec.unpin("not_needed")
-    old = run.rendered.record
-    spent = run.journal.handle_spent
-    result: Capture
-    try:
-        if isinstance(rec, ConversationRecord) and conv is not None:
-            if rec.handle is not None:
-                await svc.pins.make_room(rec.decode_url, rec.num_tokens)
-            # a conversation found from its history moves on: stored under this request's digest
-            await svc.store.put(conv.store_key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
-            if rec.handle is None:
-                result = Capture.unpinned(str(rec.unpinned))
-            else:
-                result = Capture.STORED_HEDGE if keep is Keep.HEDGE else Capture.STORED
-            if conv.store_key != conv.key and run.rendered.claimed:
-                await svc.store.release(conv.key, owner=run.turn.request_id)
-        elif conv is not None and not spent and old is not None and old.expires_at > time.time():
-            # the turn failed before P used the handle: the conversation keeps its reuse
-            assert isinstance(rec, Capture), "no record was built"
-            await svc.store.put(conv.key, old, old.expires_at - time.time() + EXPIRED_GRACE_S)
-            result, old = rec.kept_previous(), None
-        else:
-            if conv is not None and run.rendered.claimed:
-                await svc.store.release(conv.key, owner=run.turn.request_id)
-            assert isinstance(rec, Capture), "no record was built"
-            result = rec
-    except StoreError:
-        result = Capture.STORE_UNAVAILABLE
-        if isinstance(rec, ConversationRecord) and rec.handle is not None:
-            _release(svc, rec.handle, "store_unavailable")  # nobody can use it: do not pin D for nothing
-    if (
-        not result.stored
-        and result is not Capture.STORE_UNAVAILABLE
-        and new_handle
-        and svc.engine.pins_memory(new_handle)
-    ):
-        # D pinned its blocks for a next turn that will not use them (a stateless turn, a failed one, or a
-        # handle that could not be kept): a failed turn's go back now; an answered one's are left to D's TTL
-        # as plain P/D leaves them, within decode_memory.unused_share (gateway/pins.py)
-        if ok and run.decode_url is not None:
-            held = svc.engine.read_handle(new_handle, seq_len=UNBOUNDED, block_size=svc.settings.block_size)
-            if isinstance(held, HandleProblem):
-                _release(svc, new_handle, "unused")
-            else:
-                _leave(svc, run.decode_url, new_handle, held.tokens, "unused")
-        else:
-            _release(svc, new_handle, "failed_turn" if not ok else "unused")
-    if old is not None and old.handle is not None and not spent:
+    built = build_record(run) if ok else Capture.FAILED
+    after = None
+    if isinstance(built, ConversationRecord) and built.handle is not None:
+        after = plan.after_turn(run.svc, built, run.claimed.record)
+        built = _carry_out(run.svc, built, after)
+    result = await _store(run, built, after)
+    _settle_new_handle(run, result, ok=ok)
+    old = run.claimed.record
+    if old is not None and old.handle is not None and not run.journal.handle_spent and not result.put_back:
         # the claimed handle was not handed to P (decode-local, or the turn ended): it pins D for nothing
-        _release(svc, old.handle, "superseded")
+        _release(run.svc, old.handle, "superseded")
     return result
+
+
+def _carry_out(svc: Services, rec: ConversationRecord, after: AfterTurn) -> ConversationRecord:
+    """The planner's decision on the new handle, done: the record then holds it, or says why not."""
+    assert rec.handle is not None, "only a record with a handle is decided on"
+    if after is AfterTurn.DECODE_CROWDED:
+        _release(svc, rec.handle, "decode_crowded")  # its blocks go to the turns waiting on D
+    elif after is AfterTurn.LET_GO:
+        _leave(svc, rec.decode_url, rec.handle, rec.num_tokens, "not_needed")  # then in D's prefix cache
+    else:
+        return rec
+    return rec.unpin(after.value)
+
+
+async def _store(run: TurnRun, built: ConversationRecord | Capture, after: AfterTurn | None) -> Capture:
+    """The next record stored, or the claimed one put back, or the claim let go; what the turn left."""
+    conv = run.turn.conversation
+    try:
+        if conv is None:
+            assert isinstance(built, Capture), "a turn without a conversation builds no record"
+            return built
+        if isinstance(built, ConversationRecord):
+            return await _put(run, conv, built, after)
+        old = run.claimed.record
+        if not run.journal.handle_spent and old is not None and old.expires_at > time.time():
+            # the turn failed before P used the handle: the conversation keeps its reuse
+            await run.svc.store.put(conv.key, old, old.expires_at - time.time() + EXPIRED_GRACE_S)
+            return built.kept_previous()
+        if run.claimed.held:
+            await run.svc.store.release(conv.key, owner=run.turn.request_id)
+        return built
+    except StoreError:
+        if isinstance(built, ConversationRecord) and built.handle is not None:
+            _release(run.svc, built.handle, "store_unavailable")  # nobody can use it: do not pin D for nothing
+        return Capture.STORE_UNAVAILABLE
+
+
+async def _put(run: TurnRun, conv: Conversation, rec: ConversationRecord, after: AfterTurn | None) -> Capture:
+    svc = run.svc
+    if rec.handle is not None:
+        await svc.pins.make_room(rec.decode_url, rec.num_tokens)
+    # a conversation found from its history moves on: stored under this request's digest
+    await svc.store.put(conv.store_key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
+    if conv.store_key != conv.key and run.claimed.held:
+        await svc.store.release(conv.key, owner=run.turn.request_id)
+    if rec.handle is None:
+        return Capture.unpinned(str(rec.unpinned))
+    return Capture.STORED_HEDGE if after is AfterTurn.HEDGE else Capture.STORED
+
+
+def _settle_new_handle(run: TurnRun, result: Capture, *, ok: bool) -> None:
+    """D pinned its blocks for a next turn that will not use them (a stateless turn, a failed one, or a handle
+    that could not be kept): a failed turn's go back now; an answered one's are left to D's TTL as plain P/D
+    leaves them, within decode_memory.unused_share (gateway/pins.py)."""
+    svc, new_handle = run.svc, run.collected.handle
+    if result.stored or result is Capture.STORE_UNAVAILABLE or not new_handle or not svc.engine.pins_memory(new_handle):
+        return
+    if not ok or run.decode_url is None:
+        _release(svc, new_handle, "failed_turn" if not ok else "unused")
+        return
+    held = svc.engine.read_handle(new_handle, seq_len=UNBOUNDED, block_size=svc.settings.block_size)
+    if isinstance(held, HandleProblem):
+        _release(svc, new_handle, "unused")
+    else:
+        _leave(svc, run.decode_url, new_handle, held.tokens, "unused")
 
 
 async def end(run: TurnRun, *, ok: bool) -> None:

@@ -22,23 +22,28 @@ from turnkv.errors import FirstTokenDeadline, UpstreamError, UpstreamTimeout, Up
 from turnkv.gateway.fleet import Slot
 from turnkv.gateway.turn.deadline import Deadline
 from turnkv.gateway.turn.results import Opened, Prefilled
-from turnkv.gateway.turn.run import Journal, TurnRun
-from turnkv.routing import InstanceView, Router
+from turnkv.gateway.turn.run import TurnRun
+from turnkv.routing import InstanceView
 
 DEFAULT_MAX_TOKENS = 1024  # for the deadline of a non-streamed answer that names no limit
 
 
-def _pick(router: Router, planned: str | None, journal: Journal) -> InstanceView | None:
-    """The decode engine for this attempt: the planned one unless it failed; never one already tried;
-    one that missed its first-token deadline only when no other is left."""
-    prefer = planned if planned not in journal.tried_decode else None
-    tried = frozenset(journal.tried_decode)
-    return router.pick("decode", prefer=prefer, exclude=tried, avoid=frozenset(journal.avoid_decode))
-
-
 def pick(run: TurnRun) -> InstanceView | None:
-    """The decode engine this turn would go to now."""
-    return _pick(run.svc.router, run.plan.decode_url, run.journal)
+    """The decode engine for this attempt: the one the turn was planned to (or, planned to none, admitted
+    to: ``driver``'s admission picks it) while it may still take it (routable, not tried, not late); else
+    routing's pick, never one already tried, one that missed its first-token deadline only when no other is
+    left. Picked once: a second pick could give another D than the plan's (a profile that ignores the
+    conversation, ties taken in turn), where a decode-local turn cannot go, and than the admission's, whose
+    room was reserved there."""
+    j = run.journal
+    chosen = run.plan.decode_url or (run.ticket.url if run.ticket is not None else None)
+    if chosen is not None and chosen not in j.tried_decode and chosen not in j.avoid_decode:
+        view = run.svc.fleet.view(chosen)
+        if view is not None and view.routable:
+            return view
+    prefer = run.plan.decode_url if run.plan.decode_url not in j.tried_decode else None
+    tried = frozenset(j.tried_decode)
+    return run.svc.router.pick("decode", prefer=prefer, exclude=tried, avoid=frozenset(j.avoid_decode))
 
 
 def _call(run: TurnRun, inst: InstanceView, prefilled: Prefilled | None) -> DecodeCall:
@@ -104,7 +109,7 @@ async def run(run: TurnRun, prefilled: Prefilled | None) -> Opened | None:
     fleet = svc.fleet
     last: UpstreamError | None = None
     for _ in range(fleet.size("decode") + 1):
-        inst = _pick(svc.router, plan.decode_url, run.journal)
+        inst = pick(run)
         if inst is None or (plan.decode_local and inst.url != plan.decode_url):
             break
         slot = fleet.hold(

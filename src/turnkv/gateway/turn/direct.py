@@ -1,14 +1,14 @@
-"""DIRECT: what a turn sent to the decode engine holding the conversation without a render is held against.
+"""DIRECT: the messages held against the stored record without a render, and their size estimated from text.
 
-A decode-local turn uses no handle: D serves it from its own prefix cache, which vLLM keys by the
-hashes of the token ids themselves, so it is correct whatever the prompt turned out to be. The token
-check guards pulls, not this. What rendering gives a decode-local turn is only the size of the new
-part, for the policy's cost estimate; this step estimates it from the new messages' bytes instead
-and, when the policy picks decode-local on that estimate, skips the render call, which otherwise
-sits on the turn's critical path. Only where nothing suggests the history was rewritten: the
-template preserves history, and the client echoed the last answer exactly as D produced it. The
-decision itself is the planner's (``plan.direct``); capture still builds the next record from D's
-own token ids.
+A decode-local turn uses no handle: D serves it from its own prefix cache, which vLLM keys by the hashes of
+the token ids themselves, so it is correct whatever the prompt turned out to be. The token check guards
+pulls, not this. What rendering gives a decode-local turn is only the size of the new part, for the
+policy's cost estimate; this module estimates it from the new messages' bytes instead (``Candidate``), so
+that the SHORTCUT step (``turn.shortcut``) can plan the turn without the render call, which otherwise sits
+on the turn's critical path. Only where nothing suggests the history was rewritten: the template preserves
+history, the client echoed the last answer exactly as D produced it, and the history before it digests as
+stored (``history_digest``). CAPTURE stores those digests, and still builds the next record from D's own
+token ids.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 
 from turnkv import jsonwire
 from turnkv.gateway.services import Services
-from turnkv.gateway.turn.request import Turn
 from turnkv.openai.answer import EchoedAnswer, echoed_answer, last_assistant
 from turnkv.reuse.assess import TemplateClass
 
@@ -145,11 +144,3 @@ def enabled(svc: Services, *, until_audited: bool = False) -> bool:
     ``until_audited``, also while the start-up audit has not classified the template yet)."""
     ok = (TemplateClass.PRESERVES, TemplateClass.UNKNOWN) if until_audited else (TemplateClass.PRESERVES,)
     return svc.settings.decode_local_direct and svc.catalog.template.cls in ok
-
-
-def candidate(svc: Services, turn: Turn) -> Candidate | None:
-    """The turn, when it is worth reading the record before rendering (instead of beside it): direct
-    turns are enabled, the policy may go decode-local, and the messages continue an answer with text."""
-    if not (enabled(svc) and svc.policy.may_decode_local):
-        return None
-    return continuation(turn.messages)

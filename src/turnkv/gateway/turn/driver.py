@@ -1,12 +1,13 @@
 """Runs one chat turn: the steps in order, each handed what it needs and its result kept, then the answer
 as JSON or as a relayed stream.
 
-Follow a request here: ``render.run`` → ``plan.plan`` (or the plan RENDER made without a render, or plain
-P/D) → ``prefill.run`` (not for decode-local; for a pull planned ahead of its render, beside that render,
-whose token check gates D: ``ahead.prefill_checked``) → ``decode.run``, then ``stream.relay`` or the JSON
-answer, and ``capture.end`` at the end of both (for a stream, before its ``[DONE]``). A decode-local turn no
-D could take, and a decode leg that failed before any output, run again through P as plain P/D
-(``TurnRun.fall_back``).
+Follow a request here: CLAIM (``claim.run``) → SHORTCUT (``shortcut.take``: a plan made without a render, or
+the render asked for) → RENDER (``render.run``; beside the claim where no shortcut can apply:
+``shortcut.way``) → PLAN (``plan.rendered``) → PREFILL (not for decode-local; for a pull planned ahead of its
+render, the token check gates D: ``ahead.prefill_checked``) → DECODE (``decode.run``) → the relay
+(``stream.relay``) or the JSON answer → CAPTURE (``capture.end``; for a stream, before its ``[DONE]``). A turn
+with nothing to claim goes to P as plain P/D. A decode-local turn no D could take, and a decode leg that
+failed before any output, run again through P as plain P/D (``TurnRun.fall_back``).
 """
 
 from __future__ import annotations
@@ -17,13 +18,11 @@ from starlette.responses import JSONResponse, Response
 
 from turnkv.errors import UpstreamError, UpstreamUnavailable, retryable
 from turnkv.gateway.services import Services
-from turnkv.gateway.turn import ahead, capture, decode, plan, render, report, stream
+from turnkv.gateway.turn import ahead, capture, claim, decode, plan, render, report, shortcut, stream
 from turnkv.gateway.turn.direct import BYTES_PER_TOKEN, TOKENS_PER_MESSAGE, text_size
 from turnkv.gateway.turn.request import Turn
-from turnkv.gateway.turn.results import Fallback, Next, Plan, Rendered
+from turnkv.gateway.turn.results import Fallback, Plan
 from turnkv.gateway.turn.run import TurnRun
-from turnkv.reuse.assess import Reason
-from turnkv.reuse.cost import Action
 
 ANSWER_RESERVE = 2048  # answer tokens a turn reserves on D at most
 
@@ -46,23 +45,22 @@ async def _legs(run: TurnRun) -> None:
     raise UpstreamUnavailable("no decode engine is available", leg="decode")
 
 
-def _plan(run: TurnRun, rendered: Rendered) -> Plan:
-    if rendered.next is Next.DECODE and rendered.direct is not None:
-        return rendered.direct
-    if rendered.next is Next.AHEAD and rendered.direct is not None:
-        made = rendered.direct
-        run.planned_s = time.perf_counter() - run.turn.started
-    elif rendered.next is not Next.PLAN:
-        return Plan(Action.RECOMPUTE, rendered.reason)
+async def _prepare(run: TurnRun) -> Plan:
+    """CLAIM → SHORTCUT → RENDER → PLAN: the turn's plan (the driver keeps each step's result)."""
+    svc, turn = run.svc, run.turn
+    way = shortcut.way(svc, turn)
+    if way.plain is not None:
+        return Plan.plain(way.plain)
+    if way.record_first:
+        run.claimed = await claim.run(svc, turn)
+        taken = shortcut.take(svc, turn, run.claimed, way)
+        if taken is not None:
+            return taken
+        run.rendered = await render.run(svc, turn, run.claimed.record)
     else:
-        run.check()
-        try:
-            made = plan.plan(run.svc, run.turn, rendered)
-        finally:
-            run.planned_s = time.perf_counter() - run.turn.started
-    if made.expect_hits and made.prefill_url is not None:
-        run.svc.fleet.expect_hits(made.prefill_url, made.expect_hits)
-    return made
+        run.claimed, run.rendered = await render.beside(svc, turn, claim.run(svc, turn))
+    run.check()
+    return plan.rendered(svc, turn, run.claimed, run.rendered)
 
 
 def _context_tokens(run: TurnRun) -> int:
@@ -98,14 +96,12 @@ async def _admit(run: TurnRun) -> None:
 
 async def _advance(run: TurnRun) -> None:
     run.check()
-    if run.turn.chat:
-        run.rendered = await render.run(run.svc, run.turn)
-        if run.rendered.failure is not None:
-            run.plan = Plan(Action.RECOMPUTE, run.rendered.reason)  # logged with the render's reason
-            raise run.rendered.failure
-    else:
-        run.rendered = Rendered(Next.PREFILL, Reason.NO_SESSION)
-    run.plan = _plan(run, run.rendered)
+    made = await _prepare(run)
+    run.planned(made)
+    if made.expect_hits and made.prefill_url is not None:
+        run.svc.fleet.expect_hits(made.prefill_url, made.expect_hits)
+    if run.rendered.failure is not None:  # the messages themselves are wrong: the plan says why
+        raise run.rendered.failure
     await _legs(run)
 
 

@@ -1,47 +1,43 @@
-"""PLAN: decide how much of the stored decode KV this turn reuses, and how the turn runs.
+"""PLAN: how a turn runs and why, from what is known of it. One decision path for every turn that is planned.
 
-The token check (``reuse.assess``) says what may be reused and why not more; the policy says whether
-pulling it pays, or whether the decode engine should prefill the turn itself. A handle that is not
-pulled goes to P to be released, so D frees its blocks at once. Whether the D holding the conversation
-has room for a decode-local turn is ``reuse.room``'s decision: not when short of KV (``decode_busy``: its
-idle conversations' freed blocks are the first it evicts, so the turn would compute the whole history
-again there), nor when requests wait on it longer than the turn would wait at P (``decode_queue``). When
-routing puts the turn on another D than the one holding the conversation (by load), the turn runs
-through P, pulling the old D's blocks where that pays, and says ``decode_moved``.
-``direct`` is the same planner for a turn not rendered at all (``turn.direct``): its prompt's size is
-estimated, and only a decode-local decision stands; ``first`` the same for a conversation's first turn,
-nothing stored (D prefills its whole prompt, as colocated serving does, where P's queue makes P's path the
-slower: the policy's ``decode_local_first``); ``ahead`` for a pull or recompute turn planned before
-its render returns (``turn.ahead``): the same facts, the record's length standing for the match. ``facts``
-is what the policy is told, the same for both and for CAPTURE's question whether a new handle is worth
-keeping: the token check's result, and the engines' load (``reuse.load``: D's step time and the KV its
-streams read, P's queue; a fact the fleet cannot give is left to the policy's model, and the turn log says
-which and why).
+What is known of the prompt differs (``Basis``): a turn rendered, its ids checked against the claimed record
+(``check``: ``reuse.assess`` says how many of D's tokens the prompt extends, and why not more); a turn planned
+from its record before any render (``from_record``, for the SHORTCUT step: the record proves the history, so
+D's whole sequence matches, and the prompt's size is estimated); a conversation's first turn, nothing stored
+(``first``: its size estimated); and the next turn like this one, for CAPTURE's question (``after_turn``).
+From there the path is one (``decide``): the routing picks P and D; the engines' load (``reuse.load``: D's
+step time and the KV its streams read, P's queue; a fact the fleet cannot give is left to the policy's
+model, and the turn log says which and why); where D stands (``Seat``): whether the D routing picked holds
+the conversation and has room for a decode-local turn (``reuse.room``: not when short of KV, ``decode_busy``,
+whose idle conversations' freed blocks it evicts first; nor when requests wait on it longer than the turn
+would wait at P, ``decode_queue``), or is another D than the one holding it (``decode_moved``: the turn runs
+through P, pulling the old D's blocks where that pays); the facts the policy is told (``facts``); its
+decision; the reason (``reason``, the one place it is chosen); and the ``Plan``. A handle that is not pulled
+goes to P to be released, so D frees its blocks at once.
+
+A conversation's first turn runs on D (``prefill_busy``) only where the policy finds that faster than P's
+path (its queue, and the charge for the turns behind it) while prefills wait at P: at an idle P the P/D
+split stands, even where D alone would be faster. After a turn (``after_turn``): D's new handle stays pinned
+where a pull would use it on a next turn like this one (or as the policy's hedge), is released at once
+where requests wait on D for blocks, and is otherwise left to D's prefix cache.
 Transition: PLAN → PREFILL, or → DECODE for decode-local.
 """
 
 from __future__ import annotations
 
+import enum
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 
 from turnkv.engine.base import HandleUse
 from turnkv.gateway.services import Services
-from turnkv.gateway.turn.direct import Candidate, continuation, history_digest, size_guess
+from turnkv.gateway.turn.direct import size_guess
 from turnkv.gateway.turn.request import Turn
-from turnkv.gateway.turn.results import Ahead, Plan, Rendered
+from turnkv.gateway.turn.results import AfterTurn, Ahead, Claimed, Plan, Rendered
 from turnkv.openai.answer import echoed_answer
-from turnkv.reuse.assess import (
-    Assessment,
-    EngineView,
-    Reason,
-    TemplateClass,
-    assess,
-    record_unusable,
-    unpinned_reason,
-)
+from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, unpinned_reason
 from turnkv.reuse.cost import Action, CostParams, TurnFacts, pulled_tokens
-from turnkv.reuse.decision import Decision
+from turnkv.reuse.decision import Decision, Keep
 from turnkv.reuse.load import LoadFacts, load_facts
 from turnkv.reuse.room import DecodeRoom, decode_room
 from turnkv.routing.base import InstanceView
@@ -49,6 +45,296 @@ from turnkv.state.base import Claim
 from turnkv.state.record import ConversationRecord
 
 
+class Basis(enum.Enum):
+    """What a plan is made from."""
+
+    RENDERED = "rendered"  # the prompt's ids, checked against the claimed record
+    RECORD = "record"  # before any render: the record proves the history; the prompt's size estimated
+    FIRST = "first"  # a conversation's first turn, nothing stored; its size estimated
+    NEXT = "next"  # after a turn: a next turn like it, for what becomes of D's new handle
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What the planner is asked about: the claimed record (None: nothing stored), what of D's sequence the
+    prompt extends and why not more, and the prompt's length in tokens (rendered, or estimated)."""
+
+    basis: Basis
+    record: ConversationRecord | None
+    match: Assessment
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where the D routing picked stands to the conversation: whether it is another D than the one holding
+    it (``moved``), and whether it has room for the turn decode-local (``room``: weighed only where it could
+    take the turn itself, its own prefix cache holding the conversation, or a first turn's whole prompt)."""
+
+    decode: InstanceView | None
+    moved: bool = False
+    room: DecodeRoom | None = None
+
+    @property
+    def holds(self) -> bool:
+        """D may take the turn decode-local (the policy still decides whether it should)."""
+        return self.room is not None and self.room.ok
+
+
+@dataclass(frozen=True)
+class Told:
+    """What the policy is told of a turn, and where its D stands."""
+
+    seat: Seat
+    facts: TurnFacts
+    load: LoadFacts
+
+
+# -- the entry points: what is known of the turn ---------------------------------------------------------
+def check(svc: Services, turn: Turn, rendered: Rendered, claim: Claim | None) -> Assessment | None:
+    """The token check of a rendered turn against its claimed record (None: nothing to check)."""
+    if claim is None or rendered.prompt_ids is None or turn.conversation is None:
+        return None
+    rec = claim.record
+    inst = svc.fleet.view(rec.decode_url) if rec else None
+    a = assess(
+        claim,
+        rendered.prompt_ids,
+        tenant=turn.conversation.tenant,
+        now=time.time(),
+        decode=None if inst is None else EngineView(inst.routable, inst.epoch),
+        echoed=echoed_answer(turn.messages),
+        template=svc.catalog.template.cls,
+        block_size=svc.settings.block_size,
+        prompt_chain=rendered.chain,
+        proved=rendered.proved,
+    )
+    if rec is not None and not svc.policy.checks_tokens and a.releasable:
+        return Assessment.whole(rec)  # the unchecked baseline believes the handle covers the prompt
+    return a
+
+
+def rendered(svc: Services, turn: Turn, claimed: Claimed, rendered: Rendered) -> Plan:
+    """The plan for a rendered turn, or one whose render failed, or whose record could not be claimed."""
+    if rendered.failure is not None:
+        return Plan.plain(rendered.reason or Reason.RENDER_FAILED)  # the client hears why; logged with it
+    rec, ids = claimed.record, rendered.prompt_ids
+    a = check(svc, turn, rendered, claimed.claim)
+    if a is None or ids is None:
+        n = len(ids) if ids is not None else size_guess(turn.messages)
+        return _unchecked(svc, rec, n, rendered.reason or claimed.reason)
+    return decide(svc, Ask(Basis.RENDERED, rec, a, len(ids)))
+
+
+def from_record(svc: Services, record: ConversationRecord, prompt_tokens: int) -> Plan:
+    """The plan for a turn whose record proves its history (or whose policy checks no tokens), made before any
+    render: D's whole sequence is taken to match, the prompt being ``prompt_tokens`` long, as estimated."""
+    return decide(svc, Ask(Basis.RECORD, record, Assessment.whole(record), prompt_tokens))
+
+
+def first(svc: Services, prompt_tokens: int) -> Plan:
+    """The plan for a conversation's first turn, nothing stored, its prompt estimated at ``prompt_tokens``:
+    decode-local (``prefill_busy``), or through P as plain P/D (``no_record``)."""
+    return decide(svc, Ask(Basis.FIRST, None, Assessment(None, 0, False, Reason.NO_RECORD, False), prompt_tokens))
+
+
+def _unchecked(svc: Services, rec: ConversationRecord | None, prompt_tokens: int, reason: Reason) -> Plan:
+    """A turn with nothing to check (its render or the store failed): plain P/D on the engines routing picks,
+    P preferring the conversation's; a claimed handle goes to P to be released when the render failed."""
+    costs = svc.estimator.params()
+    prefill = _pick_prefill(svc, rec, prompt_tokens, costs)
+    decode = svc.router.pick("decode", prefer=rec.decode_url if rec else None)
+    handle = rec.handle if rec is not None and reason is Reason.RENDER_FAILED else None
+    return Plan(
+        Action.RECOMPUTE,
+        reason,
+        prefill_url=prefill.url if prefill else None,
+        decode_url=decode.url if decode else None,
+        send=HandleUse.release(handle) if handle is not None else None,
+    )
+
+
+# -- the one decision path ---------------------------------------------------------------------------
+def decide(svc: Services, ask: Ask) -> Plan:
+    """Facts to plan: the routing picks, the engines' load, where D stands, the policy's decision, the reason."""
+    costs = svc.estimator.params()
+    rec = ask.record
+    prefill = _pick_prefill(svc, rec, ask.prompt_tokens, costs)
+    decode = svc.router.pick("decode", prefer=rec.decode_url if rec else None)
+    told = tell(svc, ask, prefill, decode, costs)
+    decision = svc.policy.decide(told.facts, costs)
+    action, why = choose(ask, decision, told)
+    return _built(svc, ask, action, why, decision, prefill, told, costs)
+
+
+def tell(svc: Services, ask: Ask, prefill: InstanceView | None, decode: InstanceView | None, costs: CostParams) -> Told:
+    """What the policy is told of a turn on ``prefill`` and ``decode``: the engines' load, where D stands, the
+    facts."""
+    load = turn_load(svc, prefill, decode, costs)
+    seat = _seat(svc, ask, decode, load)
+    f = facts(
+        ask.record,
+        prompt_tokens=ask.prompt_tokens,
+        matched=ask.match.tokens,
+        prefill=prefill,
+        decode=decode,
+        decode_holds=seat.holds,
+        block_size=svc.settings.block_size,
+        load=load,
+    )
+    return Told(seat, f, load)
+
+
+def _seat(svc: Services, ask: Ask, decode: InstanceView | None, load: LoadFacts) -> Seat:
+    rec = ask.record
+    if decode is None:
+        return Seat(None)
+    if ask.basis is not Basis.FIRST and (rec is None or not ask.match.releasable):
+        return Seat(decode)  # nothing of D's may serve the turn
+    if rec is not None and decode.url != rec.decode_url:
+        return Seat(decode, moved=True)  # routing chose another D than the conversation's, by load
+    return Seat(decode, room=room(svc, decode, load))
+
+
+def choose(ask: Ask, decision: Decision, told: Told) -> tuple[Action, Reason]:
+    """The action the plan takes and why: the policy's, but a pull of nothing is a recompute, and a first
+    turn runs on D only while prefills wait at P (P/D's split stands while P keeps up)."""
+    if ask.basis is Basis.FIRST:
+        f = told.facts
+        if decision.action is Action.DECODE_LOCAL and (f.prefill_waiting or f.prefill_queue_ms):
+            return Action.DECODE_LOCAL, Reason.PREFILL_BUSY
+        return Action.RECOMPUTE, ask.match.reason
+    action = decision.action
+    if action is Action.PULL and (ask.record is None or ask.record.handle is None):
+        action = Action.RECOMPUTE
+    return action, reason(ask, action, decision, told.seat)
+
+
+def reason(ask: Ask, action: Action, decision: Decision, seat: Seat) -> Reason:
+    """Why the turn runs as it does: the one place a turn's reason is chosen (a first turn's: ``choose``)."""
+    if action is Action.DECODE_LOCAL:
+        return decision.reason or Reason.DECODE_LOCAL
+    if decision.reason is not None:
+        return decision.reason  # the policy declined usable KV, and says why
+    if action is Action.RECOMPUTE and seat.room is not None and seat.room.reason is not None:
+        return seat.room.reason  # D would have taken it, but is short of KV or its queue is longer than P's
+    if seat.moved:
+        return Reason.DECODE_MOVED  # routing chose another D than the conversation's, by load
+    rec = ask.record
+    if action is Action.RECOMPUTE and rec is not None and rec.handle is None and ask.match.full:
+        return unpinned_reason(rec)  # D's KV matched, but its handle was given back
+    return ask.match.reason
+
+
+def _built(
+    svc: Services,
+    ask: Ask,
+    action: Action,
+    why: Reason,
+    decision: Decision,
+    prefill: InstanceView | None,
+    told: Told,
+    costs: CostParams,
+) -> Plan:
+    """The plan: one construction for every basis."""
+    f, seat = told.facts, told.seat
+    local, checks = action is Action.DECODE_LOCAL, svc.policy.checks_tokens
+    pulled = pulled_tokens(costs, f) if action is Action.PULL else 0
+    ahead = _ahead(ask.basis, action, checks)
+    return Plan(
+        action,
+        why,
+        prefill_url=prefill.url if prefill else None,
+        decode_url=_decode_url(ask.record, seat, local),
+        send=_send(ask, action),
+        pull_tokens=pulled,
+        expected_cached=f.decode_cached_tokens if local else f.prefill_cached_tokens + pulled,
+        planned_tokens=0 if ask.basis is Basis.RENDERED else ask.prompt_tokens,
+        local_new_tokens=f.prompt_tokens - f.decode_cached_tokens if local else 0,
+        estimates=estimates_ms(decision),
+        charges=charges_ms(decision),
+        load={**told.load.log(), **({"decode_room": seat.room.log()} if seat.room is not None else {})},
+        assessment=_assessment(ask, checks),
+        direct=local and ask.basis is not Basis.RENDERED,
+        # a pull ahead of the check is salted apart in P's cache: it finds nothing there
+        expect_hits=0 if local or ahead is Ahead.CHECKED else _expect_hits(ask.record, prefill, svc),
+        ahead=ahead,
+    )
+
+
+def _ahead(basis: Basis, action: Action, checks: bool) -> Ahead | None:
+    """How a pull or recompute planned from the record stands to the token check (None: rendered, or not
+    through P)."""
+    if basis is not Basis.RECORD or action is Action.DECODE_LOCAL:
+        return None
+    return Ahead.CHECKED if action is Action.PULL and checks else Ahead.SKIPPED
+
+
+def _assessment(ask: Ask, checks: bool) -> Assessment | None:
+    """What the plan says the token check found: the check's result; for a plan from the record, what the
+    unchecked baselines believe (a checking policy's check is still to run: ``Plan.checked``)."""
+    if ask.basis is Basis.RENDERED or (ask.basis is Basis.RECORD and not checks):
+        return ask.match
+    return None
+
+
+def _decode_url(rec: ConversationRecord | None, seat: Seat, local: bool) -> str | None:
+    if local and rec is not None:
+        return rec.decode_url  # D's own cache holds the conversation
+    return seat.decode.url if seat.decode is not None else None
+
+
+def _send(ask: Ask, action: Action) -> HandleUse | None:
+    """What P gets of the stored handle: pulled as far as it matches, or released (P frees it at D on the
+    way); none for a decode-local turn (D's own cache serves it; CAPTURE releases the claimed handle)."""
+    rec = ask.record
+    if rec is None or rec.handle is None:
+        return None
+    if action is Action.PULL:
+        return HandleUse(rec.handle, ask.match.tokens)
+    if action is Action.RECOMPUTE and ask.match.releasable:
+        return HandleUse.release(rec.handle)
+    return None
+
+
+def _expect_hits(rec: ConversationRecord | None, prefill: InstanceView | None, svc: Services) -> int:
+    """The tokens P should find in its prefix cache, for the cache-factor measurement: the last prompt, where
+    P computed it."""
+    if rec is None or prefill is None or prefill.url != rec.prefill_url:
+        return 0
+    bs = svc.settings.block_size
+    return (rec.prompt_tokens // bs) * bs
+
+
+# -- after the turn -------------------------------------------------------------------------------------
+_AFTER = {Keep.PULL: AfterTurn.PIN, Keep.HEDGE: AfterTurn.HEDGE, Keep.NOT_NEEDED: AfterTurn.LET_GO}
+
+
+def after_turn(svc: Services, rec: ConversationRecord, claimed: ConversationRecord | None) -> AfterTurn:
+    """What becomes of the new handle in ``rec`` once its turn is answered (``claimed``: the record the turn
+    continued). ``decode_memory.pin: always`` keeps it. Where requests wait on D for blocks while stored pins
+    hold more than the low watermark, it is released at once: a pin kept now would hold them there for a next
+    turn that may never come (plain P/D, which pins nothing, serves them first). Otherwise the policy says
+    whether it is worth its pinned bytes until a next turn like this one (``keeps_pin``), told the same facts
+    as a turn's plan, on the conversation's own P and D."""
+    if svc.settings.decode_memory.pin == "always":
+        return AfterTurn.PIN
+    decode = svc.fleet.view(rec.decode_url)
+    if decode is not None and svc.pins.crowded(decode, rec.num_tokens):
+        return AfterTurn.DECODE_CROWDED
+    costs = svc.estimator.params()
+    ask = Ask(Basis.NEXT, rec, Assessment.whole(rec), rec.num_tokens + _next_new_tokens(svc, rec, claimed))
+    told = tell(svc, ask, svc.fleet.view(rec.prefill_url), decode, costs)
+    return _AFTER[svc.policy.keeps_pin(told.facts, costs)]
+
+
+def _next_new_tokens(svc: Services, rec: ConversationRecord, claimed: ConversationRecord | None) -> int:
+    """The next turn's new part, guessed: as much as this turn added, else an eighth of its prompt."""
+    grown = rec.prompt_tokens - claimed.num_tokens if claimed is not None else rec.prompt_tokens // 8
+    return max(svc.settings.block_size, grown)
+
+
+# -- what the policy is told ------------------------------------------------------------------------------
 def room(svc: Services, decode: InstanceView, load: LoadFacts) -> DecodeRoom:
     """Whether ``decode`` has room for a decode-local turn (``reuse.room``): its KV usage, the turns the
     gateway holds for room on it (``decode_admission``: D's queue all the same), its queue against P's (with
@@ -147,302 +433,3 @@ def estimates_ms(decision: Decision) -> dict[str, float]:
 def charges_ms(decision: Decision) -> dict[str, float]:
     """What the policy charged each action for the turns waiting behind its P compute, in ms (none: P idle)."""
     return {k.value: round(v * 1e3, 3) for k, v in decision.charges.items()}
-
-
-def check(svc: Services, turn: Turn, rendered: Rendered) -> Assessment | None:
-    """The token check of a rendered turn against its claimed record (None: nothing to check)."""
-    return _assess(svc, turn, rendered)
-
-
-def _assess(svc: Services, turn: Turn, rendered: Rendered) -> Assessment | None:
-    claim = rendered.claim
-    if claim is None or rendered.prompt_ids is None or turn.conversation is None:
-        return None
-    rec = claim.record
-    inst = svc.fleet.view(rec.decode_url) if rec else None
-    a = assess(
-        claim,
-        rendered.prompt_ids,
-        tenant=turn.conversation.tenant,
-        now=time.time(),
-        decode=None if inst is None else EngineView(inst.routable, inst.epoch),
-        echoed=echoed_answer(turn.messages),
-        template=svc.catalog.template.cls,
-        block_size=svc.settings.block_size,
-        prompt_chain=rendered.chain,
-        proved=rendered.proved,
-    )
-    if rec is not None and not svc.policy.checks_tokens and a.releasable:
-        # the unchecked baseline believes the handle covers the prompt, as vLLM's example proxy does
-        return Assessment(rec, rec.num_tokens, True, Reason.FULL_MATCH, True)
-    return a
-
-
-def plan(svc: Services, turn: Turn, rendered: Rendered) -> Plan:
-    """The plan for a rendered turn (or one whose render failed, or whose record could not be claimed)."""
-    a = _assess(svc, turn, rendered)
-    rec = rendered.record
-    reason = a.reason if a is not None else rendered.reason
-    costs = svc.estimator.params()
-    n = len(rendered.prompt_ids) if rendered.prompt_ids is not None else size_guess(turn.messages)
-    prefill = _pick_prefill(svc, rec, n, costs)
-    decode = svc.router.pick("decode", prefer=rec.decode_url if rec else None)
-    base = Plan(
-        Action.RECOMPUTE,
-        reason,
-        prefill_url=prefill.url if prefill else None,
-        decode_url=decode.url if decode else None,
-        assessment=a,
-    )
-    if a is None or rendered.prompt_ids is None:
-        if rec is not None and rec.handle is not None and reason is Reason.RENDER_FAILED:
-            return replace(base, send=HandleUse.release(rec.handle))
-        return base
-    bs = svc.settings.block_size
-    moved = rec is not None and decode is not None and decode.url != rec.decode_url and a.releasable
-    holds = rec is not None and decode is not None and decode.url == rec.decode_url and a.releasable
-    load = turn_load(svc, prefill, decode, costs)
-    # a D short of KV, or whose queue is longer than P's, takes no decode-local turn (``reuse.room``)
-    d_room = room(svc, decode, load) if holds and decode is not None else None
-    pressed = d_room is not None and not d_room.ok
-    holds = holds and not pressed
-    f = facts(
-        rec,
-        prompt_tokens=len(rendered.prompt_ids),
-        matched=a.tokens,
-        prefill=prefill,
-        decode=decode,
-        decode_holds=holds,
-        block_size=bs,
-        load=load,
-    )
-    decision = svc.policy.decide(f, costs)
-    if decision.reason is not None:
-        reason = decision.reason
-    elif pressed and d_room is not None and d_room.reason is not None and decision.action is Action.RECOMPUTE:
-        reason = d_room.reason  # D would have taken it, but is short of KV or its queue is longer than P's
-    elif moved:
-        reason = Reason.DECODE_MOVED  # routing chose another D than the conversation's, by load
-    elif rec is not None and rec.handle is None and a.full and decision.action is Action.RECOMPUTE:
-        reason = unpinned_reason(rec)  # D's KV matched, but its handle was given back
-    same_p = rec is not None and prefill is not None and prefill.url == rec.prefill_url
-    local = decision.action is Action.DECODE_LOCAL
-    decided = replace(
-        base,
-        action=decision.action,
-        reason=reason,
-        estimates=estimates_ms(decision),
-        charges=charges_ms(decision),
-        load={**load.log(), **({"decode_room": d_room.log()} if d_room is not None else {})},
-        expected_cached=f.prefill_cached_tokens,
-        expect_hits=(rec.prompt_tokens // bs) * bs if rec is not None and same_p and not local else 0,
-    )
-    if rec is None:
-        return decided
-    if decision.action is Action.PULL and rec.handle is not None:
-        pulled = pulled_tokens(costs, f)
-        return replace(
-            decided,
-            send=HandleUse(rec.handle, a.tokens),
-            pull_tokens=pulled,
-            expected_cached=f.prefill_cached_tokens + pulled,
-        )
-    if local:  # D's own cache holds the conversation
-        return replace(
-            decided,
-            decode_url=rec.decode_url,
-            expected_cached=f.decode_cached_tokens,
-            local_new_tokens=f.prompt_tokens - f.decode_cached_tokens,
-        )
-    if rec.handle is not None and a.releasable:
-        return replace(decided, send=HandleUse.release(rec.handle))  # P frees it at D on the way
-    return decided
-
-
-def _decide_unrendered(
-    svc: Services, rec: ConversationRecord | None, prompt_tokens: int, d: InstanceView | None
-) -> tuple[InstanceView | None, LoadFacts, DecodeRoom | None, TurnFacts, Decision]:
-    """The policy's decision for a turn planned from its record (None: a first turn, nothing stored), its
-    size estimated: the P it would use, the engines' load, whether the D has room for it (``reuse.room``;
-    None: no D), and the facts the policy was told."""
-    costs = svc.estimator.params()
-    prefill = _pick_prefill(svc, rec, prompt_tokens, costs)
-    load = turn_load(svc, prefill, d, costs)
-    d_room = room(svc, d, load) if d is not None else None
-    f = facts(
-        rec,
-        prompt_tokens=prompt_tokens,
-        matched=rec.num_tokens if rec is not None else 0,
-        prefill=prefill,
-        decode=d,
-        decode_holds=d_room is not None and d_room.ok,
-        block_size=svc.settings.block_size,
-        load=load,
-    )
-    return prefill, load, d_room, f, svc.policy.decide(f, costs)
-
-
-def direct(svc: Services, turn: Turn, claim: Claim, cand: Candidate) -> Plan | None:
-    """The decode-local plan for a turn that continues its last answer with text only, made without a
-    render (its size estimated from the new messages' bytes); None when the record or the policy does
-    not allow it (the turn is then rendered and planned as any other)."""
-    rec = claim.record
-    if rec is None or turn.conversation is None:
-        return None
-    # the D routing would pick for this turn must be the one holding the conversation
-    d = svc.router.pick("decode", prefer=rec.decode_url)
-    view = EngineView(d.routable, d.epoch) if d is not None and d.url == rec.decode_url else None
-    if d is None or record_unusable(claim, tenant=turn.conversation.tenant, now=time.time(), decode=view) is not None:
-        return None
-    echoed = cand.echoed
-    if echoed.answer_digest != rec.answer_digest or (
-        rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest
-    ):
-        return None
-    history = turn.messages[: cand.answer_at]
-    if rec.history_digest is None or history_digest(turn.body, history) != rec.history_digest:
-        return None  # the history before the answer changed (compacted, tools, options): render and check
-    prompt_tokens = rec.num_tokens + cand.new_tokens(rec.bytes_per_token)
-    prefill, load, d_room, f, decision = _decide_unrendered(svc, rec, prompt_tokens, d)
-    if d_room is None or not d_room.ok:
-        return None  # rendered and planned: the plan says why (decode_busy, decode_queue)
-    if decision.action is not Action.DECODE_LOCAL:
-        return None
-    why = decision.reason or Reason.DECODE_LOCAL
-    return _unrendered_local(why, prefill, rec.decode_url, f, decision, load, d_room)
-
-
-def _unrendered_local(
-    reason: Reason,
-    prefill: InstanceView | None,
-    decode_url: str,
-    f: TurnFacts,
-    decision: Decision,
-    load: LoadFacts,
-    d_room: DecodeRoom,
-) -> Plan:
-    """A decode-local plan made without a render (``direct``, ``first``)."""
-    return Plan(
-        Action.DECODE_LOCAL,
-        reason,
-        prefill_url=prefill.url if prefill else None,
-        decode_url=decode_url,
-        expected_cached=f.decode_cached_tokens,
-        local_new_tokens=f.prompt_tokens - f.decode_cached_tokens,
-        estimates=estimates_ms(decision),
-        charges=charges_ms(decision),
-        load={**load.log(), "decode_room": d_room.log()},
-        direct=True,
-    )
-
-
-def first(svc: Services, turn: Turn) -> Plan | None:
-    """The decode-local plan for a conversation's first turn with nothing stored, made without a render
-    (its size estimated from its messages' bytes): while prefills wait at P, D computes the whole prompt
-    itself where the policy finds that faster than P's path (its queue, and the charge for the turns behind
-    it) and D has room and ITL to spare; the reason is ``prefill_busy``. None: through P as plain P/D; at an
-    idle P always, even where D alone would be faster (a short prompt skips the transfer): P/D's split
-    stands while P keeps up."""
-    if not svc.policy.may_decode_local_first or not turn.chat:
-        return None
-    n = size_guess(turn.messages)
-    d = svc.router.pick("decode")
-    if n <= 0 or d is None:
-        return None
-    prefill, load, d_room, f, decision = _decide_unrendered(svc, None, n, d)
-    if d_room is None or not d_room.ok or decision.action is not Action.DECODE_LOCAL:
-        return None
-    if not f.prefill_waiting and not f.prefill_queue_ms:
-        return None  # P idle: P/D's split stands, even where D alone would be faster (no transfer)
-    return _unrendered_local(Reason.PREFILL_BUSY, prefill, d.url, f, decision, load, d_room)
-
-
-def ahead_possible(svc: Services, turn: Turn) -> bool:
-    """Whether the turn may be planned from its record, so the record is worth reading before rendering:
-    the setting is on, and the policy checks no tokens or the template keeps history and the messages
-    continue an answer with text."""
-    if not svc.settings.render_ahead or turn.conversation is None:
-        return False
-    if not svc.policy.checks_tokens:
-        return True
-    return svc.catalog.template.cls is TemplateClass.PRESERVES and continuation(turn.messages) is not None
-
-
-def _proves_history(svc: Services, turn: Turn, rec: ConversationRecord, cand: Candidate | None) -> bool:
-    """What the record says of the prompt before any render: the template keeps history, the client echoed
-    the last answer as D produced it, and the history before it digests as stored."""
-    if cand is None or svc.catalog.template.cls is not TemplateClass.PRESERVES or rec.history_digest is None:
-        return False
-    echoed = cand.echoed
-    if echoed.answer_digest != rec.answer_digest or (
-        rec.had_reasoning and echoed.reasoning_digest != rec.reasoning_digest
-    ):
-        return False
-    return history_digest(turn.body, turn.messages[: cand.answer_at]) == rec.history_digest
-
-
-def ahead(svc: Services, turn: Turn, claim: Claim) -> Plan | None:
-    """The pull or recompute plan for a turn whose record proves its history (or whose policy checks no
-    tokens), made before any render; None when the turn must be rendered and planned first: the record does
-    not prove it, the policy would go decode-local, or P likely caches the conversation and would pull ahead
-    (its salted request could not use that cache)."""
-    rec = claim.record
-    if rec is None or turn.conversation is None or not svc.settings.render_ahead:
-        return None
-    d = svc.router.pick("decode", prefer=rec.decode_url)
-    if d is None or d.url != rec.decode_url:
-        return None  # routing moves the conversation off its D: rendered and planned (decode_moved)
-    if record_unusable(claim, tenant=turn.conversation.tenant, now=time.time(), decode=EngineView(d.routable, d.epoch)):
-        return None
-    checks = svc.policy.checks_tokens
-    cand = continuation(turn.messages)
-    if checks and not _proves_history(svc, turn, rec, cand):
-        return None
-    bs = svc.settings.block_size
-    if cand is not None:
-        prompt_tokens = rec.num_tokens + cand.new_tokens(rec.bytes_per_token)
-    else:  # an unchecked policy's turn that is not text: sized as P will see it, at least D's sequence
-        prompt_tokens = max(size_guess(turn.messages), rec.num_tokens + 1)
-    prefill, load, d_room, f, decision = _decide_unrendered(svc, rec, prompt_tokens, d)
-    pressed = d_room is not None and not d_room.ok
-    if decision.action is Action.DECODE_LOCAL:
-        return None  # the direct path's, or rendered and planned
-    pull = decision.action is Action.PULL and rec.handle is not None
-    if pull and checks and f.prefill_cached_tokens > 0:
-        return None
-    reason = Reason.FULL_MATCH
-    if decision.reason is not None:
-        reason = decision.reason
-    elif pressed and d_room is not None and d_room.reason is not None and decision.action is Action.RECOMPUTE:
-        reason = d_room.reason  # D would have taken it, but is short of KV or its queue is longer than P's
-    elif d is not None and d.url != rec.decode_url:
-        reason = Reason.DECODE_MOVED  # routing chose another D than the conversation's, by load
-    elif rec.handle is None and decision.action is Action.RECOMPUTE:
-        reason = unpinned_reason(rec)
-    same_p = prefill is not None and prefill.url == rec.prefill_url
-    decided = Plan(
-        decision.action if pull else Action.RECOMPUTE,
-        reason,
-        prefill_url=prefill.url if prefill else None,
-        decode_url=d.url if d else None,
-        estimates=estimates_ms(decision),
-        charges=charges_ms(decision),
-        load={**load.log(), **({"decode_room": d_room.log()} if d_room is not None else {})},
-        expected_cached=f.prefill_cached_tokens,
-        planned_tokens=prompt_tokens,
-        ahead=Ahead.CHECKED if pull and checks else Ahead.SKIPPED,
-    )
-    if not pull:  # nothing of D's reused: no check needed; P frees the handle on the way
-        send = HandleUse.release(rec.handle) if rec.handle is not None else None
-        return replace(decided, send=send, expect_hits=(rec.prompt_tokens // bs) * bs if same_p else 0)
-    assert rec.handle is not None
-    pulled = pulled_tokens(svc.estimator.params(), f)
-    return replace(
-        decided,
-        send=HandleUse(rec.handle, rec.num_tokens),
-        pull_tokens=pulled,
-        expected_cached=f.prefill_cached_tokens + pulled,
-        # the unchecked baseline believes the handle covers the prompt, as vLLM's proxy does
-        assessment=None if checks else Assessment(rec, rec.num_tokens, True, Reason.FULL_MATCH, True),
-        expect_hits=(rec.prompt_tokens // bs) * bs if same_p and not checks else 0,
-    )

@@ -1,17 +1,20 @@
 """What each step of a turn decided, as frozen values: the driver passes them on, nothing edits them.
 
-``Rendered`` (RENDER: the prompt's token ids and the claimed record), ``Plan`` (PLAN: how the turn runs
-and why), ``Prefilled`` (PREFILL: P's params for D), ``Opened`` (DECODE: D's answer, open), ``Capture``
-(CAPTURE: what the turn left for the next one), and ``Fallback`` (why a plan became plain P/D).
+``Claimed`` (CLAIM: the conversation's record, taken for this turn), ``Rendered`` (RENDER: the prompt's token
+ids), ``Plan`` (PLAN, or SHORTCUT without a render: how the turn runs and why; ``Plan.downgrade`` and
+``Plan.checked`` are the only ways it changes once made), ``Prefilled`` (PREFILL: P's params for D),
+``Opened`` (DECODE: D's answer, open), ``AfterTurn`` (what becomes of D's new handle: the planner decides,
+CAPTURE does it), ``Capture`` (CAPTURE: what the turn left for the next one), and ``Fallback`` (why a plan
+became plain P/D).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from turnkv.engine.base import Collected, DecodeAnswer, DecodeStream, HandleUse, PrefillResult
+from turnkv.engine.base import Collected, DecodeAnswer, DecodeStream, Handle, HandleUse, PrefillResult
 from turnkv.gateway.fleet import Slot
 from turnkv.gateway.turn.deadline import Deadline
 from turnkv.reuse.assess import Assessment, Reason
@@ -21,34 +24,22 @@ from turnkv.state.base import Claim, ClaimStatus
 from turnkv.state.record import ConversationRecord
 
 
-class Next(enum.Enum):
-    """Where a turn goes after RENDER."""
-
-    PLAN = "plan"  # rendered: check the tokens and decide
-    PREFILL = "prefill"  # plain P/D with the client's messages (no conversation, or nothing to check against)
-    DECODE = "decode"  # decode-local without a render (``Rendered.direct`` holds the plan)
-    AHEAD = "ahead"  # pull or recompute planned from the record (``Rendered.direct``), P sent the messages
-
-
 class Ahead(enum.StrEnum):
-    """How a turn planned from the record (``turn.ahead``) stands to the render."""
+    """How a turn planned from the record before its render (the SHORTCUT step) stands to the render."""
 
-    CHECKED = "checked"  # P pulls before the token check; the render runs beside P's leg and gates D
+    CHECKED = "checked"  # P pulls before the token check; the check (``turn.ahead``) gates D
     SKIPPED = "skipped"  # nothing of D's KV is reused unchecked (recompute), or the policy checks no tokens
 
 
 @dataclass(frozen=True)
-class Rendered:
-    next: Next
-    reason: Reason  # why the turn reuses nothing, as far as RENDER can tell
-    prompt_ids: Sequence[int] | None = None
-    chain: ChainBuilder | None = None  # the hash chain of ``prompt_ids``, when it was needed before D
-    proved: bool = False  # ``prompt_ids`` start with the claimed record's whole sequence (``chain.proves``)
-    claim: Claim | None = None  # None: not claimed (no conversation) or the store failed
-    claimed: bool = False  # the store holds this turn's in-flight marker
-    seconds: float = 0.0  # render and claim, side by side
-    direct: Plan | None = None  # the plan made without waiting for a render (decode-local or ahead)
-    failure: BaseException | None = None  # the turn cannot go on: the client gets this error
+class Claimed:
+    """The conversation's record, claimed for this turn (single use), or why there is none."""
+
+    claim: Claim | None = None  # None: nothing claimed (no conversation) or the store failed
+    # why the turn reuses nothing as far as the claim can tell: no_session once claimed (PLAN says why, from
+    # the record); store_busy or store_unavailable when the store did not answer
+    reason: Reason = Reason.NO_SESSION
+    seconds: float = 0.0
 
     @property
     def record(self) -> ConversationRecord | None:
@@ -56,10 +47,58 @@ class Rendered:
         c = self.claim
         return c.record if c is not None and c.status is ClaimStatus.FOUND else None
 
+    @property
+    def held(self) -> bool:
+        """The store holds this turn's in-flight marker (CAPTURE gives it back)."""
+        return self.claim is not None and self.claim.status in (ClaimStatus.FOUND, ClaimStatus.CORRUPT)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """The prompt as the engines will see it (None: not rendered), or why the render gave nothing."""
+
+    prompt_ids: Sequence[int] | None = None
+    chain: ChainBuilder | None = None  # the hash chain of ``prompt_ids``, when it was needed before D
+    proved: bool = False  # ``prompt_ids`` start with the claimed record's whole sequence (``chain.proves``)
+    seconds: float = 0.0  # the render call (beside the claim, where they ran at once: both)
+    reason: Reason | None = None  # render_failed or request_rejected: why there are no ids to check
+    failure: BaseException | None = None  # the turn cannot go on: the client gets this error
+
+
+# why a turn that runs as plain P/D after all reports what it reports (``Plan.downgrade``)
+_FALLBACK_REASON = {
+    ("prefill", "pull_failed"): Reason.PULL_FAILED,
+    ("prefill", "first_token_deadline"): Reason.FIRST_TOKEN_DEADLINE,
+    ("decode", "decode_failed"): Reason.DECODE_FAILED,
+    ("decode", "first_token_deadline"): Reason.FIRST_TOKEN_DEADLINE,
+}
+
+
+class Fallback(enum.Enum):
+    """Why a planned turn runs as plain P/D without the stored handle after all (``Plan.downgrade``)."""
+
+    PULL_FAILED = ("prefill", "pull_failed")  # P could not pull D's blocks
+    PREFILL_DEADLINE = ("prefill", "first_token_deadline")  # P stalled past its deadline on a handle
+    DECODE_FAILED = ("decode", "decode_failed")  # D failed before its first token
+    DECODE_DEADLINE = ("decode", "first_token_deadline")  # D missed its first-token deadline
+    DECODE_LOCAL_FAILED = ("decode", "decode_local_failed")  # the D holding the conversation failed
+    RENDER_MISMATCH = ("prefill", "render_mismatch")  # the check did not prove what P pulled ahead of it
+
+    @property
+    def leg(self) -> str:
+        return self.value[0]
+
+    @property
+    def why(self) -> str:
+        return self.value[1]
+
 
 @dataclass(frozen=True)
 class Plan:
-    """How the turn runs: the action, why, on which engines, and what P gets of the stored handle."""
+    """How the turn runs: the action, why, on which engines, and what P gets of the stored handle.
+
+    Made once (``turn.plan``); after that it changes only by its own methods: ``downgrade`` (the turn runs
+    as plain P/D after all) and ``checked`` (the token check of a turn planned ahead of it has run)."""
 
     action: Action
     reason: Reason
@@ -68,7 +107,7 @@ class Plan:
     send: HandleUse | None = None  # the stored handle for P: pulled (trimmed to what matches) or released
     pull_tokens: int = 0  # tokens P is expected to pull (what D has beyond P's own cache)
     expected_cached: int = 0  # prompt tokens the engines should not have to compute
-    planned_tokens: int = 0  # the prompt's length as planned before any render (``plan.ahead``); 0: rendered
+    planned_tokens: int = 0  # the prompt's length as estimated by a plan made without a render; 0: rendered
     local_new_tokens: int = 0  # decode-local: the tokens D prefills itself (its chunks share D's steps)
     estimates: Mapping[str, float] = field(default_factory=dict)  # the policy's TTFT estimates, ms
     charges: Mapping[str, float] = field(default_factory=dict)  # ... P's compute x the turns behind it, ms
@@ -77,6 +116,12 @@ class Plan:
     direct: bool = False  # decode-local without a render
     expect_hits: int = 0  # tokens P should find in its prefix cache (for the cache-factor measurement)
     ahead: Ahead | None = None  # planned from the record, P sent the messages before the render returned
+
+    @classmethod
+    def plain(cls, reason: Reason) -> Plan:
+        """Plain P/D with the client's request, for ``reason``: nothing stored is used, and the legs pick
+        the engines."""
+        return cls(Action.RECOMPUTE, reason)
 
     @property
     def pulls_ahead(self) -> bool:
@@ -96,24 +141,40 @@ class Plan:
             return self.assessment.outcome
         return "none" if stateful else "stateless"
 
+    def downgrade(self, why: Fallback | Reason, *, stateful: bool = True, release: Handle | None = None) -> Plan:
+        """The plan run as plain P/D after all: P computes what its own cache lacks, pulls nothing (it gets
+        ``release`` to free, if any), and D continues from P's KV.
 
-class Fallback(enum.Enum):
-    """Why a planned turn runs as plain P/D without the stored handle after all."""
+        The reason it then gives: ``why`` itself where it is a reason (the turn cannot go on: the client
+        hears why). For a ``Fallback``: a failed or stalled pull reports it only when a pull was planned (a
+        handle sent only to be released cost the turn nothing); a decode leg that failed before its first
+        token reports it whenever the turn belonged to a conversation (``stateful``: what it planned did
+        not happen); a decode-local turn whose D failed keeps its reason; a pull the check did not prove
+        says what the check found."""
+        action = Action.RECOMPUTE if self.action in (Action.PULL, Action.DECODE_LOCAL) else self.action
+        return replace(
+            self,
+            action=action,
+            reason=why if isinstance(why, Reason) else self._reason_after(why, stateful=stateful),
+            send=HandleUse.release(release) if release is not None else None,
+            pull_tokens=0,
+            expected_cached=0,
+            direct=False,
+        )
 
-    PULL_FAILED = ("prefill", "pull_failed")  # P could not pull D's blocks
-    PREFILL_DEADLINE = ("prefill", "first_token_deadline")  # P stalled past its deadline on a handle
-    DECODE_FAILED = ("decode", "decode_failed")  # D failed before its first token
-    DECODE_DEADLINE = ("decode", "first_token_deadline")  # D missed its first-token deadline
-    DECODE_LOCAL_FAILED = ("decode", "decode_local_failed")  # the D holding the conversation failed
-    RENDER_MISMATCH = ("prefill", "render_mismatch")  # the check did not prove what P pulled ahead of it
+    def _reason_after(self, why: Fallback, *, stateful: bool) -> Reason:
+        if why is Fallback.DECODE_LOCAL_FAILED:
+            return self.reason
+        if why is Fallback.RENDER_MISMATCH:  # what the check found, or that there was nothing to check
+            return self.assessment.reason if self.assessment is not None else Reason.RENDER_FAILED
+        if why.leg == "prefill":
+            return _FALLBACK_REASON[why.value] if self.action is Action.PULL else self.reason
+        return _FALLBACK_REASON[why.value] if stateful else self.reason
 
-    @property
-    def leg(self) -> str:
-        return self.value[0]
-
-    @property
-    def why(self) -> str:
-        return self.value[1]
+    def checked(self, found: Assessment) -> Plan:
+        """The plan of a turn planned ahead of its render, once the token check has run: it keeps what the
+        check found, and gives the check's reason unless the policy's own stands."""
+        return replace(self, assessment=found, reason=found.reason if self.reason is Reason.FULL_MATCH else self.reason)
 
 
 @dataclass(frozen=True)
@@ -141,6 +202,22 @@ class Opened:
             return self.stream.collected
         assert self.answer is not None, "an opened answer is a stream or a body"
         return self.answer.collected
+
+
+class AfterTurn(enum.StrEnum):
+    """What becomes of a turn's new handle once the turn is answered: the planner decides
+    (``plan.after_turn``), CAPTURE does it. The value is what the record then says of it
+    (``ConversationRecord.unpinned``) where it is let go."""
+
+    PIN = "pinned"  # kept pinned on D: a pull would use it on a next turn like this one
+    # ... kept as a hedge: a pull beats P recomputing the history, should D not take the next turn
+    HEDGE = "hedge"
+    LET_GO = "not_needed"  # left to D's prefix cache: no pull would use it (D's TTL, within the unused share)
+    DECODE_CROWDED = "decode_crowded"  # released at once: requests wait on D for blocks its pins hold
+
+    @property
+    def kept(self) -> bool:
+        return self in (AfterTurn.PIN, AfterTurn.HEDGE)
 
 
 class Capture(enum.StrEnum):
@@ -176,6 +253,11 @@ class Capture(enum.StrEnum):
 
     def kept_previous(self) -> Capture:
         return Capture(f"{self.value}_kept_previous")
+
+    @property
+    def put_back(self) -> bool:
+        """Nothing new was stored, and the claimed record was put back as it was."""
+        return self.value.endswith("_kept_previous")
 
     @classmethod
     def unpinned(cls, why: str) -> Capture:

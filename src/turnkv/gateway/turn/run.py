@@ -1,16 +1,18 @@
 """A turn in flight, as the driver holds it: the request, each step's latest result, and a journal.
 
-The steps return their results (``results``); only the driver stores them here, and ``fall_back`` is
-the one place a plan changes once made. The journal is what happened along the way (engine calls
-retried, the claimed handle spent, the first token's time), which steps add to as it happens.
-``abort`` ends the turn early (a shutdown past its drain): its open answer is closed, and every wait
-``until_aborted`` gives way; that wait also keeps the first-token deadlines (``deadline``).
+The steps return their results (``results``); only the driver stores them here. Once planned, the plan
+changes only by its own methods (``Plan.downgrade``, ``Plan.checked``), through ``fall_back``, ``checked``
+and ``refused`` here, and ``_replan`` is the one place it is replaced. The journal is what happened along
+the way (engine calls retried, the claimed handle spent, the first token's time), which steps add to as
+it happens. ``abort`` ends the turn early (a shutdown past its drain): its open answer is closed, and
+every wait ``until_aborted`` gives way; that wait also keeps the first-token deadlines (``deadline``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -20,11 +22,9 @@ from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamError, Upstr
 from turnkv.gateway.decode_admission import Ticket
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.deadline import Deadline
-from turnkv.gateway.turn.fallback import without_handle
 from turnkv.gateway.turn.request import Turn
-from turnkv.gateway.turn.results import Fallback, Next, Opened, Plan, Prefilled, Rendered
-from turnkv.reuse.assess import Reason
-from turnkv.reuse.cost import Action
+from turnkv.gateway.turn.results import Claimed, Fallback, Opened, Plan, Prefilled, Rendered
+from turnkv.reuse.assess import Assessment, Reason
 
 T = TypeVar("T")
 STOP_WAIT_S = 1.0  # how long a leg given up on (a task of its own: ``ahead``) may take to stop
@@ -57,12 +57,8 @@ class Journal:
         return "turn_rerun" in self.retries
 
 
-def _unstarted() -> Rendered:
-    return Rendered(Next.PREFILL, Reason.NO_SESSION)
-
-
 def _unplanned() -> Plan:
-    return Plan(Action.RECOMPUTE, Reason.NO_SESSION)
+    return Plan.plain(Reason.NO_SESSION)
 
 
 @dataclass(eq=False)
@@ -72,7 +68,8 @@ class TurnRun:
     svc: Services
     turn: Turn
     journal: Journal = field(default_factory=Journal)
-    rendered: Rendered = field(default_factory=_unstarted)
+    claimed: Claimed = field(default_factory=Claimed)
+    rendered: Rendered = field(default_factory=Rendered)  # not rendered (yet): no ids
     plan: Plan = field(default_factory=_unplanned)
     planned_s: float = 0.0  # from the turn's start to its plan: the gateway's own latency
     prefilled: Prefilled | None = None
@@ -99,20 +96,39 @@ class TurnRun:
     def decode_url(self) -> str | None:
         return self.opened.url if self.opened is not None else self.plan.decode_url
 
-    # -- the one way a plan changes ------------------------------------------------------------
+    # -- the plan: made once, then changed only by its own methods ------------------------------------
+    def planned(self, plan: Plan) -> None:
+        """The turn's plan, as made (PLAN, or SHORTCUT without a render)."""
+        self.plan = plan
+        self.planned_s = time.perf_counter() - self.turn.started
+
     def fall_back(self, why: Fallback) -> Plan:
-        """Run the rest of the turn as plain P/D without the stored handle (``fallback``), and say so."""
+        """Run the rest of the turn as plain P/D without the stored handle (``Plan.downgrade``), and say so."""
         release = None
         if why.leg == "prefill":
             self.retrying("prefill", why.why)
         elif why is Fallback.DECODE_LOCAL_FAILED:
             self.journal.retries.append(why.why)
-            rec = self.rendered.record
+            rec = self.claimed.record
             release = rec.handle if rec is not None else None  # P frees it on the way
         if why.leg == "decode":
             self.journal.tried_decode.clear()
-        self.plan = without_handle(self.plan, why, stateful=self.stateful, release=release)
-        return self.plan
+        return self._replan(self.plan.downgrade(why, stateful=self.stateful, release=release))
+
+    def checked(self, rendered: Rendered, found: Assessment | None) -> None:
+        """The token check of a turn planned ahead of its render ran on ``rendered`` and found ``found``."""
+        self.rendered = rendered
+        if found is not None:
+            self._replan(self.plan.checked(found))
+
+    def refused(self, reason: Reason) -> None:
+        """The messages were refused after the turn was planned (a render ahead of the check failed on them):
+        the turn ends, and says why."""
+        self._replan(self.plan.downgrade(reason))
+
+    def _replan(self, plan: Plan) -> Plan:
+        self.plan = plan  # the one place a plan is replaced once made
+        return plan
 
     # -- the journal -------------------------------------------------------------------------------
     def retrying(self, leg: str, why: str) -> None:
