@@ -1,4 +1,4 @@
-"""The ``turnkv`` command: serve, sim, demo, bench, check-template and settings."""
+"""The ``turnkv`` command: serve, sim, demo, bench, doctor, check-template and settings."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
             policy={"name": args.policy} if args.policy else None,
             log_level=args.log_level,
             workers=args.workers,
+            profile=args.profile,
         )
     except ConfigError as exc:
         print(f"turnkv serve: {exc}", file=sys.stderr)
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--policy", default=None, help="adaptive | always-pull | never-pull | decode-local")
     serve.add_argument("--config", default=None, help="YAML settings file")
+    serve.add_argument(
+        "--profile", default=None, metavar="FILE", help="turnkv doctor's profile: its measured figures as cost priors"
+    )
     serve.add_argument("--log-level", default=None)
     serve.set_defaults(func=_serve)
 
@@ -118,8 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     settings.set_defaults(func=_settings)
 
     from turnkv.bench.cli import add_bench_parser
+    from turnkv.doctor.command import add_parser as add_doctor_parser
 
     add_bench_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 

@@ -7,9 +7,9 @@ Precedence, lowest first: defaults, ``--config`` YAML, environment (``TURNKV_PRE
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -19,6 +19,9 @@ from pydantic_settings import (
 )
 
 from turnkv.state.redis_url import parse_redis_url
+
+if TYPE_CHECKING:
+    from turnkv.profile import Profile
 
 
 class ConfigError(ValueError):
@@ -485,6 +488,11 @@ class Settings(BaseSettings):
         "same; otherwise false",
     )
     costs: CostPriors = Field(default_factory=CostPriors, description="the cost model's priors")
+    profile: str | None = Field(
+        None,
+        description="a profile turnkv doctor wrote (--profile FILE): the link and compute figures it measured are "
+        "the cost model's priors, in place of costs:'s (read at start; /ready shows them)",
+    )
     timeouts: Timeouts = Field(default_factory=Timeouts, description="per engine and Redis call")
     health_interval_s: float = Field(2.0, gt=0, description="how often each engine's health is probed")
     scrape_interval_s: float = Field(5.0, gt=0, description="how often engine /metrics are read")
@@ -504,6 +512,7 @@ class Settings(BaseSettings):
     template_audit: bool = Field(True, description="classify the model's chat template at start (/ready)")
     log_level: str = Field("info", description="debug, info, warning or error")
     log_json: bool = Field(True, description="one JSON object a log line; false: plain text")
+    _measured: Profile | None = PrivateAttr(None)
 
     @field_validator("prefill", "decode", mode="after")
     @classmethod
@@ -562,7 +571,19 @@ class Settings(BaseSettings):
 
         load_keys(self)
         build_profile(self.routing, self.routing_profiles)
+        if self.profile is not None:
+            from turnkv.profile import load_profile  # the doctor's profile is read, and refused if unusable, at start
+
+            try:
+                self._measured = load_profile(self.profile)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
         return self
+
+    @property
+    def measured(self) -> Profile | None:
+        """The doctor's profile the ``profile`` setting names, as read at start."""
+        return self._measured
 
     @property
     def auth_configured(self) -> bool:

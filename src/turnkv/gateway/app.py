@@ -84,8 +84,9 @@ class State(TypedDict):
 
 
 def cost_priors(settings: Settings) -> CostParams:
+    """The cost model's priors: ``costs:``, with what the doctor measured (``profile:``) in their place."""
     c = settings.costs
-    return CostParams(
+    base = CostParams(
         link_fixed_s=c.link_fixed_ms / 1e3,
         link_bytes_per_s=c.link_gbps * 1e9,
         push_fixed_s=None if c.push_link_fixed_ms is None else c.push_link_fixed_ms / 1e3,
@@ -97,6 +98,7 @@ def cost_priors(settings: Settings) -> CostParams:
         hop_s=c.hop_ms / 1e3,
         recompute_threshold=c.recompute_threshold,
     )
+    return base if settings.measured is None else settings.measured.priors(base)
 
 
 def breaker_policy(settings: Settings) -> BreakerPolicy:

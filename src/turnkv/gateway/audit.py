@@ -47,6 +47,11 @@ _ANSWER = {"role": "assistant", "content": "Tomorrow looks similar.", "reasoning
 _NEXT = {"role": "user", "content": "Thanks."}
 
 
+def probe_history(tools: bool = True) -> list[dict[str, Any]]:
+    """The audit's conversation up to turn N's generation prompt (with its tool call, or without)."""
+    return list(_HISTORY if tools else _PLAIN_HISTORY)
+
+
 def _starts(seq: Sequence[int], prefix: Sequence[int]) -> bool:
     return len(seq) >= len(prefix) and list(seq[: len(prefix)]) == list(prefix)
 

@@ -32,6 +32,7 @@ from turnkv.gateway.intake import (
 )
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.driver import run_turn
+from turnkv.profile import priors_view
 from turnkv.reuse.load import shared_gpu
 
 
@@ -161,6 +162,7 @@ async def ready(request: Request) -> Response:
         "template": {"class": svc.catalog.template.cls.value, "detail": svc.catalog.template.detail},
         "policy": svc.policy.name,
         "shared_gpu": shared_gpus(svc),
+        "cost_priors": priors_view(svc.estimator.prior, svc.settings.measured, svc.settings.profile),
     }
     return JSONResponse(body, status_code=200 if ok else 503)
 

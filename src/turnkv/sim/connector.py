@@ -83,7 +83,6 @@ class Connector:
             # vLLM asserts num_local_blocks <= len(remote_group) and the engine dies.
             raise EngineError(f"AssertionError: {len(local_blocks)} local blocks > {len(remote)} remote blocks")
         remote = remote[len(remote) - len(local_blocks) :] if local_blocks else []
-        started = time.perf_counter()
         try:
             async with SideChannelClient(str(p["remote_host"]), int(p["remote_port"])) as sc:
                 peer = await sc.handshake(str(p["remote_engine_id"]))
@@ -96,14 +95,7 @@ class Connector:
                         f"Declining expired remote read for {seq.request_id} from engine {peer.engine_id}."
                     )
                 if local_blocks:
-                    nbytes = len(local_blocks) * self.e.cfg.block_size * self.e.cfg.costs.kv_bytes_per_token
-                    async with self._link_lock:
-                        await self.e.sleep(self.e.cfg.costs.transfer_link().seconds(nbytes))
-                        blocks = await sc.read(peer.engine_id, remote)
-                    for bid, values in zip(local_blocks, blocks, strict=True):
-                        self.e.pool.write(bid, 0, values)
-                    self.e.metrics.xfer_time.observe(time.perf_counter() - started)
-                    self.e.metrics.xfer_bytes.observe(nbytes)
+                    await self._read(sc, peer.engine_id, remote, local_blocks)
                 await sc.notify(str(p["remote_request_id"]))
         except TransferError as exc:
             self.e.metrics.failed_transfers.inc()
@@ -124,6 +116,24 @@ class Connector:
         self.e.metrics.external_hits.inc(seq.external)
         if seq.num_computed >= len(seq.prompt):
             seq.num_computed = len(seq.prompt) - 1  # the last prompt token is recomputed to sample
+
+    async def _read(self, sc: SideChannelClient, engine_id: str, remote: list[int], local: list[int]) -> None:
+        """Read ``remote`` blocks into ``local`` ones over the link, one transfer at a time. What it reports
+        is what NIXL's telemetry times (``xferDuration``): the transfer, queued behind the engine's other
+        transfers on the link, at the link's modelled rate; not the handshake (vLLM makes one per peer) and
+        not the simulator's own copying of block contents over its side channel."""
+        costs = self.e.cfg.costs
+        nbytes = len(local) * self.e.cfg.block_size * costs.kv_bytes_per_token
+        link_s = costs.transfer_link().seconds(nbytes)
+        queued = time.perf_counter()
+        async with self._link_lock:
+            waited = time.perf_counter() - queued
+            await self.e.sleep(link_s)
+            blocks = await sc.read(engine_id, remote)
+        for bid, values in zip(local, blocks, strict=True):
+            self.e.pool.write(bid, 0, values)
+        self.e.metrics.xfer_time.observe(waited + costs.scaled(link_s))
+        self.e.metrics.xfer_bytes.observe(nbytes)
 
     def aborted_before_alloc(self, seq: Seq) -> None:
         """vLLM's request_finished for a request that never got its blocks (aborted in the waiting

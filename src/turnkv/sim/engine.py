@@ -129,6 +129,13 @@ class Engine:
     async def start(self) -> None:
         if self.cfg.gpu_share_file and self.cfg.costs.time_scale > 0:
             self.gpu = SharedGpu(Path(self.cfg.gpu_share_file))
+        if self.cfg.has_connector and self.cfg.bidirectional:
+            log.info(  # vLLM's start-up line (nixl/base_scheduler.py), the one place its log says the flag
+                "Bidirectional KV transfer is enabled and the kv recompute threshold is set to %d tokens."
+                "KV blocks on D are released after a TTL of %d seconds.",
+                self.cfg.kv_recompute_threshold,
+                self.cfg.decoder_kv_blocks_ttl,
+            )
         if self.cfg.has_connector:
             self.side_channel_port = await self._sidechannel.start(
                 self.cfg.side_channel_host, self.cfg.side_channel_port

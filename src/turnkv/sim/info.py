@@ -54,6 +54,47 @@ def sampling_params(req: ChatRequest, limit: int, kv: dict[str, Any] | None, com
     return sp
 
 
+def server_config(s: SimServer) -> dict[str, Any]:
+    """The parts of vLLM's ``VllmConfig`` (as ``/server_info?config_format=json`` dumps it) that describe
+    what a router depends on: the model, the KV cache, and the KV transfer config with the NIXL connector's
+    extra keys (``bidirectional_kv_xfer``, ``kv_recompute_threshold``, ``decoder_kv_blocks_ttl``,
+    ``kv_lease_duration``)."""
+    e = s.settings.engine
+    connector = e.has_connector
+    role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(e.role)
+    return {
+        "model_config": {
+            "model": s.settings.model,
+            "served_model_name": s.settings.model,
+            "max_model_len": e.max_model_len,
+            "skip_tokenizer_init": s.settings.tokens_only,
+        },
+        "cache_config": {
+            "block_size": e.block_size,
+            "num_gpu_blocks": e.num_blocks,
+            "enable_prefix_caching": e.prefix_caching,
+            "cache_dtype": "auto",
+        },
+        "kv_transfer_config": {
+            "kv_connector": "NixlConnector" if connector else None,
+            "engine_id": s.engine.engine_id,
+            "kv_buffer_device": "cuda",
+            "kv_role": role if connector else None,
+            "kv_connector_extra_config": {
+                "bidirectional_kv_xfer": e.bidirectional,
+                "kv_recompute_threshold": e.kv_recompute_threshold,
+                "decoder_kv_blocks_ttl": e.decoder_kv_blocks_ttl,
+                "kv_lease_duration": e.kv_lease_duration,
+            }
+            if connector
+            else {},
+            "kv_load_failure_policy": e.kv_load_failure_policy,
+        }
+        if connector
+        else None,
+    }
+
+
 class InfoRoutes:
     def __init__(self, server: SimServer) -> None:
         self.s = server
@@ -177,6 +218,21 @@ class InfoRoutes:
         headers = {PLUGIN_HEADER: "; ".join(parts)} if len(parts) > 1 else None
         return JSONResponse({"version": st.version}, headers=headers)
 
+    async def server_info(self, request: Request) -> Response:
+        """vLLM's development endpoint (``VLLM_SERVER_DEV_MODE=1``): the engine's config, in the shape of
+        ``/server_info?config_format=json`` (``vllm_config`` as pydantic dumps VllmConfig, with the
+        fields a router reads), or as text by default. 404 without dev mode, as vLLM registers no route."""
+        if not self.s.settings.server_dev_mode:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        config = server_config(self.s)
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.s.settings.engine.side_channel_host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": self.s.engine.side_channel_port,
+            "VLLM_SERVER_DEV_MODE": True,
+        }
+        as_json = request.query_params.get("config_format") == "json"
+        return JSONResponse({"vllm_config": config if as_json else str(config), "vllm_env": env, "system_env": {}})
+
     async def metrics(self, request: Request) -> Response:
         self.s.engine.report_load()  # pins freed and requests blocked between steps count now
         return Response(self.s.metrics.render(), headers={"content-type": CONTENT_TYPE_LATEST})
@@ -231,6 +287,7 @@ def routes(server: SimServer) -> list[Route]:
         Route("/health", r.health, methods=["GET"]),
         Route("/version", r.version, methods=["GET"]),
         Route("/metrics", r.metrics, methods=["GET"]),
+        Route("/server_info", r.server_info, methods=["GET"]),
         Route("/_sim/faults", r.set_faults, methods=["POST"]),
         Route("/_sim/state", r.state, methods=["GET"]),
     ]

@@ -25,6 +25,8 @@ class SimSettings(BaseModel):
     tokens_only: bool = False
     # turnkv's vLLM plugin on this engine: streamed generate answers end with D's handle (``sim.generate``)
     turnkv_plugin: bool = False
+    # VLLM_SERVER_DEV_MODE=1: GET /server_info says the engine's whole config
+    server_dev_mode: bool = False
     # the GPUs it says it computes on, as turnkv's vLLM plugin says a real engine's (``x-turnkv-plugin``)
     gpus: list[str] = Field(default_factory=list)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -83,6 +85,11 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
         "--turnkv-plugin",
         action="store_true",
         help="as an engine with turnkv's vLLM plugin: streamed generate answers end with the KV handle",
+    )
+    p.add_argument(
+        "--server-dev-mode",
+        action="store_true",
+        help="as VLLM_SERVER_DEV_MODE=1: GET /server_info?config_format=json says the engine's config",
     )
     p.add_argument(
         "--gpu",
@@ -191,6 +198,7 @@ def settings_from_args(a: argparse.Namespace) -> SimSettings:
         prompt_tokens_details=a.enable_prompt_tokens_details,
         tokens_only=a.tokens_only,
         turnkv_plugin=a.turnkv_plugin,
+        server_dev_mode=a.server_dev_mode,
         gpus=a.gpus,
         engine=engine,
         faults=Faults(

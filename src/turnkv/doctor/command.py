@@ -1,0 +1,123 @@
+"""``turnkv doctor``: the command line, from the same settings as ``turnkv serve`` (flags, ``--config``,
+``TURNKV_*``), to the report on stdout, the JSON report and the profile as files, and the exit status
+(0: nothing blocks; 1: a blocking problem; 2: the settings themselves are wrong)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any
+
+from turnkv.config import ConfigError, Settings, Timeouts, load_settings
+from turnkv.doctor import report
+from turnkv.doctor.run import Options, Report, diagnose
+from turnkv.engine.base import Engine
+from turnkv.engine.probes import EngineProbes
+from turnkv.engine.vllm.probes import vllm_probes
+from turnkv.profile import write_profile
+
+Opener = Callable[[Settings], AbstractAsyncContextManager[tuple[Engine, EngineProbes]]]
+ENGINES: dict[str, Opener] = {"vllm": vllm_probes}
+# a metadata read of a busy engine (its /metrics, a render) may take longer than the gateway's health probe
+PROBE_TIMEOUT_S = 10.0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check a P/D deployment before it takes traffic: roles, template, the KV transfer both ways "
+        "(measured), decode memory; writes the profile turnkv serve loads",
+        description=__doc__,
+    )
+    p.add_argument("--prefill", nargs="+", default=None, metavar="URL")
+    p.add_argument("--decode", nargs="+", default=None, metavar="URL")
+    p.add_argument("--render", default=None, metavar="URL", help="the render service the gateway uses")
+    p.add_argument("--config", default=None, help="the gateway's YAML settings file")
+    p.add_argument("--policy", default=None, help="the policy the gateway will run (default: the settings')")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the whole report as JSON")
+    p.add_argument(
+        "--profile", default=None, metavar="FILE", help="write the measured figures for turnkv serve --profile"
+    )
+    p.add_argument(
+        "--sizes",
+        default="2048,8192,32768",
+        help="probe prompt lengths in tokens, comma-separated (those that do not fit are skipped)",
+    )
+    p.add_argument("--budget-s", type=float, default=90.0, help="time the transfer probe may take, all sizes")
+    p.add_argument("--turn-tokens", type=int, default=150, help="new tokens per turn, for the break-even")
+    p.add_argument("--history-tokens", type=int, default=16384, help="a conversation's length, for decode memory")
+    p.add_argument(
+        "--log",
+        action="append",
+        default=[],
+        metavar="ROLE=FILE",
+        help="an engine's log (ROLE: prefill, decode, or the engine's URL): the transports its KV moves over "
+        "and the settings it logged (repeat per engine)",
+    )
+    p.add_argument("--no-transfer", action="store_true", help="describe and audit only: send no probe turns")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(
+            args.config,
+            prefill=args.prefill,
+            decode=args.decode,
+            render=args.render,
+            policy={"name": args.policy} if args.policy else None,
+        )
+        options = _options(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"turnkv doctor: {exc}", file=sys.stderr)
+        return 2
+    timeouts = settings.timeouts.model_copy(update={"health_s": max(settings.timeouts.health_s, PROBE_TIMEOUT_S)})
+    settings = settings.model_copy(update={"timeouts": Timeouts.model_validate(timeouts.model_dump())})
+    try:
+        opener = ENGINES[settings.engine]
+    except KeyError:
+        print(f"turnkv doctor: no doctor for engine {settings.engine!r}", file=sys.stderr)
+        return 2
+    r = asyncio.run(_run(settings, options, opener))
+    print(report.text(r))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_json(r), indent=1) + "\n")
+    if args.profile and r.profile is not None:
+        write_profile(args.profile, r.profile)
+        print(f"profile written to {args.profile} (turnkv serve --profile {args.profile})")
+    elif args.profile:
+        print(f"no profile written to {args.profile}: nothing was measured", file=sys.stderr)
+    return r.exit_status
+
+
+async def _run(settings: Settings, options: Options, opener: Opener) -> Report:
+    async with opener(settings) as (engine, probes):
+        return await diagnose(settings, options, engine, probes)
+
+
+def _options(args: argparse.Namespace) -> Options:
+    try:
+        sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"--sizes takes token counts separated by commas, not {args.sizes!r}") from None
+    if not sizes or min(sizes) < 16:
+        raise ValueError("--sizes: each probe needs at least 16 tokens")
+    logs: dict[str, str] = {}
+    for item in args.log:
+        role, sep, path = item.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--log takes ROLE=FILE, not {item!r}")
+        logs[role.rstrip("/")] = path
+    return Options(
+        sizes=sizes,
+        budget_s=args.budget_s,
+        turn_tokens=args.turn_tokens,
+        history_tokens=args.history_tokens,
+        logs=logs,
+        measure=not args.no_transfer,
+    )
