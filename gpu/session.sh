@@ -5,6 +5,8 @@
 #   bash gpu/session.sh B2   TTFT by turn, P restarted without prefix caching                    ~7 min
 #   bash gpu/session.sh C    NIXL link-rate variants (1b model, engine restarts per variant)     ~8 min
 #   bash gpu/session.sh C2   more link-rate variants                                             ~8 min
+#   bash gpu/session.sh X1   (setup,) turnkv doctor alone on the 8b pair, UCX on TCP                   ~5 min
+#   bash gpu/session.sh X2   the same with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (CUDA IPC GET)          ~4 min
 #   bash gpu/session.sh D1   setup, then TTFT at 16k with CUDA IPC GET on, P cache off            ~9 min
 #   bash gpu/session.sh D2   the same at 4k, then 16k with P's cache on                            ~8 min
 #   bash gpu/session.sh L4   (fresh host) setup, 64 conversations again: adaptive, then plain        ~9 min
@@ -45,7 +47,7 @@
 # (process sessions of their own) until a later part stops them or the machine goes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G6, R1, R2, P1, W1-W3}"
+part="${1:?part: A, B1, B2, C, C2, D1, D2, D3, L1, L2, L3, L4, G1-G6, R1, R2, P1, W1-W3, X1, X2}"
 : "${OUT:=$PWD/results/gpu}"  # the repository's results/ (git ignores it), unless the caller names one
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -85,6 +87,11 @@ case "$part" in
     python3 gpu/engines.py down
     step link "$(left 560)" python3 gpu/link_rate.py --variants baseline,get_zcopy,get_zcopy_sm,cross_layers \
       --time-budget-s 420
+    ;;
+  X1|X2)  # turnkv doctor alone against the 8b pair, restarted with the variant's UCX settings
+    if [ "$part" = X1 ] && [ -z "${TURNKV_SKIP_SETUP:-}" ]; then step setup 200 bash gpu/setup.sh || { pack; exit 1; }; fi
+    variant=$([ "$part" = X1 ] && echo tcp || echo ipc)
+    step "doctor_$variant" "$(left 575)" python3 gpu/doctor_pair.py --variants "$variant" --keep-running
     ;;
   C2)
     step link2 "$(left 560)" python3 gpu/link_rate.py --variants get_zcopy_no_emul,tcp_segments,block64,threads16 \

@@ -1,5 +1,5 @@
-"""What the simulator shows of vLLM that ``turnkv doctor`` reads: ``--tokens-only``, the development
-endpoint ``/server_info``, and NIXL's transfer times (the transfer, not the handshake)."""
+"""What the simulator shows of vLLM that ``turnkv doctor`` reads: the development endpoint
+``/server_info``, and NIXL's transfer times (the transfer, not the handshake)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,6 @@ from turnkv.sim.costs import LINKS, CostModel, kv_bytes_per_token
 from turnkv.sim.engine import EngineConfig
 from turnkv.sim.settings import SimSettings
 
-NO_TOKENIZER = "Tokenizer not available when `skip_tokenizer_init=True`"
-MESSAGES = [{"role": "user", "content": "Plan a trip to the mountains"}]
-
 
 @contextlib.asynccontextmanager
 async def client(role: str = "prefill", **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
@@ -30,23 +27,6 @@ async def client(role: str = "prefill", **settings: Any) -> AsyncIterator[httpx.
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sim") as c,
     ):
         yield c
-
-
-async def test_tokens_only_refuses_what_needs_the_tokenizer_and_serves_token_ids() -> None:
-    async with client(tokens_only=True) as c:
-        refused = [
-            await c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}),
-            await c.post("/v1/chat/completions/render", json={"messages": MESSAGES}),
-            await c.post("/tokenize", json={"prompt": "hello"}),
-            await c.post("/tokenize", json={"messages": MESSAGES}),
-            await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1}),
-        ]
-        ids = await c.post("/v1/completions", json={"prompt": [200, 201, 202], "max_tokens": 2})
-    for r in refused:
-        assert r.status_code == 400 and r.json()["error"]["message"] == NO_TOKENIZER, r.text
-    assert ids.status_code == 200
-    choice = ids.json()["choices"][0]
-    assert choice["text"] == "" and ids.json()["usage"]["completion_tokens"] == 2
 
 
 async def test_server_info_only_in_dev_mode() -> None:

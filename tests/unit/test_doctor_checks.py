@@ -16,7 +16,7 @@ from turnkv.doctor.checks import transfer as transfer_checks
 from turnkv.doctor.facts import EngineFacts, HostFacts, PullOutcome, Sample, SizeRun, TemplateFacts, TransferFacts
 from turnkv.doctor.findings import Finding, Item, Verdict, exit_status
 from turnkv.engine.base import ModelCard
-from turnkv.engine.probes import Advice, EngineDescription, LogFacts, TransferSettings
+from turnkv.engine.diagnostics import Advice, EngineDescription, LogFacts, TransferSettings
 from turnkv.gateway.app import cost_priors
 from turnkv.reuse.assess import TemplateClass
 

@@ -8,7 +8,7 @@ import pytest
 
 from turnkv.doctor import host, link
 from turnkv.doctor.facts import EngineFacts, HostFacts, Sample, SizeRun
-from turnkv.engine.probes import EngineDescription
+from turnkv.engine.diagnostics import EngineDescription
 from turnkv.reuse.cost import CostParams
 
 BPT = 147456

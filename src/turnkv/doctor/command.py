@@ -17,12 +17,12 @@ from turnkv.config import ConfigError, Settings, Timeouts, load_settings
 from turnkv.doctor import report
 from turnkv.doctor.run import Options, Report, diagnose
 from turnkv.engine.base import Engine
-from turnkv.engine.probes import EngineProbes
-from turnkv.engine.vllm.probes import vllm_probes
+from turnkv.engine.diagnostics import EngineDiagnostics
+from turnkv.engine.vllm.diagnostics import vllm_diagnostics
 from turnkv.profile import write_profile
 
-Opener = Callable[[Settings], AbstractAsyncContextManager[tuple[Engine, EngineProbes]]]
-ENGINES: dict[str, Opener] = {"vllm": vllm_probes}
+Opener = Callable[[Settings], AbstractAsyncContextManager[tuple[Engine, EngineDiagnostics]]]
+ENGINES: dict[str, Opener] = {"vllm": vllm_diagnostics}
 # a metadata read of a busy engine (its /metrics, a render) may take longer than the gateway's health probe
 PROBE_TIMEOUT_S = 10.0
 

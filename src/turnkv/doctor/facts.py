@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from turnkv.engine.probes import EngineDescription, LogFacts
+from turnkv.engine.diagnostics import EngineDescription, LogFacts
 from turnkv.reuse.assess import TemplateClass
 
 

@@ -38,6 +38,7 @@ class Item(enum.StrEnum):
     UNEXPOSED = "unexposed"
     TEMPLATE = "template"
     RENDER = "render"
+    PROBE = "probe"  # the probe's own turns
     LINK_P_TO_D = "link_p_to_d"
     LINK_D_TO_P = "link_d_to_p"
     TRANSPORTS = "transports"

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from turnkv.doctor.facts import Load, PullOutcome, Sample, SizeRun, TransferFacts
 from turnkv.engine.base import CallMeta, DecodeCall, Engine, Handle, HandleFacts, HandleUse, PrefillCall
-from turnkv.engine.probes import EngineProbes, TransferTotals
+from turnkv.engine.diagnostics import EngineDiagnostics, TransferTotals
 from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout
 
 SETTLE_S = 3.0  # how long an engine's counters may lag the answer that made a transfer
@@ -75,7 +75,7 @@ class _State:
 
 class Probe:
     def __init__(
-        self, engine: Engine, probes: EngineProbes, plan: Plan, clock: Callable[[], float] = time.monotonic
+        self, engine: Engine, probes: EngineDiagnostics, plan: Plan, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.engine = engine
         self.probes = probes
@@ -164,7 +164,7 @@ class Probe:
         the engines (no connector, no handle, a pull P does not make) stands, so a size is not tried
         again where it cannot work."""
         await self._size(n, (base * (n // len(base) + 1))[:n])
-        self.s.runs.clear()
+        self.s.runs = [r for r in self.s.runs if r.error]  # a failure stands: it is the finding
 
     # -- one size ------------------------------------------------------------------------------
     async def _size(self, n: int, ids: list[int]) -> None:
@@ -182,18 +182,18 @@ class Probe:
         prefill_s = self.clock() - t0
         self._count(prefill=1, tokens=n)
         self.s.p_hands_off = pre.for_decode is not None
-        if pre.for_decode is None:
+        if pre.for_decode is None:  # no KV connector on P: said by the connector finding
             self.s.stop = True
-            return self.s.runs.append(SizeRun(n, prefill_s=prefill_s, error="P returned nothing for D"))
+            return self.s.runs.append(SizeRun(n, prefill_s=prefill_s))
         self.s.p_endpoint = self.probes.handle_endpoint(pre.for_decode)
         try:
             answer = await self.engine.decode_json(
                 p.decode, self._decode(ids, f"{tag}-a", pre.for_decode), CallMeta(f"{tag}-a"), p.call_timeout_s
             )
-        except UpstreamError as exc:
+        except UpstreamError as exc:  # said by the connector finding
             self.s.push_failed = f"D's answer failed: {exc}"
             self.s.stop = True
-            return self._failed(n, self.s.push_failed, prefill_s)
+            return self.s.runs.append(SizeRun(n, prefill_s=prefill_s))
         self._count(decode=1)
         push = _sample(n, before_d, await self._settled(p.decode, before_d))
         if push is None:
@@ -314,8 +314,8 @@ class Probe:
                 return now
             await asyncio.sleep(SETTLE_TICK_S)
 
-    def _failed(self, n: int, why: str, prefill_s: float | None = None) -> None:
-        self.s.runs.append(SizeRun(n, prefill_s=prefill_s, error=why))
+    def _failed(self, n: int, why: str) -> None:
+        self.s.runs.append(SizeRun(n, error=why))
         self.s.stop = True
 
     def _count(self, *, prefill: int = 0, decode: int = 0, tokens: int = 0, moved: float = 0.0) -> None:

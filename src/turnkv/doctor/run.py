@@ -2,7 +2,7 @@
 that serve one model, judge, and build the profile the gateway loads.
 
 Engine-neutral: the engine family comes in as ``base.Engine`` (a turn's calls) and
-``probes.EngineProbes`` (what the doctor asks beside them), opened from the gateway's settings.
+``diagnostics.EngineDiagnostics`` (what the doctor asks beside them), opened from the gateway's settings.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from turnkv.doctor.facts import EngineFacts, HostFacts, TemplateFacts, TransferF
 from turnkv.doctor.findings import Finding, exit_status
 from turnkv.doctor.probe import Plan, Probe
 from turnkv.engine.base import Engine
-from turnkv.engine.probes import EngineProbes, LogFacts
+from turnkv.engine.diagnostics import EngineDiagnostics, LogFacts
 from turnkv.gateway.app import cost_priors
 from turnkv.profile import Profile
 from turnkv.reuse.policies import build_policy
@@ -59,7 +59,7 @@ class Report:
         return exit_status(self.findings)
 
 
-async def diagnose(settings: Settings, options: Options, engine: Engine, probes: EngineProbes) -> Report:
+async def diagnose(settings: Settings, options: Options, engine: Engine, probes: EngineDiagnostics) -> Report:
     started, t0 = datetime.now(UTC).isoformat(timespec="seconds"), time.monotonic()
     facts, host = await _engines(settings, options, probes)
     prefill = tuple(f for f in facts if f.role == "prefill")
@@ -93,7 +93,9 @@ async def diagnose(settings: Settings, options: Options, engine: Engine, probes:
     return Report(started, round(time.monotonic() - t0, 2), obs, tuple(findings), figures, profile)
 
 
-async def _engines(settings: Settings, options: Options, probes: EngineProbes) -> tuple[list[EngineFacts], HostFacts]:
+async def _engines(
+    settings: Settings, options: Options, probes: EngineDiagnostics
+) -> tuple[list[EngineFacts], HostFacts]:
     """Every engine the settings name, as it describes itself, with its log (``--log``) and whether it runs
     on this machine; and this machine's GPU topology where any does."""
     s = settings
@@ -110,7 +112,7 @@ async def _engines(settings: Settings, options: Options, probes: EngineProbes) -
     return facts, host
 
 
-def _log(probes: EngineProbes, logs: Mapping[str, str], url: str, role: str) -> LogFacts | None:
+def _log(probes: EngineDiagnostics, logs: Mapping[str, str], url: str, role: str) -> LogFacts | None:
     path = logs.get(url) or logs.get(role)
     if not path:
         return None

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from turnkv.config import Settings
 from turnkv.doctor.facts import EngineFacts, HostFacts, TemplateFacts, TransferFacts
-from turnkv.engine.probes import Advice
+from turnkv.engine.diagnostics import Advice
 
 
 @dataclass(frozen=True)

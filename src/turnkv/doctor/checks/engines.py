@@ -8,7 +8,7 @@ from turnkv.doctor.checks import Context, Observed
 from turnkv.doctor.checks.fmt import tokens
 from turnkv.doctor.facts import EngineFacts, PullOutcome
 from turnkv.doctor.findings import Finding, Item, Verdict
-from turnkv.engine.probes import Advice, EngineDescription
+from turnkv.engine.diagnostics import Advice, EngineDescription
 
 
 def check(obs: Observed, ctx: Context) -> list[Finding]:

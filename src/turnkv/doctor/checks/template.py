@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from turnkv.doctor.checks import Context, Observed
 from turnkv.doctor.findings import Finding, Item, Verdict
-from turnkv.engine.probes import Advice
+from turnkv.engine.diagnostics import Advice
 from turnkv.reuse.assess import TemplateClass
 
 _CLASS_TEXT = {

@@ -11,7 +11,7 @@ from turnkv.doctor.checks import Context, Observed
 from turnkv.doctor.checks.fmt import gbps, ms, tokens
 from turnkv.doctor.facts import PullOutcome, TransferFacts
 from turnkv.doctor.findings import Finding, Item, Verdict
-from turnkv.engine.probes import Advice
+from turnkv.engine.diagnostics import Advice
 from turnkv.profile import ComputeFigures
 from turnkv.reuse.cost import Action, CostParams
 
@@ -52,6 +52,16 @@ def check(obs: Observed, ctx: Context, f: Figures | None) -> list[Finding]:
         _direction(Item.LINK_D_TO_P, "D -> P (P pulls D's KV)", f.pull, t, expect, ctx),
     ]
     out += _pull_failure(t, ctx)
+    out += [
+        Finding(
+            Item.PROBE,
+            Verdict.FAIL,
+            f"the probe's P/D turn of {tokens(r.tokens)} tokens failed: {r.error}",
+            fix="the engines answer a plain P/D turn as the gateway sends it; their logs say why they did not",
+        )
+        for r in t.runs
+        if r.error
+    ]
     out.append(_transports(obs, ctx))
     out.append(_pull_pays(t, f, ctx))
     out += _kv_bytes(f, ctx)

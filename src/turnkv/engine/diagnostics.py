@@ -95,7 +95,7 @@ class LogFacts:
     settings: dict[str, str] = field(default_factory=dict)  # settings it logged at start
 
 
-class EngineProbes(Protocol):
+class EngineDiagnostics(Protocol):
     """The calls ``turnkv doctor`` makes of an engine family beside ``base.Engine``'s."""
 
     async def describe(self, base: str) -> EngineDescription | None:

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from turnkv.config import Settings
 from turnkv.engine.base import CallMeta, Handle, ModelCard
-from turnkv.engine.probes import Advice, EngineDescription, LogFacts, TransferSettings, TransferTotals
+from turnkv.engine.diagnostics import Advice, EngineDescription, LogFacts, TransferSettings, TransferTotals
 from turnkv.engine.vllm.engine import VllmEngine, vllm_engine
 from turnkv.engine.vllm.info import PLUGIN_HEADER, engine_info
 from turnkv.errors import UpstreamError, UpstreamStatus
@@ -87,7 +87,7 @@ ADVICE = {
 }
 
 
-class VllmProbes:
+class VllmDiagnostics:
     def __init__(self, engine: VllmEngine) -> None:
         self.engine = engine
         self.upstream = engine.upstream
@@ -267,10 +267,10 @@ def read_log(text: str) -> LogFacts:
 
 
 @contextlib.asynccontextmanager
-async def vllm_probes(settings: Settings) -> AsyncIterator[tuple[VllmEngine, VllmProbes]]:
+async def vllm_diagnostics(settings: Settings) -> AsyncIterator[tuple[VllmEngine, VllmDiagnostics]]:
     """The engine (its own HTTP session) and its probes."""
     async with vllm_engine(settings) as engine:
-        yield engine, VllmProbes(engine)
+        yield engine, VllmDiagnostics(engine)
 
 
 def _int(v: Any) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from turnkv.engine.vllm.probes import cache_config, read_log, transfer_settings, transfer_totals
+from turnkv.engine.vllm.diagnostics import cache_config, read_log, transfer_settings, transfer_totals
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "0.26.0"
 
