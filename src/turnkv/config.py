@@ -306,6 +306,29 @@ class Cors(BaseModel):
     max_age_s: int = Field(600, ge=0, description="how long a browser may cache a preflight answer")
 
 
+class FourHopSettings(BaseModel):
+    """The four-hop engine family (``engine: vllm-four-hop``): render services, tokens-only P and D, derender."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    render: list[str] = Field(
+        default_factory=list, description="render service URLs, balanced (default: the one ``render`` names)"
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="the model's tokenizer.json (or its folder) for streaming derender in the gateway's process: "
+        "one render call an answer; without it the text comes from the render service's /detokenize",
+    )
+    reasoning_parser: str | None = Field("qwen3", description="the render service's --reasoning-parser (None: none)")
+    tool_parser: str | None = Field("hermes", description="the render service's --tool-call-parser (None: none)")
+    derender: Literal["auto", "incremental", "vllm-stream", "final"] = Field(
+        "auto",
+        description="how a streamed answer is derendered: auto picks turnkv's incremental path where it reads "
+        "the parsers, else vLLM's streaming derender (render service 0.31+), else the whole answer at the end",
+    )
+    flush_tokens: int = Field(16, ge=1, description="D's ids a derender flush waits for (after the first text)")
+    flush_ms: float = Field(50.0, ge=0, description="how long D's oldest unflushed id waits at most")
+
+
 class Settings(BaseSettings):
     """Everything ``turnkv serve`` needs (docs/configuration.md, generated from this model)."""
 
@@ -317,6 +340,7 @@ class Settings(BaseSettings):
     decode: list[str] = Field(default_factory=list, description="decode engine base URLs")
     render: str | None = Field(None, description="render service URL; default: a prefill engine")
     engine: str = Field("vllm", description="the engines' family, as turnkv.engine.ENGINES names it")
+    four_hop: FourHopSettings = Field(default_factory=FourHopSettings, description="engine vllm-four-hop")
     redis_url: str | None = Field(
         None,
         description="redis://host:port/db, rediss:// (TLS), unix://, "

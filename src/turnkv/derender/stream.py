@@ -26,7 +26,7 @@ import abc
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -302,7 +302,7 @@ async def relay(
     request_id: str,
     stats: FlushStats | None = None,
     clock: Callable[[], float] = time.perf_counter,
-) -> AsyncIterator[Delta | Ending]:
+) -> AsyncGenerator[Delta | Ending, None]:
     """Deltas as D's ids are flushed to ``derenderer``, then the ``Ending`` (see the module docstring).
 
     D is read on while a flush is in flight (its ids join the next flush). A stream that ends without a

@@ -1,0 +1,101 @@
+"""Four hops through the gateway (``engine: vllm-four-hop``): a simulated render service, tokens-only P and D,
+and derender; every answer is the colocated engine's, multi-turn reuse works as on two hops, and a reuse the
+template forbids is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.cluster import Cluster, Dialogue, Turn, ask, metric, sim_state, start_cluster, wait_for
+from turnkv import launch
+
+pytestmark = pytest.mark.integration
+
+
+def four_hop_cluster(
+    procs: list[launch.Running],
+    log_dir: Path,
+    *,
+    compat: str = "0.26",
+    plugin: bool = True,
+    template: str = "keep",
+    policy: str = "always-pull",
+    gateway_env: dict[str, str] | None = None,
+) -> tuple[Cluster, launch.Running]:
+    common = ("--time-scale", "0", "--template", template, "--vllm-compat", compat)
+    render = launch.sim("render", "render", *common, log_dir=log_dir)
+    procs.append(render)
+    cluster = start_cluster(
+        procs,
+        log_dir,
+        template=template,
+        compat=compat,
+        policy=policy,
+        prefill_flags=("--tokens-only",),
+        decode_flags=("--tokens-only", *(("--turnkv-plugin",) if plugin else ())),
+        gateway_env={"TURNKV_ENGINE": "vllm-four-hop", "TURNKV_RENDER": render.url, **(gateway_env or {})},
+    )
+    return cluster, render
+
+
+def conversation(cluster: Cluster, n: int, *, stream: bool, tools: bool = False) -> list[Turn]:
+    """``n`` turns, each answer checked against the colocated engine's non-streamed one: a streamed four-hop
+    answer adds up to what vLLM's non-streaming derender says (blank content before a tool call is none)."""
+    turns = []
+    with Dialogue(cluster, stream=stream, tools=tools) as d:
+        for i in range(n):
+            truth, _, _ = ask(d.truth, d.messages, stream=False, session=None, tools=tools, max_tokens=d.max_tokens)
+            turn = d.step(truth=False)
+            assert turn.answer == truth, (i, turn.answer, truth)
+            turns.append(turn)
+    return turns
+
+
+@pytest.mark.parametrize(
+    ("compat", "stream", "tools"), [("0.26", False, True), ("0.26", True, True), ("0.33", True, False)]
+)
+def test_every_answer_is_the_colocated_one_and_later_turns_pull(
+    procs: list[launch.Running], tmp_path: Path, compat: str, stream: bool, tools: bool
+) -> None:
+    cluster, render = four_hop_cluster(procs, tmp_path, compat=compat)
+    # the gateway's template audit at start renders too (a probe conversation through the render service)
+    wait_for(lambda: "template.audit" in (tmp_path / "gateway.log").read_text(), what="the template audit")
+    before = sim_state(render.url)["calls"]
+    turns = conversation(cluster, 5, stream=stream, tools=tools)
+    assert turns[0].reason == "no_record"
+    assert [t.outcome for t in turns[1:]] == ["full"] * 4, [(t.outcome, t.reason) for t in turns]
+    assert all(t.headers["x-turnkv-action"] == "pull" for t in turns[1:])
+    assert [e["capture"] for e in cluster.turn_events(5)] == ["stored"] * 5
+    pulled = metric(cluster.prefill[0].url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    assert pulled > 0  # P really loaded KV from D
+    calls = sim_state(render.url)["calls"]
+    assert calls["render"] - before.get("render", 0) == 5  # each turn rendered once
+    assert calls["derender"] == 5  # one non-streaming derender an answer
+
+
+def test_without_the_plugin_streamed_turns_store_no_handle(procs: list[launch.Running], tmp_path: Path) -> None:
+    cluster, _ = four_hop_cluster(procs, tmp_path, plugin=False)
+    turns = conversation(cluster, 3, stream=True)
+    assert [t.reason for t in turns] == ["no_record", "no_handle_in_stream", "no_handle_in_stream"]
+
+
+def test_a_template_that_drops_reasoning_is_refused(procs: list[launch.Running], tmp_path: Path) -> None:
+    cluster, _ = four_hop_cluster(procs, tmp_path, template="strip")
+    turns = conversation(cluster, 3, stream=False)
+    assert all(t.reason != "full_match" for t in turns[1:]), [(t.outcome, t.reason) for t in turns]
+
+
+def test_stop_strings_are_refused_before_any_hop(procs: list[launch.Running], tmp_path: Path) -> None:
+    cluster, render = four_hop_cluster(procs, tmp_path)
+    wait_for(lambda: "template.audit" in (tmp_path / "gateway.log").read_text(), what="the template audit")
+    before = sim_state(render.url)["calls"]
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "Hi"}], "stop": ["."], "max_tokens": 20}
+    r = httpx.post(cluster.gateway.url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer k"})
+    assert r.status_code == 400, r.text
+    err: dict[str, Any] = r.json()["error"]
+    assert err["param"] == "stop" and "stop strings are not supported on four hops" in err["message"]
+    assert sim_state(render.url)["calls"] == before  # refused before any hop
