@@ -8,6 +8,7 @@
     - Forbidden                      403 insufficient_permissions
     - RequestTimeout                 408 request_timeout: the body did not arrive in time
     - ClientGone                     the client left mid-request; nobody reads the answer
+    - NotServed                      501 unsupported_endpoint: an endpoint of the API the gateway does not serve
   x Overloaded                       503 server_overloaded, with Retry-After
     - TenantLimit                    429 rate_limit_exceeded, with Retry-After
     - ShuttingDown                   503 shutting_down: the gateway is shutting down
@@ -91,6 +92,13 @@ class ClientGone(ClientError):
 
     status = 499
     code = "client_closed_request"
+
+
+class NotServed(ClientError):
+    """An endpoint of the API (OpenAI's, Anthropic's) that neither the gateway nor its engines serve."""
+
+    status = 501
+    code = "unsupported_endpoint"
 
 
 class Overloaded(GatewayError):

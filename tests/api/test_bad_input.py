@@ -209,7 +209,8 @@ def test_bad_completions_prompt(client: TestClient) -> None:
 
 
 def test_unknown_route_and_method(client: TestClient) -> None:
-    assert_openai_error(client.get("/v1/embeddings"), 404)
+    assert_openai_error(client.get("/v1/nothing"), 404)
+    assert_openai_error(client.get("/v1/embeddings"), 405)
     assert_openai_error(client.get("/v1/chat/completions"), 405)
 
 

@@ -110,6 +110,8 @@ def test_cors_is_off_by_default_and_answers_preflights_when_on(caplog: pytest.Lo
         assert other.status_code == 400
         refused = c.post("/v1/chat/completions", json=CHAT, headers={"origin": "https://app.example"})
         assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://app.example"
+        exposed = {h.strip() for h in refused.headers["access-control-expose-headers"].split(",")}
+        assert {"x-turnkv-conversation", "x-turnkv-divergence", "x-turnkv-reason", "x-request-id"} <= exposed
 
 
 class Held:

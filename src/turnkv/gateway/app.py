@@ -35,11 +35,13 @@ from turnkv.gateway.error_responses import on_gateway_error, on_http_exception, 
 from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.hot import GatewayApp, TurnRoute
 from turnkv.gateway.lifecycle import Drain
+from turnkv.gateway.messages import routes as messages_routes
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
 from turnkv.gateway.release import Releaser
 from turnkv.gateway.responses import routes as responses_routes
 from turnkv.gateway.services import Catalog, Services, TemplateAudit
+from turnkv.gateway.turn import report
 from turnkv.gateway.writeback import WriteBacks
 from turnkv.logging import make_logger
 from turnkv.reuse.assess import TemplateClass
@@ -62,14 +64,29 @@ STOP_TICK_S = 0.1
 SHUTDOWN_RELEASE_S = 5.0
 WARM_WITHIN_S = 5.0  # opening the Redis pool at start; a Redis not there yet is met by the first calls
 logger = logging.getLogger("turnkv.app")
+# vLLM's pooling endpoints, passed to the engines; the APIs' endpoints turnkv does not serve (a 501 each)
+POOLING_PATHS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/rerank", "/pooling", "/classify")
+NOT_SERVED_PATHS = tuple(
+    f"/v1/{area}{tail}"
+    for area in ("audio", "images", "files", "batches", "fine_tuning", "moderations", "assistants", "threads")
+    + ("vector_stores", "uploads", "realtime", "conversations", "evals", "containers", "messages/batches")
+    for tail in ("", "/{rest:path}")
+)
+ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+# what a browser's script may read of an answer: its ids and every decision header a turn can carry
+EXPOSED_HEADERS = ("x-request-id", "request-id", "retry-after", *report.HEADERS, "x-turnkv-conversation")
 # the one route table: Starlette routes them all, the fast path (gateway/hot.py) serves its TurnRoute rows
 ROUTES: tuple[BaseRoute, ...] = (
     TurnRoute("/v1/chat/completions", endpoints.chat_completions),
     TurnRoute("/v1/completions", endpoints.completions),
     TurnRoute("/v1/responses", responses_routes.create),
     Route("/v1/responses/{response_id}", responses_routes.retrieve, methods=["GET"]),
+    TurnRoute("/v1/messages", messages_routes.create),
+    Route("/v1/messages/count_tokens", messages_routes.count_tokens, methods=["POST"]),
     Route("/v1/models", endpoints.models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", endpoints.model, methods=["GET"]),
+    *(Route(path, endpoints.pooling, methods=["POST"]) for path in POOLING_PATHS),
+    *(Route(path, endpoints.not_served, methods=ANY_METHOD) for path in NOT_SERVED_PATHS),
     Route("/tokenize", endpoints.tokenize, methods=["POST"]),
     Route("/detokenize", endpoints.detokenize, methods=["POST"]),
     Route("/version", endpoints.version, methods=["GET"]),
@@ -296,7 +313,7 @@ def create_app(
             fleet.on_restart = lambda view: metrics.engine_restarts.labels(view.role).inc()
             catalog = Catalog()
             releaser = Releaser(eng, router, metrics, lambda: next(iter(settings.models or catalog.models), None))
-            pins = PinKeeper(settings, fleet, guard.pins, releaser, metrics, log)
+            pins = PinKeeper(settings, fleet, guard, releaser, metrics, log)
             write_backs = WriteBacks(eng, fleet, metrics, settings.write_back, releaser.submit, releaser.model)
             fleet.on_scraped = pins.on_scraped
             dm = settings.decode_memory
@@ -356,17 +373,11 @@ def create_app(
             Middleware(
                 CORSMiddleware,
                 allow_origins=cors.allow_origins,
-                allow_methods=["GET", "POST"],
+                allow_methods=["GET", "POST", "DELETE"],
                 allow_headers=cors.allow_headers,
                 allow_credentials=cors.allow_credentials,
                 max_age=cors.max_age_s,
-                expose_headers=[
-                    "x-request-id",
-                    "retry-after",
-                    "x-turnkv-outcome",
-                    "x-turnkv-action",
-                    "x-turnkv-reason",
-                ],
+                expose_headers=list(EXPOSED_HEADERS),
             ),
         )
     app = GatewayApp(

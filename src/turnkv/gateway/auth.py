@@ -3,7 +3,8 @@
 Decides, per request, from the headers alone:
 
 * with gateway API keys configured (``api_keys``, ``api_keys_file``), a request needs
-  ``Authorization: Bearer <key>`` (the scheme in any case) naming a known key; its tenant is the key's
+  ``Authorization: Bearer <key>`` (the scheme in any case; on Anthropic's API also ``x-api-key: <key>``, as
+  its SDKs send it) naming a known key; its tenant is the key's
   (each key its own tenant unless the file maps it). Keys are held as SHA-256 digests only.
 * a trusted proxy (``trusted_proxy_secret``) proves itself with that secret in ``trusted_proxy_header``;
   only then is ``tenant_header`` read. A client's own tenant header is never believed.
@@ -154,9 +155,13 @@ class Authenticator:
     def _named(self, name: str) -> Principal:
         return Principal(named_tenant(name), name, True, name in self._admins, None)
 
-    def authenticate(self, headers: Mapping[str, str]) -> Principal:
+    def authenticate(self, headers: Mapping[str, str], *, x_api_key: bool = False) -> Principal:
+        """``x_api_key``: the API takes the key in ``x-api-key`` too (Anthropic's, whose SDKs send it so)."""
         auth = headers.get("authorization")
         token = bearer_token(auth)
+        if x_api_key and not auth and headers.get("x-api-key"):
+            token = headers["x-api-key"].strip() or None  # the same key, read as a bearer token would be
+            auth = f"Bearer {token}" if token else None
         if self._from_proxy(headers):
             name = headers.get(self._tenant_header) if self._tenant_header else None
             if name:
@@ -170,7 +175,8 @@ class Authenticator:
                 return Principal(ANONYMOUS, None, True, False, None)
         if self._keys:
             if token is None:
-                raise Unauthorized("You didn't provide an API key: send it as 'Authorization: Bearer <key>'.")
+                how = "'Authorization: Bearer <key>'" + (" or 'x-api-key: <key>'" if x_api_key else "")
+                raise Unauthorized(f"You didn't provide an API key: send it as {how}.")
             name = self._keys.get(key_digest(token))
             if name is None:
                 raise Unauthorized("Incorrect API key provided.")

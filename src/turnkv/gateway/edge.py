@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from turnkv.config import Settings
 from turnkv.errors import GatewayError
 from turnkv.gateway.auth import Authenticator
-from turnkv.gateway.error_responses import error_response
+from turnkv.gateway.error_responses import ANTHROPIC_PATH, error_response
 from turnkv.gateway.inflight import InFlightLimits
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
@@ -47,14 +47,14 @@ class Edge:
                 except GatewayError:
                     principal = self.auth.anonymous()
             else:
-                principal = self.auth.authenticate(headers)
+                principal = self.auth.authenticate(headers, x_api_key=scope["path"].startswith(ANTHROPIC_PATH))
             if engine_work:
                 self.limits.check(principal.tenant)
         except GatewayError as exc:
             svc = state.get("services")
             if svc is not None:
                 svc.metrics.rejections.labels(exc.code or exc.type).inc()
-            await error_response(exc)(scope, receive, send)
+            await error_response(exc, path=scope["path"])(scope, receive, send)
             return
         state["principal"] = principal
         if not engine_work:

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from turnkv.engine.base import CallMeta
-from turnkv.errors import ModelNotFound, UpstreamError, UpstreamUnavailable
+from turnkv.errors import ModelNotFound, NotServed, UpstreamError, UpstreamStatus, UpstreamUnavailable
 from turnkv.gateway.auth import require_admin
 from turnkv.gateway.body import check_model
 from turnkv.gateway.fields import shown
@@ -60,6 +60,25 @@ async def _passthrough_post(request: Request, path: str) -> Response:
     meta = CallMeta(request_id(request), principal(request).forward_authorization)
     data = await svc.engine.api_post(svc.render_base(), path, body, meta)
     return JSONResponse(data)
+
+
+async def pooling(request: Request) -> Response:
+    """Embeddings, scores, reranking, classification: passed to an engine that serves them (a pooling
+    model's vLLM); where the engines do not (a generative model's), a clear 501, not the engine's 404."""
+    path = request.url.path
+    try:
+        return await _passthrough_post(request, path)
+    except UpstreamStatus as exc:
+        if exc.upstream_status not in (404, 405):
+            raise
+        raise NotServed(
+            f"The engines behind this gateway do not serve {path} (the model is not a pooling model)."
+        ) from exc
+
+
+async def not_served(request: Request) -> Response:
+    """An endpoint of OpenAI's (or Anthropic's) API that turnkv does not serve: a 501 that says so."""
+    raise NotServed(f"turnkv does not serve {request.method} {request.url.path}.")
 
 
 async def tokenize(request: Request) -> Response:

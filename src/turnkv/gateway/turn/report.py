@@ -11,6 +11,21 @@ from turnkv.gateway.metrics import turn_bucket
 from turnkv.gateway.turn.results import Capture
 from turnkv.gateway.turn.run import TurnRun
 
+# every decision header a turn's answer can carry (``headers``)
+HEADERS = (
+    "x-turnkv-outcome",
+    "x-turnkv-action",
+    "x-turnkv-reason",
+    "x-turnkv-direct",
+    "x-turnkv-ahead",
+    "x-turnkv-divergence",
+    "x-turnkv-matched-tokens",
+    "x-turnkv-prompt-tokens",
+    "x-turnkv-planned-pull-tokens",
+    "x-turnkv-prefill-cached-tokens",
+    "x-turnkv-prefill-ms",
+)
+
 
 def headers(run: TurnRun) -> dict[str, str]:
     """The turn's decision, for clients and benchmarks that want to see it. Token counts and prefill time
