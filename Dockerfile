@@ -14,7 +14,8 @@ COPY src ./src
 # a virtual environment: the base's Python may be the system's (PEP 668), and stays untouched
 RUN python3 -m venv /opt/turnkv \
  && /opt/turnkv/bin/pip install --no-cache-dir --disable-pip-version-check . \
- && useradd --system --uid 10001 --no-create-home turnkv
+ && useradd --system --uid 10001 --no-create-home turnkv \
+ && install -d -o turnkv -g turnkv /var/lib/turnkv  # turnkv doctor's profile (a volume starts as this dir)
 USER turnkv
 EXPOSE 8000
 ENTRYPOINT ["turnkv"]

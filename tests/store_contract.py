@@ -1,6 +1,7 @@
 """The conversation store contract (``state.base``) as tests, run against every implementation.
 
-A test module subclasses ``StoreContract`` (and ``RedisContract`` for what only the Redis store can
+A test module subclasses ``StoreContract`` (the three parts: ``RecordsContract``, ``PinsContract``,
+``DocumentsContract``; and ``RedisContract`` for what only the Redis store can
 show) and provides a ``backend`` fixture: two stores on the same data (two gateway replicas; the
 same object in process), and a way to let time pass for the stores' TTLs.
 """
@@ -75,92 +76,138 @@ def keys(entries: list[PinEntry]) -> list[str]:
     return [e.key for e in entries]
 
 
-class StoreContract:
+class RecordsContract:
+    """``state.base.Records``: a record claimed once, put, its marker released."""
+
     async def test_claim_is_single_use(self, backend: Backend) -> None:
         s = backend.store
-        assert (await s.claim("k", owner="a")).status is ClaimStatus.MISSING
+        assert (await s.records.claim("k", owner="a")).status is ClaimStatus.MISSING
         r = rec()
-        await s.put("k", r, LONG_TTL_S)
-        first = await s.claim("k", owner="a")
+        await s.records.put("k", r, LONG_TTL_S)
+        first = await s.records.claim("k", owner="a")
         assert first.status is ClaimStatus.FOUND and first.record == r
-        assert (await backend.other.claim("k", owner="b")).status is ClaimStatus.IN_FLIGHT
+        assert (await backend.other.records.claim("k", owner="b")).status is ClaimStatus.IN_FLIGHT
         # not even to its owner: a claim repeated after a lost reply must not hand the handle out twice
-        assert (await s.claim("k", owner="a")).status is ClaimStatus.IN_FLIGHT
+        assert (await s.records.claim("k", owner="a")).status is ClaimStatus.IN_FLIGHT
 
     async def test_only_the_owner_releases_its_marker(self, backend: Backend) -> None:
         s = backend.store
-        await s.put("k", rec(), LONG_TTL_S)
-        await s.claim("k", owner="a")
-        await backend.other.release("k", owner="b")
-        assert (await s.claim("k", owner="c")).status is ClaimStatus.IN_FLIGHT
-        await backend.other.release("k", owner="a")
-        assert (await s.claim("k", owner="c")).status is ClaimStatus.MISSING
+        await s.records.put("k", rec(), LONG_TTL_S)
+        await s.records.claim("k", owner="a")
+        await backend.other.records.release("k", owner="b")
+        assert (await s.records.claim("k", owner="c")).status is ClaimStatus.IN_FLIGHT
+        await backend.other.records.release("k", owner="a")
+        assert (await s.records.claim("k", owner="c")).status is ClaimStatus.MISSING
 
     async def test_release_leaves_a_record_alone(self, backend: Backend) -> None:
         s = backend.store
-        await s.put("k", rec(), LONG_TTL_S)
-        await s.release("k", owner="a")
-        await s.release("never-stored", owner="a")
-        assert (await s.claim("k", owner="a")).status is ClaimStatus.FOUND
+        await s.records.put("k", rec(), LONG_TTL_S)
+        await s.records.release("k", owner="a")
+        await s.records.release("never-stored", owner="a")
+        assert (await s.records.claim("k", owner="a")).status is ClaimStatus.FOUND
 
     async def test_put_replaces_any_marker(self, backend: Backend) -> None:
         s = backend.store
-        await s.put("k", rec("p1"), LONG_TTL_S)
-        await s.claim("k", owner="a")
-        await backend.other.put("k", rec("p2", turn=3), LONG_TTL_S)  # a concurrent turn stores first
-        await s.release("k", owner="a")  # the first turn's release no longer finds its marker
-        got = await s.claim("k", owner="c")
+        await s.records.put("k", rec("p1"), LONG_TTL_S)
+        await s.records.claim("k", owner="a")
+        await backend.other.records.put("k", rec("p2", turn=3), LONG_TTL_S)  # a concurrent turn stores first
+        await s.records.release("k", owner="a")  # the first turn's release no longer finds its marker
+        got = await s.records.claim("k", owner="c")
         assert got.status is ClaimStatus.FOUND and got.record == rec("p2", turn=3)
 
     async def test_a_marker_times_out(self, backend: Backend) -> None:
         s = backend.store
-        await s.put("k", rec(), LONG_TTL_S)
-        await s.put("j", rec(), LONG_TTL_S)
-        assert (await backend.short_markers.claim("k", owner="crashed")).status is ClaimStatus.FOUND
+        await s.records.put("k", rec(), LONG_TTL_S)
+        await s.records.put("j", rec(), LONG_TTL_S)
+        assert (await backend.short_markers.records.claim("k", owner="crashed")).status is ClaimStatus.FOUND
         await backend.elapse(backend.short_marker_ttl_s * 4)
-        assert (await s.claim("k", owner="b")).status is ClaimStatus.MISSING
+        assert (await s.records.claim("k", owner="b")).status is ClaimStatus.MISSING
         # a put after its marker timed out still stores (last put wins)
-        await backend.short_markers.put("k", rec("p9"), LONG_TTL_S)
-        assert (await s.claim("k", owner="c")).record == rec("p9")
+        await backend.short_markers.records.put("k", rec("p9"), LONG_TTL_S)
+        assert (await s.records.claim("k", owner="c")).record == rec("p9")
 
     async def test_a_record_times_out(self, backend: Backend) -> None:
         s = backend.store
-        await s.put("k", rec(pin=None), SHORT_TTL_S)
-        await s.put("kept", rec(pin=None), LONG_TTL_S)
+        await s.records.put("k", rec(pin=None), SHORT_TTL_S)
+        await s.records.put("kept", rec(pin=None), LONG_TTL_S)
         await backend.elapse(SHORT_TTL_S * 4)
-        assert (await s.claim("k", owner="a")).status is ClaimStatus.MISSING
-        assert (await s.claim("kept", owner="a")).status is ClaimStatus.FOUND
+        assert (await s.records.claim("k", owner="a")).status is ClaimStatus.MISSING
+        assert (await s.records.claim("kept", owner="a")).status is ClaimStatus.FOUND
+
+    async def test_concurrent_turns_on_distinct_conversations(self, backend: Backend) -> None:
+        stores = (backend.store, backend.other)
+        for i in range(CONCURRENT):
+            await backend.store.records.put(f"c{i}", rec(f"p{i}-0", tokens=1, turn=0), LONG_TTL_S)
+
+        async def turn(i: int) -> ClaimStatus:
+            s = stores[i % 2]
+            c = await s.records.claim(f"c{i}", owner=f"o{i}")
+            await s.records.put(f"c{i}", rec(f"p{i}-1", tokens=1, turn=1), LONG_TTL_S)
+            return c.status
+
+        assert await asyncio.gather(*(turn(i) for i in range(CONCURRENT))) == [ClaimStatus.FOUND] * CONCURRENT
+        assert await backend.store.pins.pinned([D1]) == {D1: Pinned(CONCURRENT, CONCURRENT)}
+        got = await asyncio.gather(*(stores[i % 2].records.claim(f"c{i}", owner="n") for i in range(CONCURRENT)))
+        assert [c.record.turn if c.record else None for c in got] == [1] * CONCURRENT
+
+    async def test_concurrent_turns_on_one_conversation(self, backend: Backend) -> None:
+        stores = (backend.store, backend.other)
+        await backend.store.records.put("shared", rec("p-0", tokens=1, turn=0), LONG_TTL_S)
+        claimed: list[int] = []
+
+        async def turn(i: int) -> None:
+            s = stores[i % 2]
+            c = await s.records.claim("shared", owner=f"o{i}")
+            if c.status is ClaimStatus.FOUND:
+                assert c.record is not None
+                claimed.append(c.record.turn)
+                await s.records.put(
+                    "shared", rec(f"p-{c.record.turn + 1}", tokens=1, turn=c.record.turn + 1), LONG_TTL_S
+                )
+            else:
+                assert c.status is ClaimStatus.IN_FLIGHT
+
+        await asyncio.gather(*(turn(i) for i in range(CONCURRENT)))
+        # each record claimed once, none lost: the claims form the chain 0, 1, 2, ...
+        assert sorted(claimed) == list(range(len(claimed))) and claimed
+        last = await backend.store.records.claim("shared", owner="last")
+        assert last.record is not None and last.record.turn == len(claimed)
+        assert await backend.store.pins.pinned([D1]) == {}
+
+
+class PinsContract:
+    """``state.base.PinIndex``: pins indexed per engine as records are put and claimed, evicted and pruned."""
 
     async def test_a_record_without_handle_pins_nothing(self, backend: Backend) -> None:
         s = backend.store
         r = rec(pin=None, unpinned="no_handle_in_stream")
-        await s.put("k", r, LONG_TTL_S)
-        assert await s.pinned([D1]) == {}
-        got = await s.claim("k", owner="a")
+        await s.records.put("k", r, LONG_TTL_S)
+        assert await s.pins.pinned([D1]) == {}
+        got = await s.records.claim("k", owner="a")
         assert got.status is ClaimStatus.FOUND and got.record == r
 
     async def test_pins_are_indexed_per_engine(self, backend: Backend) -> None:
         s = backend.store
-        await s.put("a", rec("pa", tokens=10), LONG_TTL_S)
-        await s.put("b", rec("pb", tokens=20), LONG_TTL_S)
-        await s.put("c", rec("pc", url=D2, tokens=5), LONG_TTL_S)
-        await s.put("d", rec(None, url=D2), LONG_TTL_S)
-        assert await backend.other.pinned([D1, D2, D3]) == {D1: Pinned(2, 30), D2: Pinned(1, 5)}
-        await s.claim("a", owner="x")  # the claiming turn owns the handle now
-        assert await s.pinned([D1, D2]) == {D1: Pinned(1, 20), D2: Pinned(1, 5)}
-        await s.put("a", rec("pa2", tokens=12), LONG_TTL_S)  # its turn stores the next one
-        assert await s.pinned([D1]) == {D1: Pinned(2, 32)}
-        assert await s.pinned([]) == {}
+        await s.records.put("a", rec("pa", tokens=10), LONG_TTL_S)
+        await s.records.put("b", rec("pb", tokens=20), LONG_TTL_S)
+        await s.records.put("c", rec("pc", url=D2, tokens=5), LONG_TTL_S)
+        await s.records.put("d", rec(None, url=D2), LONG_TTL_S)
+        assert await backend.other.pins.pinned([D1, D2, D3]) == {D1: Pinned(2, 30), D2: Pinned(1, 5)}
+        await s.records.claim("a", owner="x")  # the claiming turn owns the handle now
+        assert await s.pins.pinned([D1, D2]) == {D1: Pinned(1, 20), D2: Pinned(1, 5)}
+        await s.records.put("a", rec("pa2", tokens=12), LONG_TTL_S)  # its turn stores the next one
+        assert await s.pins.pinned([D1]) == {D1: Pinned(2, 32)}
+        assert await s.pins.pinned([]) == {}
 
     async def test_a_put_over_a_pinned_record_moves_its_pin(self, backend: Backend) -> None:
         s = backend.store
-        await s.put("k", rec("p1", tokens=10), LONG_TTL_S)
-        await s.put("k", rec("p2", tokens=7), LONG_TTL_S)  # same engine, next handle, no claim between
-        assert await s.pinned([D1]) == {D1: Pinned(1, 7)}
-        await s.put("k", rec("p3", url=D2, tokens=9), LONG_TTL_S)  # another engine
-        assert await s.pinned([D1, D2]) == {D2: Pinned(1, 9)}
-        await s.put("k", rec(None), LONG_TTL_S)
-        assert await s.pinned([D1, D2]) == {}
+        await s.records.put("k", rec("p1", tokens=10), LONG_TTL_S)
+        await s.records.put("k", rec("p2", tokens=7), LONG_TTL_S)  # same engine, next handle, no claim between
+        assert await s.pins.pinned([D1]) == {D1: Pinned(1, 7)}
+        await s.records.put("k", rec("p3", url=D2, tokens=9), LONG_TTL_S)  # another engine
+        assert await s.pins.pinned([D1, D2]) == {D2: Pinned(1, 9)}
+        await s.records.put("k", rec(None), LONG_TTL_S)
+        assert await s.pins.pinned([D1, D2]) == {}
 
     async def test_evict_takes_the_idle_longest_first_and_strips_only_the_handle(self, backend: Backend) -> None:
         s = backend.store
@@ -170,106 +217,76 @@ class StoreContract:
             "mid": rec("p-mid", tokens=10, stored_at=2.0),
         }
         for k, r in records.items():
-            await s.put(k, r, LONG_TTL_S)
-        out = await s.evict(D1, keep_tokens=15, why="budget")
+            await s.records.put(k, r, LONG_TTL_S)
+        out = await s.pins.evict(D1, keep_tokens=15, why="budget")
         assert keys(out) == ["old", "mid"]
         assert [(e.decode_url, e.tokens, e.handle, e.stored_at, e.expires_at, e.engine_epoch) for e in out] == [
             (D1, 10, records[k].handle, records[k].created_at, records[k].expires_at, None) for k in ("old", "mid")
         ]
-        assert await s.pinned([D1]) == {D1: Pinned(1, 10)}
+        assert await s.pins.pinned([D1]) == {D1: Pinned(1, 10)}
         for k in ("old", "mid"):
-            got = await backend.other.claim(k, owner="t")
+            got = await backend.other.records.claim(k, owner="t")
             assert got.record == records[k].unpin("budget")
-        assert (await s.claim("new", owner="t")).record == records["new"]
+        assert (await s.records.claim("new", owner="t")).record == records["new"]
 
     async def test_evict_within_budget_takes_nothing(self, backend: Backend) -> None:
         s = backend.store
-        await s.put("a", rec("pa", tokens=10), LONG_TTL_S)
-        assert await s.evict(D1, keep_tokens=10, why="budget") == []
-        assert await s.evict(D2, keep_tokens=0, why="budget") == []
-        assert await s.pinned([D1]) == {D1: Pinned(1, 10)}
+        await s.records.put("a", rec("pa", tokens=10), LONG_TTL_S)
+        assert await s.pins.evict(D1, keep_tokens=10, why="budget") == []
+        assert await s.pins.evict(D2, keep_tokens=0, why="budget") == []
+        assert await s.pins.pinned([D1]) == {D1: Pinned(1, 10)}
 
     async def test_evict_never_returns_a_claimed_record(self, backend: Backend) -> None:
         s = backend.store
-        await s.put("claimed", rec("p1", stored_at=1.0), LONG_TTL_S)
-        await s.put("idle", rec("p2", stored_at=2.0), LONG_TTL_S)
-        claimed = await backend.other.claim("claimed", owner="turn")
-        out = await s.evict(D1, keep_tokens=0, why="pressure")
+        await s.records.put("claimed", rec("p1", stored_at=1.0), LONG_TTL_S)
+        await s.records.put("idle", rec("p2", stored_at=2.0), LONG_TTL_S)
+        claimed = await backend.other.records.claim("claimed", owner="turn")
+        out = await s.pins.evict(D1, keep_tokens=0, why="pressure")
         assert keys(out) == ["idle"]
         assert claimed.record is not None and claimed.record.handle is not None  # the turn's to pull or release
-        assert await s.pinned([D1]) == {}
+        assert await s.pins.pinned([D1]) == {}
 
     async def test_prune_drops_expired_restarted_and_orphaned_entries(self, backend: Backend) -> None:
         s = backend.store
-        await s.put("expired", rec("p1", expires_at=50.0), LONG_TTL_S)
-        await s.put("old-epoch", rec("p2", epoch=1.0), LONG_TTL_S)
-        await s.put("this-epoch", rec("p3", epoch=2.0), LONG_TTL_S)
-        await s.put("no-epoch", rec("p4"), LONG_TTL_S)
-        await s.put("orphan", rec("p5"), SHORT_TTL_S)  # its record goes; the entry stays behind
-        await s.put("other-engine", rec("p6", url=D2, expires_at=50.0), LONG_TTL_S)
+        await s.records.put("expired", rec("p1", expires_at=50.0), LONG_TTL_S)
+        await s.records.put("old-epoch", rec("p2", epoch=1.0), LONG_TTL_S)
+        await s.records.put("this-epoch", rec("p3", epoch=2.0), LONG_TTL_S)
+        await s.records.put("no-epoch", rec("p4"), LONG_TTL_S)
+        await s.records.put("orphan", rec("p5"), SHORT_TTL_S)  # its record goes; the entry stays behind
+        await s.records.put("other-engine", rec("p6", url=D2, expires_at=50.0), LONG_TTL_S)
         await backend.elapse(SHORT_TTL_S * 4)
-        out = await backend.other.prune(D1, now=100.0, epoch=2.0)
+        out = await backend.other.pins.prune(D1, now=100.0, epoch=2.0)
         assert sorted(keys(out)) == ["expired", "old-epoch", "orphan"]
-        assert await s.pinned([D1, D2]) == {D1: Pinned(2, 40), D2: Pinned(1, 20)}
-        assert await s.prune(D1, now=100.0, epoch=None) == []
+        assert await s.pins.pinned([D1, D2]) == {D1: Pinned(2, 40), D2: Pinned(1, 20)}
+        assert await s.pins.prune(D1, now=100.0, epoch=None) == []
         # a record that still holds its handle keeps it: prune touches the index only
-        assert (await s.claim("old-epoch", owner="t")).record == rec("p2", epoch=1.0)
+        assert (await s.records.claim("old-epoch", owner="t")).record == rec("p2", epoch=1.0)
 
     async def test_prune_keeps_a_replaced_pin(self, backend: Backend) -> None:
         s = backend.store
-        await s.put("k", rec("p1"), LONG_TTL_S)
-        await s.claim("k", owner="turn")
-        await s.put("k", rec("p2", epoch=2.0), LONG_TTL_S)
-        assert await s.prune(D1, now=100.0, epoch=2.0) == []
-        assert await s.pinned([D1]) == {D1: Pinned(1, 20)}
+        await s.records.put("k", rec("p1"), LONG_TTL_S)
+        await s.records.claim("k", owner="turn")
+        await s.records.put("k", rec("p2", epoch=2.0), LONG_TTL_S)
+        assert await s.pins.prune(D1, now=100.0, epoch=2.0) == []
+        assert await s.pins.pinned([D1]) == {D1: Pinned(1, 20)}
+
+
+class DocumentsContract:
+    """``state.base.Documents``: documents with a TTL."""
 
     async def test_documents(self, backend: Backend) -> None:
         s = backend.store
-        assert await s.get_doc("resp_1") is None
-        await s.put_doc("resp_1", '{"id": "resp_1"}', LONG_TTL_S)
-        await s.put_doc("resp_2", "short", SHORT_TTL_S)
-        assert await backend.other.get_doc("resp_1") == '{"id": "resp_1"}'
+        assert await s.documents.get("resp_1") is None
+        await s.documents.put("resp_1", '{"id": "resp_1"}', LONG_TTL_S)
+        await s.documents.put("resp_2", "short", SHORT_TTL_S)
+        assert await backend.other.documents.get("resp_1") == '{"id": "resp_1"}'
         await backend.elapse(SHORT_TTL_S * 4)
-        assert await s.get_doc("resp_2") is None
-        assert await s.get_doc("resp_1") == '{"id": "resp_1"}'
+        assert await s.documents.get("resp_2") is None
+        assert await s.documents.get("resp_1") == '{"id": "resp_1"}'
 
-    async def test_concurrent_turns_on_distinct_conversations(self, backend: Backend) -> None:
-        stores = (backend.store, backend.other)
-        for i in range(CONCURRENT):
-            await backend.store.put(f"c{i}", rec(f"p{i}-0", tokens=1, turn=0), LONG_TTL_S)
 
-        async def turn(i: int) -> ClaimStatus:
-            s = stores[i % 2]
-            c = await s.claim(f"c{i}", owner=f"o{i}")
-            await s.put(f"c{i}", rec(f"p{i}-1", tokens=1, turn=1), LONG_TTL_S)
-            return c.status
-
-        assert await asyncio.gather(*(turn(i) for i in range(CONCURRENT))) == [ClaimStatus.FOUND] * CONCURRENT
-        assert await backend.store.pinned([D1]) == {D1: Pinned(CONCURRENT, CONCURRENT)}
-        got = await asyncio.gather(*(stores[i % 2].claim(f"c{i}", owner="n") for i in range(CONCURRENT)))
-        assert [c.record.turn if c.record else None for c in got] == [1] * CONCURRENT
-
-    async def test_concurrent_turns_on_one_conversation(self, backend: Backend) -> None:
-        stores = (backend.store, backend.other)
-        await backend.store.put("shared", rec("p-0", tokens=1, turn=0), LONG_TTL_S)
-        claimed: list[int] = []
-
-        async def turn(i: int) -> None:
-            s = stores[i % 2]
-            c = await s.claim("shared", owner=f"o{i}")
-            if c.status is ClaimStatus.FOUND:
-                assert c.record is not None
-                claimed.append(c.record.turn)
-                await s.put("shared", rec(f"p-{c.record.turn + 1}", tokens=1, turn=c.record.turn + 1), LONG_TTL_S)
-            else:
-                assert c.status is ClaimStatus.IN_FLIGHT
-
-        await asyncio.gather(*(turn(i) for i in range(CONCURRENT)))
-        # each record claimed once, none lost: the claims form the chain 0, 1, 2, ...
-        assert sorted(claimed) == list(range(len(claimed))) and claimed
-        last = await backend.store.claim("shared", owner="last")
-        assert last.record is not None and last.record.turn == len(claimed)
-        assert await backend.store.pinned([D1]) == {}
+class StoreContract(RecordsContract, PinsContract, DocumentsContract):
+    """The whole contract: the three parts on one backing store."""
 
 
 class RedisContract:
@@ -284,82 +301,82 @@ class RedisContract:
         read with that pin id. A handle without a pin id is corrupt, never used."""
         s = backend.store
         assert isinstance(s, RedisStore)
-        redis: Any = s._redis  # decodes to str
-        await s.put("new", rec("p1"), LONG_TTL_S)
-        stored: dict[str, str] = await redis.hgetall(s.conversation_key("new"))
+        redis: Any = s.conn.client  # decodes to str
+        await s.records.put("new", rec("p1"), LONG_TTL_S)
+        stored: dict[str, str] = await redis.hgetall(s.conn.conversation_key("new"))
         assert set(stored) == {"r", "h", "p", "i"} and stored["p"] == "p1"
         assert "pin_id" not in json.loads(stored["r"]) and json.loads(stored["h"]) == rec("p1").handle
-        await redis.hset(s.conversation_key("earlier"), mapping=stored)
-        assert (await s.claim("earlier", owner="t")).record == rec("p1")
-        await redis.hset(s.conversation_key("broken"), mapping={k: v for k, v in stored.items() if k != "p"})
-        assert (await s.claim("broken", owner="t")).status is ClaimStatus.CORRUPT
+        await redis.hset(s.conn.conversation_key("earlier"), mapping=stored)
+        assert (await s.records.claim("earlier", owner="t")).record == rec("p1")
+        await redis.hset(s.conn.conversation_key("broken"), mapping={k: v for k, v in stored.items() if k != "p"})
+        assert (await s.records.claim("broken", owner="t")).status is ClaimStatus.CORRUPT
 
     async def test_evict_skips_a_record_claimed_between_pick_and_cas(self, backend: Backend) -> None:
         s = backend.store
         assert isinstance(s, RedisStore)
-        await s.put("claimed", rec("p1", stored_at=1.0), LONG_TTL_S)
-        await s.put("replaced", rec("p2", stored_at=2.0), LONG_TTL_S)
-        await s.put("idle", rec("p3", stored_at=3.0), LONG_TTL_S)
-        more, picked = await s._pick(D1, 0)
+        await s.records.put("claimed", rec("p1", stored_at=1.0), LONG_TTL_S)
+        await s.records.put("replaced", rec("p2", stored_at=2.0), LONG_TTL_S)
+        await s.records.put("idle", rec("p3", stored_at=3.0), LONG_TTL_S)
+        more, picked = await s.pins._pick(D1, 0)
         assert not more and [e.key for e in picked] == ["claimed", "replaced", "idle"]
-        claim = await backend.other.claim("claimed", owner="turn")  # a turn claims between the two steps
-        await backend.other.put("replaced", rec("p4", stored_at=4.0), LONG_TTL_S)  # another stores the next pin
-        assert keys(await s._strip(picked, "budget")) == ["idle"]
+        claim = await backend.other.records.claim("claimed", owner="turn")  # a turn claims between the two steps
+        await backend.other.records.put("replaced", rec("p4", stored_at=4.0), LONG_TTL_S)  # another stores the next pin
+        assert keys(await s.pins._strip(picked, "budget")) == ["idle"]
         assert claim.record == rec("p1", stored_at=1.0)  # kept its handle: the turn owns it
-        assert (await s.claim("replaced", owner="t")).record == rec("p4", stored_at=4.0)
-        assert (await s.claim("idle", owner="t")).record == rec(None, stored_at=3.0, unpinned="budget")
+        assert (await s.records.claim("replaced", owner="t")).record == rec("p4", stored_at=4.0)
+        assert (await s.records.claim("idle", owner="t")).record == rec(None, stored_at=3.0, unpinned="budget")
 
     async def test_a_claim_between_the_put_steps_leaves_an_orphan_that_prune_drops(self, backend: Backend) -> None:
         s = backend.store
         assert isinstance(s, RedisStore)
-        record_step, index_step = s._put_calls("k", rec("p1"), LONG_TTL_S)
-        await s._batch([record_step])
-        claim = await backend.other.claim("k", owner="turn")  # before the index step lands
-        await s._batch([index_step])
-        assert await s.pinned([D1]) == {D1: Pinned(1, 20)}  # an orphan: no record holds p1
-        assert keys(await s.prune(D1, now=100.0, epoch=None)) == ["k"]
-        assert await s.pinned([D1]) == {}
+        record_step, index_step = s.records._put_calls("k", rec("p1"), LONG_TTL_S)
+        await s.conn.batch([record_step])
+        claim = await backend.other.records.claim("k", owner="turn")  # before the index step lands
+        await s.conn.batch([index_step])
+        assert await s.pins.pinned([D1]) == {D1: Pinned(1, 20)}  # an orphan: no record holds p1
+        assert keys(await s.pins.prune(D1, now=100.0, epoch=None)) == ["k"]
+        assert await s.pins.pinned([D1]) == {}
         assert claim.record == rec("p1")  # the turn still owns the handle
 
     async def test_an_index_step_landing_first_never_releases_the_handle(self, backend: Backend) -> None:
         s = backend.store
         assert isinstance(s, RedisStore)
-        record_step, index_step = s._put_calls("k", rec("p1"), LONG_TTL_S)
-        await s._batch([index_step])  # in a Cluster the two nodes may run them in this order
-        assert await s.evict(D1, keep_tokens=0, why="budget") == []  # no record holds p1 yet: not released
-        await s._batch([record_step])
-        assert (await s.claim("k", owner="turn")).record == rec("p1")  # usable by the next turn
+        record_step, index_step = s.records._put_calls("k", rec("p1"), LONG_TTL_S)
+        await s.conn.batch([index_step])  # in a Cluster the two nodes may run them in this order
+        assert await s.pins.evict(D1, keep_tokens=0, why="budget") == []  # no record holds p1 yet: not released
+        await s.conn.batch([record_step])
+        assert (await s.records.claim("k", owner="turn")).record == rec("p1")  # usable by the next turn
 
     async def test_corrupt_records_are_reported_and_overwritten(self, backend: Backend) -> None:
         s = backend.store
         assert isinstance(s, RedisStore)
-        raw = s._redis
-        await raw.set(s.conversation_key("string"), "{not a record")
-        await raw.hset(s.conversation_key("no-body"), "x", "1")
-        await raw.hset(s.conversation_key("bad-json"), "r", "{not json")
+        raw = s.conn.client
+        await raw.set(s.conn.conversation_key("string"), "{not a record")
+        await raw.hset(s.conn.conversation_key("no-body"), "x", "1")
+        await raw.hset(s.conn.conversation_key("bad-json"), "r", "{not json")
         for k in ("string", "no-body", "bad-json"):
-            assert (await s.claim(k, owner="a")).status is ClaimStatus.CORRUPT
-            await s.put(k, rec(f"p-{k}"), LONG_TTL_S)
-            assert (await s.claim(k, owner="b")).record == rec(f"p-{k}")
+            assert (await s.records.claim(k, owner="a")).status is ClaimStatus.CORRUPT
+            await s.records.put(k, rec(f"p-{k}"), LONG_TTL_S)
+            assert (await s.records.claim(k, owner="b")).record == rec(f"p-{k}")
 
     async def test_scripts_come_back_after_redis_lost_them(self, backend: Backend) -> None:
         s = backend.store
         assert isinstance(s, RedisStore)
-        await s.put("k", rec("p1"), LONG_TTL_S)
-        await s.put("j", rec("p2", stored_at=2.0), LONG_TTL_S)
-        await s._redis.script_flush()  # as after a restart or a failover
-        assert (await s.claim("k", owner="a")).status is ClaimStatus.FOUND  # one script
-        await s._redis.script_flush()
-        await s.put("k", rec("p3", stored_at=3.0), LONG_TTL_S)  # a pipeline of two
-        await s._redis.script_flush()
-        assert keys(await s.evict(D1, keep_tokens=0, why="budget")) == ["j", "k"]
+        await s.records.put("k", rec("p1"), LONG_TTL_S)
+        await s.records.put("j", rec("p2", stored_at=2.0), LONG_TTL_S)
+        await s.conn.client.script_flush()  # as after a restart or a failover
+        assert (await s.records.claim("k", owner="a")).status is ClaimStatus.FOUND  # one script
+        await s.conn.client.script_flush()
+        await s.records.put("k", rec("p3", stored_at=3.0), LONG_TTL_S)  # a pipeline of two
+        await s.conn.client.script_flush()
+        assert keys(await s.pins.evict(D1, keep_tokens=0, why="budget")) == ["j", "k"]
 
     async def test_a_conversation_and_an_index_each_live_in_one_slot(self, backend: Backend) -> None:
         from redis.crc import key_slot
 
         s = backend.store
         assert isinstance(s, RedisStore)
-        conv = s.conversation_key("tenant:{odd}key")
+        conv = s.conn.conversation_key("tenant:{odd}key")
         assert key_slot(conv.encode()) == key_slot(b"{tenant:{odd}")
-        slots = {key_slot(k.encode()) for k in s._index(D1).keys}
+        slots = {key_slot(k.encode()) for k in s.conn.index(D1).keys}
         assert len(slots) == 1

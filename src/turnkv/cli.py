@@ -61,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from turnkv import demo
 
-    return demo.run(turns=args.turns, policy=args.policy, link=args.link)
+    return demo.run(turns=args.turns, policy=args.policy, link=args.link, four_hop=args.four_hop)
 
 
 def _check_template(args: argparse.Namespace) -> int:
@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--turns", type=int, default=5)
     demo.add_argument("--policy", default="always-pull")
     demo.add_argument("--link", default="rdma400", choices=["host", "h200-ipc", "100gbe", "rdma400", "nvlink"])
+    demo.add_argument(
+        "--four-hop",
+        action="store_true",
+        help="tokens-only P and D behind a simulated render service (render, generate, generate, derender)",
+    )
     demo.set_defaults(func=_demo)
 
     check = sub.add_parser("check-template", help="classify an engine's chat template for KV reuse")

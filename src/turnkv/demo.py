@@ -5,6 +5,10 @@ earlier reasoning (D's KV is reused every later turn) and on one that strips it 
 reuse is refused or trimmed, and the reason shown). P's prefix cache is off, as after an eviction or
 on another prefill instance, so every reused token is one that came back from the decode engine.
 Each answer is checked against a colocated engine given the same history.
+
+``--four-hop``: the engines run ``--tokens-only`` behind a simulated render service (render, P generate, D
+generate, derender); each answer is checked against the colocated engine's non-streamed one (what vLLM's
+non-streaming derender says: a streamed answer adds up to it).
 """
 
 from __future__ import annotations
@@ -83,6 +87,25 @@ def _stream(client: openai.OpenAI, messages: list[dict[str, Any]], session: str 
     }
 
 
+def _whole(client: openai.OpenAI, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The answer not streamed, in ``_stream``'s shape (no content is "", as a stream without content says)."""
+    m = (
+        client.chat.completions.create(
+            model="sim-model",
+            messages=messages,  # type: ignore[arg-type]
+            tools=TOOLS,  # type: ignore[arg-type]
+            max_tokens=160,
+        )
+        .choices[0]
+        .message.model_dump()
+    )
+    calls = [
+        {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+        for c in m.get("tool_calls") or []
+    ]
+    return {"content": m.get("content") or "", "reasoning": m.get("reasoning") or "", "calls": calls}
+
+
 def _answer(a: dict[str, Any]) -> tuple[Any, ...]:
     return a["content"], a["reasoning"], [(c["name"], c["arguments"]) for c in a["calls"]]
 
@@ -101,7 +124,7 @@ def _next_messages(messages: list[dict[str, Any]], a: dict[str, Any], user: str)
     return [*messages, msg, *results]
 
 
-def _conversation(gateway: str, truth: str, turns: int, session: str) -> list[dict[str, Any]]:
+def _conversation(gateway: str, truth: str, turns: int, session: str, *, whole_truth: bool) -> list[dict[str, Any]]:
     rows = []
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[0]}]
     with (
@@ -110,7 +133,7 @@ def _conversation(gateway: str, truth: str, turns: int, session: str) -> list[di
     ):
         for k in range(turns):
             a = _stream(gw, messages, session)
-            b = _stream(colocated, messages, None)
+            b = _whole(colocated, messages) if whole_truth else _stream(colocated, messages, None)
             h = a["headers"]
             prompt = int(h.get("x-turnkv-prompt-tokens", 0))
             cached = int(h.get("x-turnkv-prefill-cached-tokens", 0))
@@ -144,14 +167,22 @@ def _table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run(turns: int = 5, policy: str = "always-pull", link: str = "rdma400", logs: Path | None = None) -> int:
+def run(
+    turns: int = 5,
+    policy: str = "always-pull",
+    link: str = "rdma400",
+    logs: Path | None = None,
+    *,
+    four_hop: bool = False,
+) -> int:
     """Run the demo; returns the exit status (1 if any answer differed from the colocated engine)."""
     ok = True
     with tempfile.TemporaryDirectory(prefix="turnkv-demo-") as tmp:
         log_dir = logs or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
+        hops = "four hops (render service, tokens-only P and D, derender)" if four_hop else "P/D"
         print(
-            f"turnkv demo: simulated vLLM 0.33 engines (link {link}, Qwen3-8B timings), policy {policy}, "
+            f"turnkv demo: simulated vLLM 0.33 engines (link {link}, Qwen3-8B timings) over {hops}, policy {policy}, "
             f"P prefix cache off (every reused token comes back from D)\n"
         )
         for template, what in (
@@ -159,20 +190,20 @@ def run(turns: int = 5, policy: str = "always-pull", link: str = "rdma400", logs
             ("strip", "drops earlier reasoning, as Qwen3's does: reuse is refused or trimmed"),
         ):
             flags = ("--template", template, "--vllm-compat", "0.33", "--link", link, "--enable-prompt-tokens-details")
-            p = launch.sim(f"prefill-{template}", "prefill", *flags, "--no-prefix-caching", log_dir=log_dir)
-            d = launch.sim(f"decode-{template}", "decode", *flags, log_dir=log_dir)
+            tokens = ("--tokens-only",) if four_hop else ()
+            p = launch.sim(f"prefill-{template}", "prefill", *flags, *tokens, "--no-prefix-caching", log_dir=log_dir)
+            plugin = ("--turnkv-plugin",) if four_hop else ()
+            d = launch.sim(f"decode-{template}", "decode", *flags, *tokens, *plugin, log_dir=log_dir)
             t = launch.sim(f"colocated-{template}", "colocated", *flags, log_dir=log_dir)
-            g = launch.gateway(
-                f"gateway-{template}",
-                [p.url],
-                [d.url],
-                "--policy",
-                policy,
-                log_dir=log_dir,
-                env={"TURNKV_DECISION_HEADERS": "full"},
-            )  # the table shows token counts
-            with launch.running(p, d, t, g):
-                rows = _conversation(g.url, t.url, turns, session=f"demo-{template}")
+            procs = [p, d, t]
+            env = {"TURNKV_DECISION_HEADERS": "full"}  # the table shows token counts
+            if four_hop:
+                r = launch.sim(f"render-{template}", "render", *flags[:4], log_dir=log_dir)
+                procs.append(r)
+                env.update(TURNKV_ENGINE="vllm-four-hop", TURNKV_RENDER=r.url)
+            g = launch.gateway(f"gateway-{template}", [p.url], [d.url], "--policy", policy, log_dir=log_dir, env=env)
+            with launch.running(*procs, g):
+                rows = _conversation(g.url, t.url, turns, session=f"demo-{template}", whole_truth=four_hop)
             print(f'template "{template}": {what}')
             print(_table(rows) + "\n")
             ok = ok and all(r["correct"] for r in rows)

@@ -80,12 +80,14 @@ class TestCluster(StoreContract, RedisContract):
         s = backend.store
         assert isinstance(s, RedisStore)
         for i in range(30):
-            await s.put(f"conv-{i}", rec(f"p{i}", url=f"http://d{i % 3}:8200"), LONG_TTL_S)
-        cluster = s._redis
+            await s.records.put(f"conv-{i}", rec(f"p{i}", url=f"http://d{i % 3}:8200"), LONG_TTL_S)
+        cluster = s.conn.client
         assert isinstance(cluster, RedisCluster)
-        nodes = {getattr(cluster.get_node_from_key(s.conversation_key(f"conv-{i}")), "name", None) for i in range(30)}
+        nodes = {
+            getattr(cluster.get_node_from_key(s.conn.conversation_key(f"conv-{i}")), "name", None) for i in range(30)
+        }
         assert len(nodes) == 3
-        assert await s.pinned([f"http://d{i}:8200" for i in range(3)]) == {
+        assert await s.pins.pinned([f"http://d{i}:8200" for i in range(3)]) == {
             f"http://d{i}:8200": Pinned(10, 200) for i in range(3)
         }
 
@@ -106,7 +108,9 @@ class TestSentinel(StoreContract, RedisContract):
 async def test_a_sentinel_failover_is_followed_by_the_next_call(tmp_path: Path) -> None:
     with redis_sentinel(tmp_path) as setup:
         s = RedisStore.from_url(setup.url, command_timeout_s=5.0)
-        await asyncio.gather(*(s.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S) for i in range(8)))  # pooled connections
+        await asyncio.gather(
+            *(s.records.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S) for i in range(8))
+        )  # pooled connections
         c = setup.master.client()
         assert c.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]  # the replica has them
         c.close()
@@ -114,8 +118,8 @@ async def test_a_sentinel_failover_is_followed_by_the_next_call(tmp_path: Path) 
         # the pooled connections still lead to the old master, now a replica: the first call's
         # write meets READONLY, reconnects through Sentinel and runs on the new master (which
         # lacks the scripts: NOSCRIPT, load, run)
-        assert (await s.claim("k0", owner="t")).record == rec("p0")
-        got = await asyncio.gather(*(s.claim(f"k{i}", owner="t") for i in range(1, 8)))
+        assert (await s.records.claim("k0", owner="t")).record == rec("p0")
+        got = await asyncio.gather(*(s.records.claim(f"k{i}", owner="t") for i in range(1, 8)))
         assert [c.record for c in got] == [rec(f"p{i}") for i in range(1, 8)]
         await s.close()
 
@@ -181,14 +185,14 @@ async def test_a_full_pool_fails_the_call_only(redis_server: RedisServer, redis_
         )
         busy: list[str] = []
         guard = StoreGuard(store, policy=BreakerPolicy(open_s=60), on_busy=busy.append)
-        held = [asyncio.create_task(guard.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S)) for i in range(2)]
+        held = [asyncio.create_task(guard.records.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S)) for i in range(2)]
         await _until(lambda: relay.senders == 2, "both connections busy")  # held at the relay
         with pytest.raises(StoreBusy):
-            await guard.claim("k0", owner="t")
+            await guard.records.claim("k0", owner="t")
         assert guard.up and busy == ["claim"]
         relay.open()
         await asyncio.gather(*held)
-        assert (await guard.claim("k0", owner="t")).record == rec("p0")
+        assert (await guard.records.claim("k0", owner="t")).record == rec("p0")
         await store.close()
 
 
@@ -196,19 +200,21 @@ async def test_the_first_call_after_redis_is_back_succeeds(own_redis: RedisServe
     now = [0.0]
     store = RedisStore.from_url(own_redis.url, command_timeout_s=5.0)
     guard = StoreGuard(store, policy=BreakerPolicy(open_s=2.0), clock=lambda: now[0])
-    await asyncio.gather(*(guard.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S) for i in range(16)))  # 16 pooled connections
+    await asyncio.gather(
+        *(guard.records.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S) for i in range(16))
+    )  # 16 pooled connections
     own_redis.stop()
     with pytest.raises(StoreError) as refused:
-        await guard.claim("k0", owner="t")
+        await guard.records.claim("k0", owner="t")
     assert refused.value.kind == "unreachable" and not guard.up  # nothing listens: down at once
     own_redis.start()  # empty: nothing was saved
     now[0] += 3.0
     # every pooled connection is one Redis closed; each call reconnects on its one retry
-    assert (await guard.claim("k0", owner="t")).status is ClaimStatus.MISSING and guard.up
-    got = await asyncio.gather(*(guard.claim(f"k{i}", owner="t") for i in range(1, 16)))
+    assert (await guard.records.claim("k0", owner="t")).status is ClaimStatus.MISSING and guard.up
+    got = await asyncio.gather(*(guard.records.claim(f"k{i}", owner="t") for i in range(1, 16)))
     assert {c.status for c in got} == {ClaimStatus.MISSING}
-    await guard.put("k0", rec("p0"), LONG_TTL_S)
-    assert await guard.pinned([D1]) == {D1: Pinned(1, 20)}
+    await guard.records.put("k0", rec("p0"), LONG_TTL_S)
+    assert await guard.pins.pinned([D1]) == {D1: Pinned(1, 20)}
     await store.close()
 
 
@@ -239,12 +245,12 @@ async def test_one_slow_command_fails_that_call_only(own_redis: RedisServer) -> 
     errors: list[tuple[str, str]] = []
     guard = StoreGuard(store, policy=BreakerPolicy(), on_error=lambda op, kind: errors.append((op, kind)))
     await store.warm(16, within_s=READY_TIMEOUT_S)
-    await asyncio.gather(*(guard.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S) for i in range(10)))
+    await asyncio.gather(*(guard.records.put(f"k{i}", rec(f"p{i}"), LONG_TTL_S) for i in range(10)))
     with paused(own_redis), pytest.raises(StoreError) as slow:
-        await guard.claim("k0", owner="t")
+        await guard.records.claim("k0", owner="t")
     assert slow.value.kind == "timeout" and errors == [("claim", "timeout")]
     # the turns that follow find their records: the store was slow once, not down
-    got = await asyncio.gather(*(guard.claim(f"k{i}", owner="t") for i in range(1, 10)))
+    got = await asyncio.gather(*(guard.records.claim(f"k{i}", owner="t") for i in range(1, 10)))
     assert [c.record for c in got] == [rec(f"p{i}") for i in range(1, 10)] and guard.up
     await store.close()
 
@@ -256,22 +262,22 @@ async def test_a_redis_that_stopped_answering_is_skipped_after_a_few_calls(own_r
     guard = StoreGuard(
         store, policy=BreakerPolicy(failures=3, span_s=0.5, open_s=1.0), clock=lambda: now[0], on_skip=skipped.append
     )
-    await guard.put("k0", rec("p0"), LONG_TTL_S)
+    await guard.records.put("k0", rec("p0"), LONG_TTL_S)
     kinds = []
     with paused(own_redis):
         for _ in range(3):  # one call every 0.3 s (of the guard's clock), each timing out
             with pytest.raises(StoreError) as failed:
-                await guard.claim("k0", owner="t")
+                await guard.records.claim("k0", owner="t")
             kinds.append(failed.value.kind)
             now[0] += 0.3
         assert kinds == ["timeout"] * 3 and not guard.up
         for _ in range(5):  # skipped at once, Redis not asked
             with pytest.raises(StoreError) as failed:
-                await guard.claim("k0", owner="t")
+                await guard.records.claim("k0", owner="t")
             assert failed.value.kind == "open"
         assert skipped == ["claim"] * 5
     now[0] += 1.0
     # the probe: Redis answers again (whether it ran a claim it was sent while stopped is its own affair)
-    assert (await guard.claim("k0", owner="t2")).status in (ClaimStatus.FOUND, ClaimStatus.IN_FLIGHT)
+    assert (await guard.records.claim("k0", owner="t2")).status in (ClaimStatus.FOUND, ClaimStatus.IN_FLIGHT)
     assert guard.up
     await store.close()

@@ -23,7 +23,7 @@ from turnkv.gateway.app import create_app
 from turnkv.gateway.services import Services
 from turnkv.openai.sse import DONE, SSESplitter
 from turnkv.state.base import Claim, ConversationStore
-from turnkv.state.memory import MemoryStore
+from turnkv.state.memory import MemoryRecords, MemoryStore
 from turnkv.state.record import ConversationRecord
 
 P0, P1 = "http://p0.fake", "http://p1.fake"
@@ -229,23 +229,31 @@ class EditableStore(MemoryStore):
         self.edit: Callable[[ConversationRecord], ConversationRecord] | None = None
         self.failing: set[str] = set()  # operations that raise StoreError
         self.busy: set[str] = set()  # operations that raise StoreBusy (every connection in use)
+        self.records = _EditableRecords(self)
 
-    def _check(self, op: str) -> None:
+    def check(self, op: str) -> None:
         if op in self.busy:
             raise StoreBusy(f"{op}: no connection came free")
         if op in self.failing or "all" in self.failing:
             raise StoreError(f"{op} failed on purpose")
 
+
+class _EditableRecords(MemoryRecords):
+    def __init__(self, store: EditableStore) -> None:
+        super().__init__(store._table)
+        self._store = store
+
     async def claim(self, key: str, *, owner: str) -> Claim:
-        self._check("claim")
+        self._store.check("claim")
         claim = await super().claim(key, owner=owner)
-        if self.edit is not None and claim.record is not None:
-            edit, self.edit = self.edit, None
+        edit = self._store.edit
+        if edit is not None and claim.record is not None:
+            self._store.edit = None
             return Claim(claim.status, edit(claim.record))
         return claim
 
     async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
-        self._check("put")
+        self._store.check("put")
         await super().put(key, record, ttl_s)
 
 

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from turnkv.config import Settings
@@ -81,6 +82,8 @@ def test_secrets_come_from_files_and_nothing_has_a_default_password() -> None:
 def test_every_long_running_service_has_a_healthcheck() -> None:
     doc, host = compose(), compose("docker-compose.host.yml")
     for name, svc in doc["services"].items():
+        if svc.get("restart") == "no":
+            continue  # a run to completion (turnkv doctor): it has no health to check
         assert "healthcheck" in svc or "<<" in svc, name
         check = host["services"].get(name, {}).get("healthcheck") or svc.get("healthcheck")
         assert check is not None and check["test"][0] == "CMD", name
@@ -96,3 +99,30 @@ def test_prometheus_scrapes_with_the_operators_key_and_loads_the_alerts() -> Non
         assert config["rule_files"] == ["/etc/prometheus/rules/*.yml"]
         job = next(j for j in config["scrape_configs"] if j["job_name"] == "turnkv")
         assert job["authorization"]["credentials_file"] == "/run/secrets/turnkv_metrics_key"
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` laid on ``base`` as compose lays an override file: mappings merge, other values replace."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@pytest.mark.parametrize("files", [("docker-compose.yml",), ("docker-compose.yml", "docker-compose.host.yml")])
+def test_the_doctor_runs_before_each_gateway_and_seeds_it(files: tuple[str, ...]) -> None:
+    # a blocking problem (exit 1) keeps the gateway from starting; what the doctor measured is its priors
+    doc: dict[str, Any] = {}
+    for name in files:
+        doc = merged(doc, compose(name))
+    for gw_name, gw in gateways(doc).items():
+        doctors = [d for d, c in gw["depends_on"].items() if c["condition"] == "service_completed_successfully"]
+        assert len(doctors) == 1, f"{gw_name}: no doctor before it"
+        doctor = doc["services"][doctors[0]]
+        assert doctor["command"][0] == "doctor" and doctor["restart"] == "no"
+        for key in ("TURNKV_PREFILL", "TURNKV_DECODE"):
+            assert doctor["environment"][key] == gw["environment"][key], (gw_name, key)
+        profile = gw["environment"]["TURNKV_PROFILE"]
+        assert doctor["command"][doctor["command"].index("--profile") + 1] == profile
+        folder = profile.rsplit("/", 1)[0]
+        assert f"doctor:{folder}" in doctor["volumes"] and f"doctor:{folder}:ro" in gw["volumes"]

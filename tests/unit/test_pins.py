@@ -71,19 +71,19 @@ def rig() -> Rig:
     router = Router(build_profile("affinity"), fleet.views)
     # only submit() runs here (the releases are queued, and counted)
     releaser = Releaser(MockEngine(lambda call: None), router, metrics, lambda: None)
-    keeper = PinKeeper(settings, fleet, guard, releaser, metrics, make_logger("test", json=True))
+    keeper = PinKeeper(settings, fleet, guard.pins, releaser, metrics, make_logger("test", json=True))
     return Rig(keeper, store, fleet, metrics)
 
 
 async def put(rig: Rig, i: int, tokens: int = 1000, stored_at: float = 0.0) -> None:
     await rig.keeper.make_room(D, tokens)
-    await rig.store.put(f"k{i}", record(i, tokens, stored_at=stored_at), 400)
+    await rig.store.records.put(f"k{i}", record(i, tokens, stored_at=stored_at), 400)
 
 
 async def test_pins_within_budget_stay(rig: Rig) -> None:
     for i in range(5):
         await put(rig, i)
-    assert (await rig.store.pinned([D]))[D].tokens == 5000
+    assert (await rig.store.pins.pinned([D]))[D].tokens == 5000
     assert rig.released("budget") == 0
 
 
@@ -93,9 +93,9 @@ async def test_crossing_the_budget_releases_the_pins_idle_longest(rig: Rig) -> N
     await put(rig, 5, tokens=1500, stored_at=200.0)
     # 6,500 tokens would be pinned: the two oldest go, the newest stays
     assert rig.released("budget") == 2
-    assert (await rig.store.pinned([D]))[D].tokens <= 5000
+    assert (await rig.store.pins.pinned([D]))[D].tokens <= 5000
     for i, kept in [(0, False), (1, False), (2, True), (5, True)]:
-        claim = await rig.store.claim(f"k{i}", owner="t")
+        claim = await rig.store.records.claim(f"k{i}", owner="t")
         assert claim.status is ClaimStatus.FOUND and claim.record is not None
         assert (claim.record.handle is not None) is kept
         if not kept:  # everything but the handle: the next turn can still go decode-local, and says why
@@ -105,11 +105,11 @@ async def test_crossing_the_budget_releases_the_pins_idle_longest(rig: Rig) -> N
 async def test_a_claimed_handle_is_never_released_by_the_budget(rig: Rig) -> None:
     for i in range(5):
         await put(rig, i, stored_at=100.0 + i)
-    claim = await rig.store.claim("k0", owner="turn")  # a turn owns it now: it pulls or releases it itself
+    claim = await rig.store.records.claim("k0", owner="turn")  # a turn owns it now: it pulls or releases it itself
     await put(rig, 5, tokens=2000, stored_at=200.0)
     assert claim.record is not None and claim.record.handle is not None
     assert rig.released("budget") == 1  # k1: the claimed handle is out of the index, its owner settles it
-    assert (await rig.store.claim("k1", owner="t")).record.handle is None  # type: ignore[union-attr]
+    assert (await rig.store.records.claim("k1", owner="t")).record.handle is None  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(("usage", "waiting", "left"), [(0.95, 0, 1000), (0.5, 3, 1000), (0.5, 0, 4000)])
@@ -118,15 +118,15 @@ async def test_pressure_releases_down_to_the_low_watermark(rig: Rig, usage: floa
         await put(rig, i, stored_at=100.0 + i)
     rig.fleet.apply_load(D, LoadSample(kv_usage=usage, waiting=waiting, capacity_tokens=10_000))
     await rig.keeper.check()
-    assert (await rig.store.pinned([D]))[D].tokens == left  # keep share 0.1 of 10,000 tokens
+    assert (await rig.store.pins.pinned([D]))[D].tokens == left  # keep share 0.1 of 10,000 tokens
 
 
 async def test_the_janitor_forgets_pins_of_a_restarted_engine(rig: Rig) -> None:
     rec = dataclasses.replace(record(1), engine_epoch=1.0)
-    await rig.store.put("k1", rec, 400)
+    await rig.store.records.put("k1", rec, 400)
     rig.fleet.apply_load(D, LoadSample(epoch=2.0, capacity_tokens=10_000))  # it restarted: its pins are gone
     await rig.keeper.check()
-    assert await rig.store.pinned([D]) == {}
+    assert await rig.store.pins.pinned([D]) == {}
     assert rig.released("budget") == rig.released("pressure") == 0  # nothing to give back
 
 

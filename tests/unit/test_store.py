@@ -80,11 +80,12 @@ def test_record_of_another_format_is_refused() -> None:
 
 
 class _Failing:
-    """A store whose claims fail with the given error."""
+    """A store whose claims fail with the given error (the only call these tests make)."""
 
     def __init__(self, error: StoreError | None) -> None:
         self.error = error
         self.calls = 0
+        self.records = self.pins = self.documents = self
 
     async def claim(self, key: str, *, owner: str) -> Claim:
         self.calls += 1
@@ -112,12 +113,12 @@ async def test_guard_skips_a_store_that_is_not_there_until_a_probe_finds_it_back
     )
     for _ in range(3):
         with pytest.raises(StoreError):
-            await g.claim("k", owner="o")
+            await g.records.claim("k", owner="o")
     assert store.calls == 1 and states == [False] and not g.up
     assert errors == [("claim", "unreachable")] and skipped == ["claim", "claim"]
     now[0] = 6.0
     store.error = None
-    assert (await g.claim("k", owner="o")).status is ClaimStatus.MISSING
+    assert (await g.records.claim("k", owner="o")).status is ClaimStatus.MISSING
     assert store.calls == 2 and states == [False, True] and g.up
 
 
@@ -126,9 +127,9 @@ async def test_one_timeout_fails_that_call_only() -> None:
     errors: list[tuple[str, str]] = []
     g = StoreGuard(store, policy=POLICY, on_error=lambda op, kind: errors.append((op, kind)))  # type: ignore[arg-type]
     with pytest.raises(StoreError):
-        await g.claim("k", owner="o")
+        await g.records.claim("k", owner="o")
     store.error = None
-    assert (await g.claim("k", owner="o")).status is ClaimStatus.MISSING
+    assert (await g.records.claim("k", owner="o")).status is ClaimStatus.MISSING
     assert store.calls == 2 and g.up and errors == [("claim", "timeout")]
 
 
@@ -144,18 +145,18 @@ async def test_a_busy_pool_fails_the_call_but_does_not_open_the_guard() -> None:
     )
     for _ in range(3):
         with pytest.raises(StoreBusy):
-            await g.claim("k", owner="o")
+            await g.records.claim("k", owner="o")
     assert store.calls == 3 and g.up and busy == ["claim"] * 3 and errors == []
     store.error = None
-    assert (await g.claim("k", owner="o")).status is ClaimStatus.MISSING
+    assert (await g.records.claim("k", owner="o")).status is ClaimStatus.MISSING
 
 
 async def test_a_full_pool_raises_store_busy() -> None:
     s = RedisStore(fakeredis.aioredis.FakeRedis(decode_responses=True), max_connections=1, pool_timeout_s=0.01)
-    async with s._op("holding"):  # one operation in flight holds the only connection
+    async with s.conn.op("holding"):  # one operation in flight holds the only connection
         with pytest.raises(StoreBusy):
-            await s.claim("k", owner="o")
-    assert (await s.claim("k", owner="o")).status is ClaimStatus.MISSING
+            await s.records.claim("k", owner="o")
+    assert (await s.records.claim("k", owner="o")).status is ClaimStatus.MISSING
     await s.close()
 
 
@@ -221,8 +222,8 @@ TLS_KWARGS = {
 async def test_each_scheme_builds_its_client_with_the_pool_timeouts_and_tls() -> None:
     """What reaches redis-py (the plumbing; the real servers are in tests/integration)."""
     single = RedisStore.from_url("rediss://h:1/2", command_timeout_s=0.3, max_connections=7, tls=TLS)
-    assert isinstance(single._redis, Redis)
-    pool = single._redis.connection_pool
+    assert isinstance(single.conn.client, Redis)
+    pool = single.conn.client.connection_pool
     kw = pool.connection_kwargs
     assert issubclass(pool.connection_class, SSLConnection) and pool.max_connections == 7
     assert {k: kw[k] for k in TLS_KWARGS} == TLS_KWARGS and (kw["socket_timeout"], kw["db"]) == (0.3, 2)
@@ -232,22 +233,22 @@ async def test_each_scheme_builds_its_client_with_the_pool_timeouts_and_tls() ->
 
     assert conn._connect_gate is not None  # new connections open a few at a time
     plain = RedisStore.from_url("redis://h:1/0", tls=TLS)
-    assert not issubclass(plain._redis.connection_pool.connection_class, SSLConnection)  # type: ignore[union-attr]
+    assert not issubclass(plain.conn.client.connection_pool.connection_class, SSLConnection)  # type: ignore[union-attr]
     await plain.close()
 
     cluster = RedisStore.from_url("rediss+cluster://h:7000,g:7001", command_timeout_s=0.3, max_connections=9, tls=TLS)
-    assert isinstance(cluster._redis, RedisCluster)
-    node_kw = cluster._redis.nodes_manager.connection_kwargs
+    assert isinstance(cluster.conn.client, RedisCluster)
+    node_kw = cluster.conn.client.nodes_manager.connection_kwargs
     assert node_kw["connection_class"] is SSLConnection and node_kw["max_connections"] == 9
     assert {k: node_kw[k] for k in TLS_KWARGS} == TLS_KWARGS and node_kw["socket_timeout"] == 0.3
     await cluster.close()
 
     sentinel = RedisStore.from_url("rediss+sentinel://s:26379/svc/1", max_connections=5, tls=TLS)
-    assert isinstance(sentinel._redis, Redis)
-    spool = sentinel._redis.connection_pool
+    assert isinstance(sentinel.conn.client, Redis)
+    spool = sentinel.conn.client.connection_pool
     assert issubclass(spool.connection_class, SSLConnection) and spool.max_connections == 5
     assert {k: spool.connection_kwargs[k] for k in TLS_KWARGS} == TLS_KWARGS
-    sentinel_node = sentinel._closers[0].sentinels[0].connection_pool
+    sentinel_node = sentinel.conn.closers[0].sentinels[0].connection_pool
     assert sentinel_node.connection_class is SSLConnection
     await sentinel.close()
 
@@ -274,10 +275,10 @@ async def test_what_a_timeout_retries(message: str, idempotent: bool, tries: int
         return "ok"
 
     if tries == 2:
-        assert await s._twice_on_timeout("op", once, idempotent=idempotent) == "ok"
+        assert await s.conn.twice_on_timeout("op", once, idempotent=idempotent) == "ok"
     else:
         with pytest.raises(StoreError) as failed:
-            await s._twice_on_timeout("op", once, idempotent=idempotent)
+            await s.conn.twice_on_timeout("op", once, idempotent=idempotent)
         assert failed.value.kind == "timeout"
     assert calls == tries
     await s.close()

@@ -87,11 +87,11 @@ def main(args: argparse.Namespace) -> int:
     print(report.text(r))
     if args.json:
         Path(args.json).write_text(json.dumps(report.as_json(r), indent=1) + "\n")
-    if args.profile and r.profile is not None:
+    if args.profile:
         write_profile(args.profile, r.profile)
-        print(f"profile written to {args.profile} (turnkv serve --profile {args.profile})")
-    elif args.profile:
-        print(f"no profile written to {args.profile}: nothing was measured", file=sys.stderr)
+        measured = r.profile.pull or r.profile.push or r.profile.compute
+        what = "" if measured else ", with nothing measured: the gateway keeps its settings' priors"
+        print(f"profile written to {args.profile}{what} (turnkv serve --profile {args.profile})")
     return r.exit_status
 
 

@@ -88,7 +88,7 @@ def as_json(r: Report) -> dict[str, Any]:
         "host": _plain(obs.host),
         "findings": [_plain(f) for f in r.findings],
         "figures": _plain(r.figures),
-        "profile": r.profile.model_dump() if r.profile is not None else None,
+        "profile": r.profile.model_dump(),
     }
 
 

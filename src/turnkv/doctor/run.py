@@ -52,7 +52,7 @@ class Report:
     observed: Observed
     findings: tuple[Finding, ...]
     figures: transfer_checks.Figures | None
-    profile: Profile | None
+    profile: Profile
 
     @property
     def exit_status(self) -> int:
@@ -89,7 +89,7 @@ async def diagnose(settings: Settings, options: Options, engine: Engine, probes:
         + (transfer_checks.check(obs, ctx, figures) if options.measure else [])
         + memory_checks.check(obs, ctx)
     )
-    profile = _profile(started, transfer, figures, pair, model) if transfer is not None and figures else None
+    profile = _profile(started, settings, transfer, figures, pair, model)
     return Report(started, round(time.monotonic() - t0, 2), obs, tuple(findings), figures, profile)
 
 
@@ -187,25 +187,26 @@ async def _template(
 
 def _profile(
     started: str,
-    t: TransferFacts,
-    f: transfer_checks.Figures,
+    settings: Settings,
+    t: TransferFacts | None,
+    f: transfer_checks.Figures | None,
     pair: tuple[EngineFacts, EngineFacts] | None,
     model: str | None,
-) -> Profile | None:
-    if f.pull is None and f.push is None and f.compute is None:
-        return None
+) -> Profile:
+    """What was measured, for the gateway; without a measurement, a profile of no figures (the gateway
+    then keeps its settings' priors), so that a deployment that loads it always finds one."""
     p = pair[0].description if pair else None
     threshold = p.transfer.recompute_threshold if p is not None and p.transfer is not None else None
     return Profile(
         measured_at=started,
-        prefill=t.prefill,
-        decode=t.decode,
+        prefill=t.prefill if t else (pair[0].url if pair else ",".join(settings.prefill)),
+        decode=t.decode if t else (pair[1].url if pair else ",".join(settings.decode)),
         engine_version=p.version if p else None,
         model=model,
-        pull=f.pull.figures() if f.pull else None,
-        push=f.push.figures() if f.push else None,
-        compute=f.compute,
-        kv_bytes_per_token=f.kv_bytes_per_token,
-        block_size=t.block_size,
+        pull=f.pull.figures() if f and f.pull else None,
+        push=f.push.figures() if f and f.push else None,
+        compute=f.compute if f else None,
+        kv_bytes_per_token=f.kv_bytes_per_token if f else None,
+        block_size=t.block_size if t else None,
         recompute_threshold=threshold,
     )

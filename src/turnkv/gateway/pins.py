@@ -36,8 +36,7 @@ from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.release import Releaser
 from turnkv.routing.base import InstanceView
-from turnkv.state.base import PinEntry
-from turnkv.state.guard import StoreGuard
+from turnkv.state.base import PinEntry, PinIndex
 
 log = logging.getLogger("turnkv.pins")
 
@@ -54,7 +53,7 @@ class _Unused:
 
 class PinKeeper:
     def __init__(
-        self, settings: Settings, fleet: Fleet, store: StoreGuard, releaser: Releaser, metrics: GatewayMetrics, log: Any
+        self, settings: Settings, fleet: Fleet, store: PinIndex, releaser: Releaser, metrics: GatewayMetrics, log: Any
     ) -> None:
         self._s = settings
         self._dm = settings.decode_memory

@@ -1,5 +1,7 @@
-"""The conversation store contract: claim a record once, put the next one, and index the decode KV
-that stored handles pin, per decode engine, so that it can be held within a budget.
+"""The conversation store contract, in three parts: ``Records`` (claim a record once, put the next
+one), the ``PinIndex`` (the decode KV that stored handles pin, per decode engine, so that it can be held
+within a budget) and ``Documents`` (the Responses API's stored objects). ``ConversationStore`` is the
+three on one backing store, implemented in memory (``state.memory``) and on Redis (``state.redis``).
 
 ``claim`` is atomic: of two turns racing on one conversation, one gets the record and the other
 sees ``in_flight``. A claimed key holds the claiming turn's in-flight marker until ``put`` replaces
@@ -63,7 +65,9 @@ class PinEntry:
     engine_epoch: float | None  # the engine's process start time when it made the handle
 
 
-class ConversationStore(Protocol):
+class Records(Protocol):
+    """Conversation records: claimed once by a turn, put by the turn that answered."""
+
     async def claim(self, key: str, *, owner: str) -> Claim:
         """Take the record (single use) and leave ``owner``'s in-flight marker; drops its pin entry."""
 
@@ -72,6 +76,10 @@ class ConversationStore(Protocol):
 
     async def release(self, key: str, *, owner: str) -> None:
         """Drop ``owner``'s in-flight marker (a turn that stores nothing); anything else stays."""
+
+
+class PinIndex(Protocol):
+    """The decode KV that stored handles pin, per decode engine, kept within a budget."""
 
     async def pinned(self, decode_urls: Sequence[str]) -> dict[str, Pinned]:
         """What the index holds per engine (engines with nothing pinned are absent)."""
@@ -85,10 +93,27 @@ class ConversationStore(Protocol):
         than ``epoch`` (when given: a restart freed them), or whose record is gone or holds another
         handle. Returns them (nothing to release: the engine freed or will free them itself)."""
 
-    async def put_doc(self, key: str, value: str, ttl_s: float) -> None:
-        """A small document (a stored Responses API object) under ``key``, with a TTL."""
 
-    async def get_doc(self, key: str) -> str | None: ...
+class Documents(Protocol):
+    """Small documents with a TTL (the stored Responses API objects)."""
+
+    async def put(self, key: str, value: str, ttl_s: float) -> None: ...
+
+    async def get(self, key: str) -> str | None: ...
+
+
+class ConversationStore(Protocol):
+    """The three parts, on one backing store (their records and pins are written together: a put indexes
+    its pin, a claim and an evict take it out)."""
+
+    @property
+    def records(self) -> Records: ...
+
+    @property
+    def pins(self) -> PinIndex: ...
+
+    @property
+    def documents(self) -> Documents: ...
 
     async def ping(self) -> None: ...
 

@@ -1,4 +1,5 @@
-"""Keeps a failing store off the request path: the circuit breaker (``state.breaker``) in front of it.
+"""Keeps a failing store off the request path: the circuit breaker (``state.breaker``) in front of it, one
+breaker for the three parts of the store (``records``, ``pins``, ``documents``: one backing store).
 
 While the breaker is open every call raises ``StoreError`` (kind ``open``) at once, so a turn falls
 back to plain P/D without waiting for a timeout; then one call probes the store, and its success
@@ -20,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from turnkv.errors import StoreBusy, StoreError
-from turnkv.state.base import Claim, ConversationStore, PinEntry, Pinned
+from turnkv.state.base import Claim, ConversationStore, Documents, PinEntry, PinIndex, Pinned, Records
 from turnkv.state.breaker import Admit, Breaker, BreakerPolicy, State, Transition
 from turnkv.state.record import ConversationRecord
 
@@ -42,6 +43,9 @@ class StoreGuard:
     ) -> None:
         self.store = store
         self.breaker = Breaker(policy)
+        self.records = GuardedRecords(self, store.records)
+        self.pins = GuardedPins(self, store.pins)
+        self.documents = GuardedDocuments(self, store.documents)
         self._on_error = on_error
         self._on_state = on_state
         self._on_busy = on_busy
@@ -64,7 +68,8 @@ class StoreGuard:
             log.warning("store.down op=%s why=%s kind=%s error=%s", op, change.why, kind, error)
         self._on_state(up)
 
-    async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+    async def call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """``fn``, the store operation ``op``, through the breaker."""
         admitted = self.breaker.admit(self._clock())
         if admitted is Admit.SKIP:
             self._on_skip(op)
@@ -87,32 +92,50 @@ class StoreGuard:
         self._changed(self.breaker.succeeded(self._clock(), admitted), op, None)
         return result
 
-    async def claim(self, key: str, *, owner: str) -> Claim:
-        return await self._call("claim", lambda: self.store.claim(key, owner=owner))
-
-    async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
-        await self._call("put", lambda: self.store.put(key, record, ttl_s))
-
-    async def release(self, key: str, *, owner: str) -> None:
-        await self._call("release", lambda: self.store.release(key, owner=owner))
-
-    async def pinned(self, decode_urls: Sequence[str]) -> dict[str, Pinned]:
-        return await self._call("pinned", lambda: self.store.pinned(decode_urls))
-
-    async def evict(self, decode_url: str, *, keep_tokens: int, why: str) -> list[PinEntry]:
-        return await self._call("evict", lambda: self.store.evict(decode_url, keep_tokens=keep_tokens, why=why))
-
-    async def prune(self, decode_url: str, *, now: float, epoch: float | None) -> list[PinEntry]:
-        return await self._call("prune", lambda: self.store.prune(decode_url, now=now, epoch=epoch))
-
-    async def put_doc(self, key: str, value: str, ttl_s: float) -> None:
-        await self._call("put_doc", lambda: self.store.put_doc(key, value, ttl_s))
-
-    async def get_doc(self, key: str) -> str | None:
-        return await self._call("get_doc", lambda: self.store.get_doc(key))
-
     async def ping(self) -> None:
-        await self._call("ping", self.store.ping)
+        await self.call("ping", self.store.ping)
 
     async def close(self) -> None:
         await self.store.close()
+
+
+class GuardedRecords:
+    def __init__(self, guard: StoreGuard, records: Records) -> None:
+        self._call = guard.call
+        self._records = records
+
+    async def claim(self, key: str, *, owner: str) -> Claim:
+        return await self._call("claim", lambda: self._records.claim(key, owner=owner))
+
+    async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
+        await self._call("put", lambda: self._records.put(key, record, ttl_s))
+
+    async def release(self, key: str, *, owner: str) -> None:
+        await self._call("release", lambda: self._records.release(key, owner=owner))
+
+
+class GuardedPins:
+    def __init__(self, guard: StoreGuard, pins: PinIndex) -> None:
+        self._call = guard.call
+        self._pins = pins
+
+    async def pinned(self, decode_urls: Sequence[str]) -> dict[str, Pinned]:
+        return await self._call("pinned", lambda: self._pins.pinned(decode_urls))
+
+    async def evict(self, decode_url: str, *, keep_tokens: int, why: str) -> list[PinEntry]:
+        return await self._call("evict", lambda: self._pins.evict(decode_url, keep_tokens=keep_tokens, why=why))
+
+    async def prune(self, decode_url: str, *, now: float, epoch: float | None) -> list[PinEntry]:
+        return await self._call("prune", lambda: self._pins.prune(decode_url, now=now, epoch=epoch))
+
+
+class GuardedDocuments:
+    def __init__(self, guard: StoreGuard, documents: Documents) -> None:
+        self._call = guard.call
+        self._documents = documents
+
+    async def put(self, key: str, value: str, ttl_s: float) -> None:
+        await self._call("put_doc", lambda: self._documents.put(key, value, ttl_s))
+
+    async def get(self, key: str) -> str | None:
+        return await self._call("get_doc", lambda: self._documents.get(key))

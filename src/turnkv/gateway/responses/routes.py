@@ -47,7 +47,7 @@ def _doc_key(tenant: str, resp_id: str) -> str:
 
 async def _previous(svc: Services, tenant: str, resp_id: str) -> dict[str, Any]:
     try:
-        raw = await svc.store.get_doc(_doc_key(tenant, resp_id))
+        raw = await svc.store.documents.get(_doc_key(tenant, resp_id))
     except StoreError as exc:
         raise StoreUnavailable(
             "the response store is unavailable: previous_response_id cannot be read now", param="previous_response_id"
@@ -71,7 +71,7 @@ async def _store(
         "messages": history + translate.input_messages(response["output"], where="output"),
     }
     try:
-        await svc.store.put_doc(
+        await svc.store.documents.put(
             _doc_key(tenant, response["id"]), json.dumps(doc, ensure_ascii=False), svc.settings.response_ttl_s
         )
     except StoreError:
@@ -176,7 +176,7 @@ async def retrieve(request: Request) -> Response:
     resp_id = request.path_params["response_id"]
     tenant = principal(request).tenant
     try:
-        raw = await svc.store.get_doc(_doc_key(tenant, resp_id))
+        raw = await svc.store.documents.get(_doc_key(tenant, resp_id))
     except StoreError as exc:
         raise StoreUnavailable("the response store is unavailable") from exc
     doc = json.loads(raw) if raw else None

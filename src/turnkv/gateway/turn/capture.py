@@ -150,10 +150,10 @@ async def _store(run: TurnRun, built: ConversationRecord | Capture, after: After
         old = run.claimed.record
         if not run.journal.handle_spent and old is not None and old.expires_at > time.time():
             # the turn failed before P used the handle: the conversation keeps its reuse
-            await run.svc.store.put(conv.key, old, old.expires_at - time.time() + EXPIRED_GRACE_S)
+            await run.svc.store.records.put(conv.key, old, old.expires_at - time.time() + EXPIRED_GRACE_S)
             return built.kept_previous()
         if run.claimed.held:
-            await run.svc.store.release(conv.key, owner=run.turn.request_id)
+            await run.svc.store.records.release(conv.key, owner=run.turn.request_id)
         return built
     except StoreError:
         if isinstance(built, ConversationRecord) and built.handle is not None:
@@ -166,9 +166,9 @@ async def _put(run: TurnRun, conv: Conversation, rec: ConversationRecord, after:
     if rec.handle is not None:
         await svc.pins.make_room(rec.decode_url, rec.num_tokens)
     # a conversation found from its history moves on: stored under this request's digest
-    await svc.store.put(conv.store_key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
+    await svc.store.records.put(conv.store_key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
     if conv.store_key != conv.key and run.claimed.held:
-        await svc.store.release(conv.key, owner=run.turn.request_id)
+        await svc.store.records.release(conv.key, owner=run.turn.request_id)
     if rec.handle is None:
         return Capture.unpinned(str(rec.unpinned))
     return Capture.STORED_HEDGE if after is AfterTurn.HEDGE else Capture.STORED

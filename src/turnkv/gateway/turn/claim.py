@@ -23,7 +23,7 @@ async def run(svc: Services, turn: Turn) -> Claimed:
     assert turn.conversation is not None, "only a conversation's turn claims a record"
     t0 = time.perf_counter()
     try:
-        claim = await svc.store.claim(turn.conversation.key, owner=turn.request_id)
+        claim = await svc.store.records.claim(turn.conversation.key, owner=turn.request_id)
     except StoreBusy:
         return Claimed(None, Reason.STORE_BUSY, time.perf_counter() - t0)
     except StoreError:

@@ -1,0 +1,98 @@
+"""``RedisStore``: the three parts of the store contract (``records``, ``pins``, ``documents``) on one
+connection to the deployment a URL names (``state.redis_url``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import Redis, RedisCluster
+
+from turnkv.state.redis.clients import ConnectGate, TLSOptions, build_client
+from turnkv.state.redis.connection import RedisConnection
+from turnkv.state.redis.documents import RedisDocuments
+from turnkv.state.redis.pins import RedisPins
+from turnkv.state.redis.records import RedisRecords
+from turnkv.state.redis_url import parse_redis_url
+
+log = logging.getLogger("turnkv.store")
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_POOL_TIMEOUT_S = 0.5
+DEFAULT_CONNECT_CONCURRENCY = 16
+DEFAULT_IN_FLIGHT_TTL_S = 60.0
+
+
+class RedisStore:
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        *,
+        namespace: str = "turnkv",
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
+        in_flight_ttl_s: float = DEFAULT_IN_FLIGHT_TTL_S,
+        closers: Sequence[Any] = (),
+    ) -> None:
+        """``client`` must decode responses to str; its pools should allow ``max_connections``.
+        ``closers``: more objects with ``aclose()`` that the store owns (a Sentinel's clients)."""
+        self.conn = RedisConnection(
+            client, namespace=namespace, max_connections=max_connections, pool_timeout_s=pool_timeout_s, closers=closers
+        )
+        self.records = RedisRecords(self.conn, in_flight_ttl_s=in_flight_ttl_s)
+        self.pins = RedisPins(self.conn)
+        self.documents = RedisDocuments(self.conn)
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        namespace: str = "turnkv",
+        command_timeout_s: float = 0.25,
+        connect_timeout_s: float | None = None,
+        connect_concurrency: int = DEFAULT_CONNECT_CONCURRENCY,
+        pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        in_flight_ttl_s: float = DEFAULT_IN_FLIGHT_TTL_S,
+        tls: TLSOptions | None = None,
+    ) -> RedisStore:
+        """A store on the deployment ``url`` names (see ``state.redis_url``). Nothing connects yet
+        (``warm`` opens the pool). ``connect_timeout_s``: default ``command_timeout_s``."""
+        target = parse_redis_url(url)
+        connect_s = command_timeout_s if connect_timeout_s is None else connect_timeout_s
+        client, closers = build_client(
+            target,
+            command_timeout_s=command_timeout_s,
+            connect_timeout_s=connect_s,
+            # a wait for a turn is bounded by the rounds of openings ahead of it, each within connect_s
+            gate=ConnectGate(connect_concurrency, connect_s * -(-max_connections // connect_concurrency)),
+            max_connections=max_connections,
+            tls=tls or TLSOptions(),
+        )
+        log.info(
+            "store.redis target=%s max_connections=%d pool_timeout_s=%s command_timeout_s=%s connect_timeout_s=%s",
+            target.describe(),
+            max_connections,
+            pool_timeout_s,
+            command_timeout_s,
+            connect_s,
+        )
+        return cls(
+            client,
+            namespace=namespace,
+            max_connections=max_connections,
+            pool_timeout_s=pool_timeout_s,
+            in_flight_ttl_s=in_flight_ttl_s,
+            closers=closers,
+        )
+
+    async def warm(self, connections: int, *, within_s: float) -> int:
+        """Open the pool's connections before traffic comes (``RedisConnection.warm``); how many opened."""
+        return await self.conn.warm(connections, within_s=within_s)
+
+    async def ping(self) -> None:
+        await self.conn.ping()
+
+    async def close(self) -> None:
+        await self.conn.close()
