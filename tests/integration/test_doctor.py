@@ -64,8 +64,9 @@ def pins(url: str) -> int:
 
 
 # link preset -> (what P reads D's blocks over, what D reads P's over, the longest history at which the
-# fifth-turn suite saw recomputing win: None where a pull never won). The suite (BENCHMARKS.md section 1,
-# P's cache cold) had always-pull win at 16k on every link but `host`, and on rdma400 from 2k up.
+# fifth-turn suite saw recomputing win: None where a pull never won). The suite (BENCHMARKS.md,
+# "Fifth-turn TTFT on the simulator", P's cache cold) had always-pull win at 16k on every link but
+# `host`, and on rdma400 from 2k up.
 PRESETS = {
     "host": ("host", "host", None),
     "h200-ipc": ("h200-ipc", "nvlink", 16000),

@@ -82,8 +82,8 @@ def params(fixed_s: float, bw: float) -> CostParams:
 
 
 # The simulator's presets, and which of always-pull and never-pull won turn 5 in the fifth-turn suite
-# (BENCHMARKS.md section 1, P's cache cold): on `host` never-pull at every history (2k-32k); on every
-# faster link always-pull at 16k, and on rdma400 (the one fast link swept) from 2k up.
+# (BENCHMARKS.md, "Fifth-turn TTFT on the simulator", P's cache cold): on `host` never-pull at every history
+# (2k-32k); on every faster link always-pull at 16k, and on rdma400 (the one fast link swept) from 2k up.
 @pytest.mark.parametrize(
     ("fixed_s", "bw", "longest_loss"),
     [(0.002, 0.43e9, None), (0.002, 20e9, 16000), (0.010, 11e9, 16000), (0.005, 45e9, 2000), (0.002, 300e9, 16000)],
