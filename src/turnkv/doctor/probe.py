@@ -100,7 +100,7 @@ class Probe:
                     break
                 why = self._unfit(n, last, self.clock() - started)
                 if why is not None:
-                    self.s.skipped.append(f"{n} tokens: {why}")
+                    self.s.skipped.append(f"the probe of {n} tokens skipped: {why}")
                     continue
                 t0 = self.clock()
                 await self._size(n, (base * (n // len(base) + 1))[:n])
@@ -144,7 +144,7 @@ class Probe:
             for limit, why in limits:
                 cut = limit // p.block_size * p.block_size
                 if n > cut:
-                    self.s.skipped.append(f"{n} tokens: more than {why} allows; {cut} instead")
+                    self.s.skipped.append(f"the probe of {n} tokens cut to {cut}: more than {why} allows")
                     n = cut
             if n >= p.block_size:
                 out.add(n)
@@ -195,8 +195,11 @@ class Probe:
             self.s.stop = True
             return self.s.runs.append(SizeRun(n, prefill_s=prefill_s))
         self._count(decode=1)
-        push = _sample(n, before_d, await self._settled(p.decode, before_d))
-        if push is None:
+        after_d = await self._settled(p.decode, before_d)
+        push = _sample(n, before_d, after_d)
+        if before_d is None or after_d is None:
+            self._unread(p.decode)
+        elif push is None:
             self.s.push_failed = "D counted no transfer of P's KV (it computed the prompt itself: no KV connector?)"
             self.s.stop = True
         else:
@@ -230,7 +233,10 @@ class Probe:
             return run
         call_s = self.clock() - t0
         self._count(prefill=1, tokens=n - use)
-        sample = _sample(use, before_p, await self._settled(p.prefill, before_p))
+        after_p = await self._settled(p.prefill, before_p)
+        sample = _sample(use, before_p, after_p)
+        if before_p is None or after_p is None:
+            self._unread(p.prefill)
         self.s.pull = PullOutcome.DONE
         if sample is not None:
             self._count(moved=sample.bytes)
@@ -313,6 +319,11 @@ class Probe:
             if now is None or before is None or now.count > before.count or self.clock() >= end:
                 return now
             await asyncio.sleep(SETTLE_TICK_S)
+
+    def _unread(self, url: str) -> None:
+        why = f"{url}'s transfer counters (/metrics) could not be read: its reads were not measured"
+        if why not in self.s.skipped:
+            self.s.skipped.append(why)
 
     def _failed(self, n: int, why: str) -> None:
         self.s.runs.append(SizeRun(n, error=why))

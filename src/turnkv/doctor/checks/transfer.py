@@ -66,7 +66,7 @@ def check(obs: Observed, ctx: Context, f: Figures | None) -> list[Finding]:
     out.append(_pull_pays(t, f, ctx))
     out += _kv_bytes(f, ctx)
     for why in t.skipped:
-        out.append(Finding(Item.LINK_P_TO_D, Verdict.INFO, f"probe sizes: {why}"))
+        out.append(Finding(Item.PROBE, Verdict.INFO, why))
     return out
 
 
