@@ -12,7 +12,17 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.cluster import Cluster, Dialogue, Turn, ask, metric, sim_state, start_cluster, wait_for
+from tests.integration.cluster import (
+    Cluster,
+    Dialogue,
+    Turn,
+    ask,
+    metric,
+    sim_control,
+    sim_state,
+    start_cluster,
+    wait_for,
+)
 from turnkv import launch
 
 pytestmark = pytest.mark.integration
@@ -27,6 +37,7 @@ def four_hop_cluster(
     template: str = "keep",
     policy: str = "always-pull",
     gateway_env: dict[str, str] | None = None,
+    decode_flags: tuple[str, ...] = (),
 ) -> tuple[Cluster, launch.Running]:
     common = ("--time-scale", "0", "--template", template, "--vllm-compat", compat)
     render = launch.sim("render", "render", *common, log_dir=log_dir)
@@ -38,7 +49,7 @@ def four_hop_cluster(
         compat=compat,
         policy=policy,
         prefill_flags=("--tokens-only",),
-        decode_flags=("--tokens-only", *(("--turnkv-plugin",) if plugin else ())),
+        decode_flags=("--tokens-only", *(("--turnkv-plugin",) if plugin else ()), *decode_flags),
         gateway_env={"TURNKV_ENGINE": "vllm-four-hop", "TURNKV_RENDER": render.url, **(gateway_env or {})},
     )
     return cluster, render
@@ -145,3 +156,42 @@ def test_the_four_hop_demo_matches_colocated(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "over four hops" in proc.stdout and "Every answer matched the colocated engine." in proc.stdout
     assert proc.stdout.count("full/pull") >= 2
+
+
+def post_chat(cluster: Cluster, **body: Any) -> httpx.Response:
+    req = {"model": "sim-model", "messages": [{"role": "user", "content": "Plan a trip"}], "max_tokens": 60, **body}
+    return httpx.post(cluster.gateway.url + "/v1/chat/completions", json=req, timeout=60)
+
+
+def test_errors_on_the_four_hop_path_reach_the_client_in_openai_shape(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    cluster, render = four_hop_cluster(procs, tmp_path)
+    # the render service refuses the request: its reason, as a 400
+    r = post_chat(cluster, continue_final_message=True, add_generation_prompt=True)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == (
+        "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+    )
+    # a render service that fails: an error status (with a second replica, the call goes there instead)
+    sim_control(render.url, fail_render_next=1)
+    r = post_chat(cluster)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_status", r.text
+    # derender fails: not streamed, an error status; streamed, an error event after the role chunk, then [DONE]
+    sim_control(render.url, fail_derender_next=1)
+    r = post_chat(cluster)
+    assert r.status_code >= 500 and set(r.json()["error"]) >= {"message", "type", "code"}, r.text
+    assert post_chat(cluster).status_code == 200  # and the gateway goes on serving
+
+
+def test_a_derender_failing_after_text_was_streamed_ends_the_stream_with_an_error_event(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    slow_d = ("--time-scale", "1", "--decode-itl-ms", "5")  # text reaches the client before D finishes
+    cluster, render = four_hop_cluster(procs, tmp_path, decode_flags=slow_d)
+    sim_control(render.url, fail_derender_next=1)
+    r = post_chat(cluster, stream=True, max_tokens=200)
+    events = [e for e in r.text.split("\n\n") if e]
+    assert r.status_code == 200 and '"content"' in r.text
+    assert events[-1] == "data: [DONE]" and events[-2].startswith('data: {"error"'), r.text[-500:]
+    assert post_chat(cluster, stream=True).status_code == 200  # and the gateway goes on serving

@@ -17,7 +17,14 @@ from typing import Any, Protocol
 import aiohttp
 
 from turnkv import jsonwire
-from turnkv.errors import UpstreamProtocolError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
+from turnkv.errors import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatus,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    retryable,
+)
 
 RENDER_LEG = "render"
 DERENDER_LEG = "derender"
@@ -83,20 +90,30 @@ class RenderClient:
         self._turn = itertools.count()
         self.calls = 0  # calls made, all routes together
 
-    def pick(self) -> str:
-        """The replica with the fewest calls in flight; among equals, the next in turn."""
-        low = min(self._inflight.values())
-        ready = [b for b in self.bases if self._inflight[b] == low]
+    def pick(self, exclude: set[str] | None = None) -> str:
+        """The replica with the fewest calls in flight (of those not in ``exclude``); among equals, the next in
+        turn."""
+        left = [b for b in self.bases if not exclude or b not in exclude]
+        low = min(self._inflight[b] for b in left)
+        ready = [b for b in left if self._inflight[b] == low]
         return ready[next(self._turn) % len(ready)]
 
     async def call(self, leg: str, path: str, body: Any) -> Any:
-        base = self.pick()
-        self._inflight[base] += 1
-        self.calls += 1
-        try:
-            return await self._post(leg, base, path, body)
-        finally:
-            self._inflight[base] -= 1
+        """One call; where a replica fails it (unreachable, timed out, a 5xx), the next one is tried, each at
+        most once (render and derender calls change nothing on the service: they are safe to repeat)."""
+        tried: set[str] = set()
+        while True:
+            base = self.pick(exclude=tried)
+            tried.add(base)
+            self._inflight[base] += 1
+            self.calls += 1
+            try:
+                return await self._post(leg, base, path, body)
+            except UpstreamError as exc:
+                if len(tried) == len(self.bases) or not retryable(exc):
+                    raise
+            finally:
+                self._inflight[base] -= 1
 
     async def _object(self, leg: str, path: str, body: Any) -> dict[str, Any]:
         out = await self.call(leg, path, body)

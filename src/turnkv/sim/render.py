@@ -91,6 +91,11 @@ class RenderCosts(BaseModel):
         return self.detok_base_s + self.detok_per_token_s * tokens
 
 
+class RenderFaultUpdate(FaultUpdate):
+    fail_render_next: int | None = Field(None, ge=0, description="answer the next N render calls with a 500")
+    fail_derender_next: int | None = Field(None, ge=0, description="answer the next N derender calls with a 500")
+
+
 class RenderSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535)
@@ -305,6 +310,7 @@ class RenderServer:
         self.parsers = Parsers(reasoning=settings.reasoning_parser, tools=settings.tool_parser)
         self.derenderer = Derenderer(self.text.tok, self.parsers, settings.compat, settings.max_model_len)
         self.faults = FaultInjector(settings.faults)
+        self.fail_next: dict[str, int] = {}  # render or derender calls to answer with a 500, by kind
         self._cores = asyncio.Semaphore(settings.cores)
         self.calls: Counter[str] = Counter()
         self.busy_s: dict[str, float] = {}  # modelled seconds of a core, per route
@@ -319,10 +325,18 @@ class RenderServer:
             if scaled > 0:
                 await asyncio.sleep(scaled)
 
-    async def _admit(self) -> None:
+    async def _admit(self, kind: str = "render") -> None:
         await self.faults.delay(time.perf_counter())
-        if self.faults.take_failure():
+        if self.faults.take_failure() or self._take(kind):
             raise internal_error()
+
+    def _take(self, kind: str) -> bool:
+        """A failure set for this kind of call only (``fail_render_next``, ``fail_derender_next``)."""
+        left = self.fail_next.get(kind, 0)
+        if left > 0:
+            self.fail_next[kind] = left - 1
+            return True
+        return False
 
     # -- render ------------------------------------------------------------------------------------
     def _generate_request(
@@ -475,7 +489,7 @@ class RenderServer:
                 raise ApiError(400, "1 validation error:\n  Input should be a valid dictionary", "Bad Request")
             if body.get("model") is not None:
                 check_model(body["model"], self.settings.model)
-            await self._admit()
+            await self._admit("derender")
             if body.get("stream") is True and self.settings.compat != "0.26":
                 chunk, state, replayed = d.chat_stream(body)
                 new = len(state["output_token_ids"]) - replayed
@@ -496,7 +510,7 @@ class RenderServer:
                 raise ApiError(400, "1 validation error:\n  Input should be a valid dictionary", "Bad Request")
             if body.get("model") is not None:
                 check_model(body["model"], self.settings.model)
-            await self._admit()
+            await self._admit("derender")
             out = self.derenderer.completions(body)
             await self.work("derender", self.settings.costs.derender(out["usage"]["completion_tokens"]))
             return JSONResponse(out)
@@ -522,12 +536,17 @@ class RenderServer:
 
     # -- simulator control ---------------------------------------------------------------------------
     async def set_faults(self, request: Request) -> Response:
+        """The engines' faults, plus ``fail_render_next`` and ``fail_derender_next`` (calls of that kind only)."""
         try:
-            upd = await parse_body(request, FaultUpdate)
+            upd = await parse_body(request, RenderFaultUpdate)
         except ApiError as exc:
             return exc.response()
         self.faults.update(upd)
-        return JSONResponse({"faults": self.faults.faults.model_dump()})
+        for kind in ("render", "derender"):
+            n = getattr(upd, f"fail_{kind}_next")
+            if n is not None:
+                self.fail_next[kind] = n
+        return JSONResponse({"faults": self.faults.faults.model_dump(), "fail_next": self.fail_next})
 
     async def state(self, request: Request) -> Response:
         return JSONResponse(

@@ -180,11 +180,11 @@ class FourHopDecodeStream(DecodeStream):
             return None
         except DecodeError as exc:
             self.done = True
-            return [(_dumps({"error": exc.error}), False, True), (DONE, False, False)]
+            return [(_dumps({"error": exc.error}), False, True)]
         except UpstreamError as exc:  # the final derender, or a refused streaming derender call
             self.done = True
             self._gathered.error = exc.body()["error"]
-            return [(_dumps(exc.body()), False, True), (DONE, False, False)]
+            return [(_dumps(exc.body()), False, True)]
         if isinstance(item, Delta):
             self._gathered.answer.delta(_delta_json(item))
             return [(t.chunks.delta(item), True, False)]
@@ -204,8 +204,7 @@ class FourHopDecodeStream(DecodeStream):
                 details = self._reader.usage.get("prompt_tokens_details") or {}
                 cached = details.get("cached_tokens") if isinstance(details, dict) else None
             out.append((t.chunks.usage(len(t.prompt_ids), completion, cached), False, False))
-        out.append((DONE, False, False))
-        self.done = True
+        self.done = True  # the relay ends the client's stream with [DONE] itself
         return out
 
     async def drain(self, timeout_s: float) -> None:
