@@ -18,14 +18,14 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from turnkv.errors import ConfigError as ConfigError  # raised here, at start
+from turnkv.routing.profile import RoutingPlugin as RoutingPlugin
+from turnkv.routing.profile import RoutingProfile as RoutingProfile
+from turnkv.routing.router import build_profile
 from turnkv.state.redis_url import parse_redis_url
 
 if TYPE_CHECKING:
     from turnkv.profile import Profile
-
-
-class ConfigError(ValueError):
-    """A setting is missing or inconsistent; raised at start, never at request time."""
 
 
 class Timeouts(BaseModel):
@@ -170,33 +170,6 @@ class PolicySettings(BaseModel):
     model_config = ConfigDict(frozen=True)
     name: str = Field("adaptive", description="adaptive | always-pull | never-pull | decode-local")
     params: dict[str, Any] = Field(default_factory=dict, description="the policy's own parameters")
-
-
-class RoutingPlugin(BaseModel):
-    """One routing plugin in a profile: its registered type, its weight (scorers) and its parameters."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    type: str = Field(
-        description="the plugin's name (turnkv.routing.plugins: filters not-tried, not-avoided, "
-        "routable; scorers load, affinity, pin-headroom, ttft; picker max-score)"
-    )
-    weight: float = Field(1.0, ge=0, description="scorers: how much its score counts")
-    params: dict[str, Any] = Field(default_factory=dict, description="the plugin's own parameters")
-
-
-def _default_filters() -> list[RoutingPlugin]:
-    return [RoutingPlugin(type="not-tried"), RoutingPlugin(type="not-avoided"), RoutingPlugin(type="routable")]
-
-
-class RoutingProfile(BaseModel):
-    """How a request's engine is chosen: filters, then weighted scorers, then a picker (docs/configuration.md)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    filters: list[RoutingPlugin] = Field(default_factory=_default_filters, description="engines left out, in order")
-    scorers: list[RoutingPlugin] = Field(default_factory=list, description="weighted scores of those left")
-    picker: RoutingPlugin = Field(
-        default_factory=lambda: RoutingPlugin(type="max-score"), description="the pick among the scored"
-    )
 
 
 class CostPriors(BaseModel):
@@ -591,10 +564,9 @@ class Settings(BaseSettings):
                 "use them. Configure keys, or set allow_anonymous to accept that"
             )
         from turnkv.gateway.auth import load_keys  # the key file is read, and refused if malformed, at start
-        from turnkv.routing.router import build_profile  # so is the routing profile
 
         load_keys(self)
-        build_profile(self.routing, self.routing_profiles)
+        build_profile(self.routing, self.routing_profiles)  # so is the routing profile
         if self.profile is not None:
             from turnkv.profile import load_profile  # the doctor's profile is read, and refused if unusable, at start
 

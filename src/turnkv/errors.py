@@ -18,6 +18,8 @@
       · FirstTokenDeadline           the engine did not start its answer in time
     - UpstreamStatus                 the engine answered an error status (its body is kept)
     - UpstreamProtocolError          502: the engine answered something we cannot read
+* ConfigError (a ValueError)         a setting is missing or inconsistent: refused at start, never
+                                     raised at request time
 * StoreError                         the conversation store failed; never rendered: the turn
                                      degrades to plain P/D and the error is counted
   - StoreBusy                        no connection came free in time: this call fails, but the
@@ -212,3 +214,7 @@ class StoreBusy(StoreError):
     """Every connection to the store stayed busy past the pool wait: load, not an outage."""
 
     kind = "busy"
+
+
+class ConfigError(ValueError):
+    """A setting is missing or inconsistent; raised at start, never at request time."""

@@ -16,10 +16,10 @@ import aiohttp
 import orjson
 
 from turnkv import launch
-from turnkv.bench import baseline_relay
-from turnkv.bench.client import prefill_request
+from turnkv.bench import client
+from turnkv.bench.client import prefill_request, upstream_session
 
-HOP_HEADERS = tuple(h.encode() for h in baseline_relay.HOP_HEADERS)
+HOP_HEADERS = tuple(h.encode() for h in client.HOP_HEADERS)
 Scope = dict[str, Any]
 Message = dict[str, Any]
 
@@ -42,7 +42,7 @@ class AsgiRelay:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self.session = baseline_relay.upstream_session()
+                self.session = upstream_session()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.session is not None:

@@ -29,18 +29,9 @@ import orjson
 from aiohttp import web
 
 from turnkv import launch
-from turnkv.bench.client import prefill_request
+from turnkv.bench.client import HOP_HEADERS, prefill_request, upstream_session
 
-HOP_HEADERS = ("content-type", "accept")
 SERVERS = ("aiohttp", "uvicorn")
-UPSTREAM_TIMEOUT_S = 120.0
-
-
-def upstream_session() -> aiohttp.ClientSession:
-    """The relays' client to the engines: no connection limit, one timeout for a whole call."""
-    return aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=UPSTREAM_TIMEOUT_S), connector=aiohttp.TCPConnector(limit=0)
-    )
 
 
 def make_app(upstream: str, prefill: str | None = None) -> web.Application:

@@ -74,6 +74,7 @@ def _out_dir(a: argparse.Namespace, what: str) -> Path:
 def _run(a: argparse.Namespace) -> int:
     from turnkv.bench.client import Target
     from turnkv.bench.records import ConfigResult, RunResult
+    from turnkv.bench.report import write_outputs
     from turnkv.bench.runner import run_load
 
     if a.prefill_url and not a.decode_url:
@@ -105,17 +106,6 @@ def _run(a: argparse.Namespace) -> int:
     errors = sum(1 for r in records if not r.ok)
     print(f"{len(records)} requests, {errors} errors; results in {out}", file=sys.stderr)
     return 1 if errors and a.fail_on_error else 0
-
-
-def write_outputs(
-    run: Any, out: Path, *, title: str, extra_markdown: str = "", groups: dict[str, list[str]] | None = None
-) -> None:
-    from turnkv.bench.report import markdown, plot_ttft_by_turn
-
-    out.mkdir(parents=True, exist_ok=True)
-    run.write(out / "results.json")
-    (out / "report.md").write_text(markdown(run, title) + ("\n" + extra_markdown if extra_markdown else ""))
-    plot_ttft_by_turn(run.configs, out / "ttft_by_turn.png", title=title, groups=groups)
 
 
 def _rates(text: str) -> tuple[float, ...]:

@@ -28,6 +28,18 @@ from turnkv.engine.vllm.handles import P_ONLY
 _VISIBLE = re.compile(rb'"(?:content|reasoning|reasoning_content)":"(?!")|"tool_calls":\[')
 
 
+# what the bare relays (baseline_relay, baseline_asgi) pass on, and their client to the engines
+HOP_HEADERS = ("content-type", "accept")
+UPSTREAM_TIMEOUT_S = 120.0
+
+
+def upstream_session() -> aiohttp.ClientSession:
+    """The relays' client to the engines: no connection limit, one timeout for a whole call."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=UPSTREAM_TIMEOUT_S), connector=aiohttp.TCPConnector(limit=0)
+    )
+
+
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     """P's half of vLLM's P/D handshake for a chat request: one token, not streamed, ``do_remote_decode``."""
     p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}

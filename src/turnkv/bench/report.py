@@ -122,3 +122,13 @@ def plot_ttft_by_turn(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def write_outputs(
+    run: RunResult, out: Path, *, title: str, extra_markdown: str = "", groups: dict[str, list[str]] | None = None
+) -> None:
+    """A run's results.json, report.md and TTFT plot under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    run.write(out / "results.json")
+    (out / "report.md").write_text(markdown(run, title) + ("\n" + extra_markdown if extra_markdown else ""))
+    plot_ttft_by_turn(run.configs, out / "ttft_by_turn.png", title=title, groups=groups)

@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from turnkv.config import ConfigError
+from turnkv.errors import ConfigError
 from turnkv.reuse.adaptive import AdaptiveParams, AdaptivePolicy
 from turnkv.reuse.assess import Reason
 from turnkv.reuse.cost import Action, CostParams, TurnFacts, pulled_tokens

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from turnkv.config import ConfigError
+from turnkv.errors import ConfigError
 from turnkv.routing.base import Filter, NoParams, Params, Picker, Scorer
 from turnkv.routing.filters import NotAvoided, NotTried, Routable
 from turnkv.routing.pickers import MaxScore

@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from turnkv.config import ConfigError, RoutingPlugin, RoutingProfile
+from turnkv.errors import ConfigError
 from turnkv.routing import plugins
 from turnkv.routing.base import Filter, InstanceView, Picker, RouteRequest, Scorer
+from turnkv.routing.profile import RoutingPlugin, RoutingProfile
 
 BUILTIN: dict[str, RoutingProfile] = {
     "affinity": RoutingProfile(scorers=[RoutingPlugin(type="affinity", weight=2.0), RoutingPlugin(type="load")]),

@@ -127,19 +127,6 @@ class RenderSettings(BaseModel):
         )
 
 
-def add_render_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("render role (--role render)")
-    g.add_argument("--no-reasoning-parser", dest="reasoning_parser", action="store_false", default=True)
-    g.add_argument("--no-tool-parser", dest="tool_parser", action="store_false", default=True)
-    g.add_argument("--render-cores", type=int, default=1, help="calls a render service serves at once")
-    g.add_argument("--render-ms", type=float, default=None, help="a render call's fixed cost")
-    g.add_argument("--derender-ms", type=float, default=None, help="a non-streaming derender call's fixed cost")
-    g.add_argument("--stream-derender-ms", type=float, default=None, help="a streaming derender call's fixed cost")
-    g.add_argument(
-        "--stream-replay-us", type=float, default=None, help="per output token a streaming derender call decodes"
-    )
-
-
 def render_settings_from_args(a: argparse.Namespace) -> RenderSettings:
     overrides = {
         k: v / 1e3

@@ -127,8 +127,6 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-per-seq-us", type=float, default=None, help="per stream in the decode batch")
     g.add_argument("--decode-ctx-ns", type=float, default=None, help="per token of context the decode batch attends to")
     g.add_argument("--api-overhead-ms", type=float, default=None)
-    from turnkv.sim.render import add_render_arguments  # the render role's own flags
-
     add_render_arguments(p)
     f = p.add_argument_group("faults (also settable at run time: POST /_sim/faults)")
     f.add_argument("--fail-next", type=int, default=0, help="answer the next N generation requests with 500")
@@ -204,4 +202,18 @@ def settings_from_args(a: argparse.Namespace) -> SimSettings:
         faults=Faults(
             fail_next=a.fail_next, delay_ms=a.delay_ms, drop_next=a.drop_next, drop_after_chunks=a.drop_after_chunks
         ),
+    )
+
+
+def add_render_arguments(p: argparse.ArgumentParser) -> None:
+    """The render role's own flags (``sim.render.render_settings_from_args`` reads them)."""
+    g = p.add_argument_group("render role (--role render)")
+    g.add_argument("--no-reasoning-parser", dest="reasoning_parser", action="store_false", default=True)
+    g.add_argument("--no-tool-parser", dest="tool_parser", action="store_false", default=True)
+    g.add_argument("--render-cores", type=int, default=1, help="calls a render service serves at once")
+    g.add_argument("--render-ms", type=float, default=None, help="a render call's fixed cost")
+    g.add_argument("--derender-ms", type=float, default=None, help="a non-streaming derender call's fixed cost")
+    g.add_argument("--stream-derender-ms", type=float, default=None, help="a streaming derender call's fixed cost")
+    g.add_argument(
+        "--stream-replay-us", type=float, default=None, help="per output token a streaming derender call decodes"
     )

@@ -63,7 +63,7 @@ def analyze(run: RunResult) -> tuple[str, dict[str, list[str]]]:
 
 
 def write(run: RunResult, out: Path) -> None:
-    from turnkv.bench.cli import write_outputs
+    from turnkv.bench.report import write_outputs
 
     text, groups = analyze(run)
     write_outputs(run, out, title=TITLES.get(run.suite, run.suite), extra_markdown=text, groups=groups)
