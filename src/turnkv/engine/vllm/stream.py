@@ -92,6 +92,47 @@ def _patch(payload: bytes, key: bytes, old: Any, new: bytes) -> bytes | None:
     return payload[:i] + key + new + payload[end:]
 
 
+class _Edit:
+    """One chunk being read: the bytes to forward as they are edited, the parsed object, D's prompt ids as
+    vLLM wrote them (cut out of the bytes, parsed later), and whether the bytes could not be edited exactly
+    (then the object is re-encoded). A plain class with slots: one is made per chunk."""
+
+    __slots__ = ("cut", "obj", "payload", "prompt_json", "redump")
+
+    def __init__(self, payload: bytes, obj: dict[str, Any], cut: bytes, prompt_json: bytes | None) -> None:
+        self.payload = payload
+        self.obj = obj
+        self.cut = cut  # the payload with its prompt ids nulled (the payload itself when it has none to cut)
+        self.prompt_json = prompt_json
+        self.redump = False
+
+    def bare(self) -> bool:
+        """Nothing at the chunk's top level but its choices (no prompt ids, no usage)."""
+        return self.prompt_json is None and "prompt_token_ids" not in self.obj and not self.obj.get("usage")
+
+    def patch(self, key: bytes, old: Any, new: bytes) -> None:
+        """``key``'s value replaced in the bytes (``_patch``), or a redump where that cannot be exact."""
+        patched = _patch(self.payload, key, old, new)
+        self.redump = self.redump or patched is None
+        self.payload = patched or self.payload
+
+
+def _read(payload: bytes) -> _Edit | None:
+    """The chunk parsed, its prompt ids left out of the parse when vLLM wrote them at the top level in compact
+    JSON; None when it is not a JSON object."""
+    cut, prompt_json = _cut_list(payload, _PROMPT_IDS)
+    try:
+        obj = jsonwire.loads_lenient(cut)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    if prompt_json is not None and not (obj.get("prompt_token_ids", 0) is None and payload.count(_PROMPT_IDS) == 1):
+        # not the chunk's own top-level list (a completion's choice carries it): parse it all
+        obj, prompt_json = jsonwire.loads_lenient(payload), None
+    return _Edit(payload, obj, cut, prompt_json)
+
+
 @dataclass
 class DecodeCapture:
     """What the decode leg produced, gathered while it is relayed."""
@@ -169,87 +210,92 @@ class DecodeCapture:
         if (
             not self.collect
             and _relay_as_is(payload)
-            and not (self.cached_tokens is not None and b'"cached_tokens"' in payload)
+            and not (self.cached_tokens is not None and b'"cached_tokens"' in payload)  # a count to correct
         ):
             return payload, _shows_output(payload)
-        cut, prompt_json = _cut_list(payload, _PROMPT_IDS)
-        try:
-            obj = jsonwire.loads_lenient(cut)
-        except ValueError:
+        edit = _read(payload)
+        if edit is None:
             return payload, False
-        if not isinstance(obj, dict):
-            return payload, False
-        if prompt_json is not None and not (obj.get("prompt_token_ids", 0) is None and payload.count(_PROMPT_IDS) == 1):
-            # not the chunk's own top-level list (a completion's choice carries it): parse it all
-            obj, prompt_json = jsonwire.loads_lenient(payload), None
+        obj = edit.obj
         if "error" in obj and "choices" not in obj:
             self.error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
             return payload, False
         # what must change is changed in vLLM's bytes (the ids nulled, the handle nulled, cached_tokens
         # corrected); only a chunk where that cannot be done exactly is re-encoded from the parsed object
-        redump = False
-        if prompt_json is not None:
-            self._prompt_ids, self._prompt_ids_json = None, prompt_json
+        # (each step only where the chunk holds what it changes: most chunks are a delta and nothing else)
+        if edit.prompt_json is not None or "prompt_token_ids" in obj:
+            self._take_prompt_ids(edit)
+        if obj.get("kv_transfer_params") is not None:
+            self._take_handle(edit)
+        if self.cached_tokens is not None:
+            self._correct_usage(edit)
+        visible, ours = self._take_choices(edit)
+        if ours is not None and not visible and _empty(ours):  # (only then: most chunks show text)
+            return None, False
+        if not edit.redump:
+            return edit.payload, visible
+        if edit.prompt_json is not None and self.keep_token_ids:
+            obj["prompt_token_ids"] = self.prompt_token_ids  # the client asked for them
+        return _dumps(obj), visible
+
+    def _take_prompt_ids(self, edit: _Edit) -> None:
+        """D's prompt ids: kept as their JSON (parsed when needed), hidden unless the client asked."""
+        obj = edit.obj
+        if edit.prompt_json is not None:
+            self._prompt_ids, self._prompt_ids_json = None, edit.prompt_json
             if not self.keep_token_ids:
-                payload = cut
+                edit.payload = edit.cut
         elif isinstance(obj.get("prompt_token_ids"), list):  # not compact JSON: parsed with the rest
             self.prompt_token_ids = obj["prompt_token_ids"]
             if not self.keep_token_ids:
                 obj["prompt_token_ids"] = None
-                redump = True
-        if obj.get("kv_transfer_params") is not None:
-            kv = obj["kv_transfer_params"]
-            if isinstance(kv, dict):
-                self.kv_transfer_params = kv
-            obj["kv_transfer_params"] = None
-            nulled = _patch(payload, b'"kv_transfer_params":', kv, b"null")
-            redump = redump or nulled is None
-            payload = nulled or payload
-        fixed = self._usage(obj)
+                edit.redump = True
+
+    def _take_handle(self, edit: _Edit) -> None:
+        """D's handle: kept, and never shown the client."""
+        kv = edit.obj["kv_transfer_params"]
+        if isinstance(kv, dict):
+            self.kv_transfer_params = kv
+        edit.obj["kv_transfer_params"] = None
+        edit.patch(b'"kv_transfer_params":', kv, b"null")
+
+    def _correct_usage(self, edit: _Edit) -> None:
+        fixed = self._usage(edit.obj)
         if fixed is not None:
             said, now = fixed
-            patched = _patch(payload, b'"cached_tokens":', said, str(now).encode())
-            redump = redump or patched is None
-            payload = patched or payload
+            edit.patch(b'"cached_tokens":', said, str(now).encode())
+
+    def _take_choices(self, edit: _Edit) -> tuple[bool, dict[str, Any] | None]:
+        """Collect the first choice's ids, text and finish; whether the chunk shows output, and the choice
+        whose only news were token ids the client did not ask for (None when there is none)."""
         visible = False
-        # a choice whose chunk carried token ids the client did not ask for, and perhaps nothing else
         ours: dict[str, Any] | None = None
-        for choice in obj.get("choices") or []:
+        hide = not self.keep_token_ids
+        for choice in edit.obj.get("choices") or []:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             ids = choice.get("token_ids")
             if isinstance(ids, list):
                 self.token_ids += ids
-                visible = visible or (bool(ids) and self.keep_token_ids)
-                chunk_bare = prompt_json is None and "prompt_token_ids" not in obj and not obj.get("usage")
-                ours = choice if not self.keep_token_ids and chunk_bare else None
-                if not self.keep_token_ids:
+                visible = visible or (bool(ids) and not hide)
+                ours = choice if hide and edit.bare() else None
+                if hide:
                     choice["token_ids"] = None
-                    nulled = _null_list(payload, b'"token_ids":[')
-                    redump = redump or nulled is payload  # not compact JSON: only a redump hides them
-                    payload = nulled
+                    nulled = _null_list(edit.payload, b'"token_ids":[')
+                    edit.redump = edit.redump or nulled is edit.payload  # not compact JSON: only a redump hides
+                    edit.payload = nulled
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 self.answer.delta(delta)
-                if (
-                    delta.get("content")
-                    or delta.get("reasoning")
-                    or delta.get("reasoning_content")
-                    or delta.get("tool_calls")
-                ):
-                    visible = True
+                get = delta.get
+                visible = visible or bool(get("content") or get("reasoning") or get("reasoning_content"))
+                visible = visible or bool(get("tool_calls"))
             if choice.get("text"):
                 visible = True
             if choice.get("finish_reason") is not None:
                 self.finish_reason = str(choice["finish_reason"])
                 visible = True
-        if ours is not None and not visible and _empty(ours):  # (only then: most chunks show text)
-            return None, False
-        if not redump:
-            return payload, visible
-        if prompt_json is not None and self.keep_token_ids:
-            obj["prompt_token_ids"] = self.prompt_token_ids  # the client asked for them
-        return _dumps(obj), visible
+        return visible, ours
 
     def body(self, obj: dict[str, Any]) -> dict[str, Any]:
         """A non-streaming body: collect, and return it as the client should see it."""

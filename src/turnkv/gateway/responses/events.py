@@ -144,35 +144,43 @@ class EventStream:
             self.usage = translate.usage(obj["usage"])
         out: list[Event] = []
         for choice in obj.get("choices") or []:
-            if not isinstance(choice, Mapping) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            reasoning = reasoning_of(delta)
-            if isinstance(reasoning, str) and reasoning:
-                if self.open is None or self.open.kind != "reasoning":
-                    out += self._open("reasoning")
-                out += self._delta("response.reasoning_text.delta", reasoning, content_index=0)
-            content = delta.get("content")
-            if isinstance(content, str) and content:
-                out += self._content(content)
-            for tc in delta.get("tool_calls") or []:
-                if not isinstance(tc, Mapping):
-                    continue
-                fn = tc.get("function") or {}
-                index = int(tc.get("index", 0))
-                if self.open is None or self.open.kind != "function_call" or self.open.call_index != index:
-                    out += self._open(
-                        "function_call",
-                        call_index=index,
-                        call_id=str(tc.get("id") or translate.new_id("call")),
-                        name=str(fn.get("name") or ""),
-                    )
-                elif isinstance(fn.get("name"), str):
-                    self.open.name += fn["name"]
-                if isinstance(fn.get("arguments"), str) and fn["arguments"]:
-                    out += self._delta("response.function_call_arguments.delta", fn["arguments"])
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = str(choice["finish_reason"])
+            if isinstance(choice, Mapping) and choice.get("index", 0) == 0:
+                out += self._choice(choice)
+        return out
+
+    def _choice(self, choice: Mapping[str, Any]) -> list[Event]:
+        """The first choice of a chunk: its reasoning, its text, its tool calls, in that order; its finish."""
+        delta = choice.get("delta") or {}
+        out = self._reasoning(reasoning_of(delta))
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            out += self._content(content)
+        for tc in delta.get("tool_calls") or []:
+            if isinstance(tc, Mapping):
+                out += self._tool_call(tc)
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = str(choice["finish_reason"])
+        return out
+
+    def _reasoning(self, reasoning: Any) -> list[Event]:
+        if not isinstance(reasoning, str) or not reasoning:
+            return []
+        out = self._open("reasoning") if self.open is None or self.open.kind != "reasoning" else []
+        return out + self._delta("response.reasoning_text.delta", reasoning, content_index=0)
+
+    def _tool_call(self, tc: Mapping[str, Any]) -> list[Event]:
+        """A tool call's piece: a new call opens its function_call item, a later piece adds to its name and
+        arguments."""
+        fn = tc.get("function") or {}
+        index = int(tc.get("index", 0))
+        out: list[Event] = []
+        if self.open is None or self.open.kind != "function_call" or self.open.call_index != index:
+            call_id = str(tc.get("id") or translate.new_id("call"))
+            out += self._open("function_call", call_index=index, call_id=call_id, name=str(fn.get("name") or ""))
+        elif isinstance(fn.get("name"), str):
+            self.open.name += fn["name"]
+        if isinstance(fn.get("arguments"), str) and fn["arguments"]:
+            out += self._delta("response.function_call_arguments.delta", fn["arguments"])
         return out
 
     def _content(self, text: str) -> list[Event]:
