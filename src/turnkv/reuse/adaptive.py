@@ -49,7 +49,7 @@ history on P); else ``not_needed``. What hedges hold is bounded by D's pin budge
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from pydantic import Field
 
@@ -86,6 +86,17 @@ def step_added_ms(facts: TurnFacts, costs: CostParams) -> float:
         facts.decode_prefill_tokens,
     )
     return added * 1e3
+
+
+@dataclass(frozen=True)
+class _Weighed:
+    """The actions weighed for a turn: each one's TTFT estimate and its charge, and the best of them."""
+
+    facts: TurnFacts
+    costs: CostParams
+    estimates: dict[Action, float]
+    charges: dict[Action, float]
+    best: Action
 
 
 class AdaptiveParams(PolicyParams):
@@ -170,6 +181,25 @@ class AdaptivePolicy:
         self.may_decode_local_first = params.decode_local and params.decode_local_first
 
     def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
+        facts, costs = self._as_seen(facts, costs)
+        # D's prefill of the turn, were it decode-local
+        local_s = prefill_s(costs, facts.prompt_tokens - facts.decode_cached_tokens, facts.decode_cached_tokens)
+        local_ok = self._may_go_local(facts, costs, local_s)
+        itl_why = self.itl_refusal(facts, costs) if local_ok else None
+        work = prefill_work(costs, facts)
+        w = self._weighed(replace(facts, decode_local_possible=local_ok and itl_why is None), costs, work)
+        # on a shared GPU the path through P costs D's streams at least as much: refusing spares them nothing
+        if itl_why is not None and facts.shared_gpu and local_s <= work[w.best]:
+            itl_why = None
+            w = self._weighed(replace(facts, decode_local_possible=True), costs, work)
+            if w.best is Action.DECODE_LOCAL:  # taken where the ITL checks alone would have refused it
+                return Decision(w.best, Reason.SHARED_GPU, w.estimates, w.charges)
+        return Decision(w.best, self._why(w, itl_why, local_ok=local_ok), w.estimates, w.charges)
+
+    def _as_seen(self, facts: TurnFacts, costs: CostParams) -> tuple[TurnFacts, CostParams]:
+        """The facts and costs as this policy's parameters say to see them: D's chunk size, P's queue where
+        the turn's facts do not say it, and D's cache taken to have lost the conversation where its KV is
+        crowded."""
         if self.p.decode_chunk_tokens is not None:
             costs = replace(costs, decode_chunk_tokens=self.p.decode_chunk_tokens)
         if facts.prefill_queue_ms is None and self.p.prefill_queue_ms is not None:
@@ -178,46 +208,42 @@ class AdaptivePolicy:
         if usage is not None and self.p.decode_cache_max_usage is not None and usage > self.p.decode_cache_max_usage:
             # D's running streams crowd its KV: the conversation's cached blocks have likely been evicted
             facts = replace(facts, decode_cached_tokens=0)
+        return facts, costs
+
+    def _may_go_local(self, facts: TurnFacts, costs: CostParams, local_s: float) -> bool:
+        """Whether D may prefill the turn at all: decode-local is on, D holds the conversation and runs few
+        enough streams, and (unless it prefills in chunks, which the ITL checks bound, and whose many steps
+        the estimate prices) the turn's prefill would stall D's streams little enough."""
+        if not (self.p.decode_local and facts.decode_local_possible):
+            return False
+        if facts.decode_busy > self.p.decode_local_max_busy:
+            return False
+        if costs.decode_chunk_tokens > 0:
+            return True
         new = facts.prompt_tokens - facts.decode_cached_tokens
-        # a D that takes a prefill a chunk a step stalls its streams by a chunk, not by the whole prefill:
-        # the ITL checks bound that, and the estimate prices the prefill's many steps
-        chunked = costs.decode_chunk_tokens > 0
-        local_s = prefill_s(costs, new, facts.decode_cached_tokens)  # D's prefill of the turn, were it decode-local
-        local_ok = (
-            self.p.decode_local
-            and facts.decode_local_possible
-            and facts.decode_busy <= self.p.decode_local_max_busy
-            and (
-                chunked
-                or new <= self.p.decode_local_max_new_tokens
-                and local_s * 1e3 <= self.p.decode_local_max_stall_ms
-            )
-        )
-        itl_why = self.itl_refusal(facts, costs) if local_ok else None
-        est = self.estimates(replace(facts, decode_local_possible=local_ok and itl_why is None), costs)
-        work = prefill_work(costs, facts)
+        return new <= self.p.decode_local_max_new_tokens and local_s * 1e3 <= self.p.decode_local_max_stall_ms
+
+    def _weighed(self, facts: TurnFacts, costs: CostParams, work: Mapping[Action, float]) -> _Weighed:
+        est = self.estimates(facts, costs)
         charges = self.charges(facts, work)
-        best = cheapest(est, charges)
-        # on a shared GPU the path through P costs D's streams at least as much: refusing spares them nothing
-        if itl_why is not None and facts.shared_gpu and local_s <= work[best]:
-            itl_why = None
-            est = self.estimates(replace(facts, decode_local_possible=True), costs)
-            best = cheapest(est, charges)
-            if best is Action.DECODE_LOCAL:  # taken where the ITL checks alone would have refused it
-                return Decision(best, Reason.SHARED_GPU, est, charges)
+        return _Weighed(facts, costs, est, charges, cheapest(est, charges))
+
+    def _why(self, w: _Weighed, itl_why: Reason | None, *, local_ok: bool) -> Reason | None:
+        """Why the policy's action is not the fastest for the turn alone, or declines D's usable KV."""
+        facts, best = w.facts, w.best
         if itl_why is not None:
-            local = estimate(costs, replace(facts, decode_local_possible=True))
-            if local[Action.DECODE_LOCAL] < est[best] + charges.get(best, 0.0):
-                return Decision(best, itl_why, est, charges)  # decode-local would have won: the ITL check said no
+            local = estimate(w.costs, replace(facts, decode_local_possible=True))
+            if local[Action.DECODE_LOCAL] < w.estimates[best] + w.charges.get(best, 0.0):
+                return itl_why  # decode-local would have won: the ITL check said no
         elif local_ok and best is not Action.DECODE_LOCAL and facts.decode_queue_ms:
-            unqueued = self.estimates(replace(facts, decode_queue_ms=0.0), costs)
-            if cheapest(unqueued, charges) is Action.DECODE_LOCAL:  # decode-local would have won but for D's queue
-                return Decision(best, Reason.DECODE_QUEUE, est, charges)
+            unqueued = self.estimates(replace(facts, decode_queue_ms=0.0), w.costs)
+            if cheapest(unqueued, w.charges) is Action.DECODE_LOCAL:
+                return Reason.DECODE_QUEUE  # decode-local would have won but for D's queue
         if best is Action.RECOMPUTE and facts.reusable_tokens > 0:
-            return Decision(best, Reason.CHEAPER_TO_RECOMPUTE, est, charges)
+            return Reason.CHEAPER_TO_RECOMPUTE
         if best is Action.DECODE_LOCAL:
-            return Decision(best, Reason.DECODE_LOCAL, est, charges)
-        return Decision(best, None, est, charges)
+            return Reason.DECODE_LOCAL
+        return None
 
     def charges(self, facts: TurnFacts, work: Mapping[Action, float]) -> dict[Action, float]:
         """What each action's P compute costs the turns that will queue behind it at P (s): that compute

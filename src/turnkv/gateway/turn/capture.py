@@ -1,13 +1,15 @@
 """CAPTURE: after the answer, remember D's handle with the hash chain of the tokens it holds.
 
 D's own token ids are the authority: its prompt ids and generated ids, cut to the tokens the handle
-holds. A handle that is inconsistent with them is not stored. A handle is kept pinned only when the
-policy would pull it next turn, or as a hedge should D not take the next turn and P's cache have lost the
-history (``stored_hedge``: a pull then beats P recomputing it all), and only within D's pin budget
-(``gateway.pins``); every other handle of the turn is released at once: the new one when it is not
-kept, the claimed one when P did not take it (a decode-local turn supersedes it). When a turn fails
-before P used the claimed handle, the record is put back, so one failure does not cost the conversation
-its reuse. Ends the turn with its log event and metrics (``report``).
+holds. A handle that is inconsistent with them is not stored. What becomes of the new handle is the
+planner's decision (``plan.after_turn``): kept pinned when the policy would pull it next turn, or as a
+hedge should D not take the next turn and P's cache have lost the history (``stored_hedge``: a pull then
+beats P recomputing it all), and only within D's pin budget (``gateway.pins``); released at once where
+requests wait on D for blocks; else left to D's prefix cache. This step carries it out, and releases the
+claimed handle when P did not take it (a decode-local turn supersedes it). When a turn fails before P used
+the claimed handle, the record is put back, so one failure does not cost the conversation its reuse. Ends
+the turn with its log event and metrics (``report``).
+Transition: CAPTURE → DONE (the turn is accounted for).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from turnkv.gateway.turn.direct import enabled as direct_enabled
 from turnkv.gateway.turn.results import AfterTurn, Capture
 from turnkv.gateway.turn.run import TurnRun
 from turnkv.reuse.chain import ChainBuilder, sequence_digest
+from turnkv.routing import InstanceView
 from turnkv.state.record import ConversationRecord
 
 # the store keeps a record this long past its last usable moment, to tell "expired" from "none"
@@ -47,53 +50,30 @@ def build_record(run: TurnRun) -> ConversationRecord | Capture:
         return Capture.NO_SESSION
     if cap.error is not None or cap.finish_reason is None:
         return Capture.FAILED
-    decode_url = run.decode_url
-    d = svc.fleet.view(decode_url)
-    stateful = run.prefilled is not None and run.prefilled.result.for_decode is not None and not run.plan.decode_local
-    if turn.stream and d is not None and stateful:
-        svc.fleet.saw_stream_handle(d.url, cap.handle is not None)
+    d = svc.fleet.view(run.decode_url)
+    _note_stream_handle(run, d)
     prompt = cap.prompt_token_ids
     if prompt is None:
         return Capture.NO_TOKEN_IDS
-    h = cap.handle
-    unpinned = None
-    engine_id = ""
-    if h is None:
-        # the next turn can still go decode-local (D's prefix cache holds the turn), and says why not more
-        if run.plan.decode_local:
-            unpinned = "decode_local"  # D was asked for no handle (turn/decode.py)
-        elif turn.stream:
-            unpinned = "no_handle_in_stream"
-        else:
-            return Capture.NO_HANDLE
-        n = len(prompt) + len(cap.token_ids)
-    else:
-        held = svc.engine.read_handle(h, seq_len=len(prompt) + len(cap.token_ids), block_size=s.block_size)
-        if isinstance(held, HandleProblem):
-            return Capture(held.value)
-        n, engine_id = held.tokens, held.engine_id
-    rendered = run.rendered
-    if rendered.prompt_ids is not None and prompt != rendered.prompt_ids:
-        svc.metrics.render_mismatch.inc()
+    held = _held(run, len(prompt) + len(cap.token_ids))
+    if isinstance(held, Capture):
+        return held
+    n, engine_id, unpinned = held
     held_ids = (prompt + cap.token_ids)[:n]
-    if rendered.chain is not None and prompt == rendered.prompt_ids and n >= len(prompt):
-        chain = rendered.chain.copy().extend(cap.token_ids[: n - len(prompt)])
-    else:
-        chain = ChainBuilder(s.block_size).extend(held_ids)
     answer, reasoning = cap.answer.digests()
-    messages = turn.messages
+    messages, h = turn.messages, cap.handle
     # what a later direct turn is held against; not needed where no turn can be direct
     direct = direct_enabled(svc, until_audited=True)
     now = time.time()
     return ConversationRecord(
         tenant=turn.conversation.tenant,
-        decode_url=str(decode_url),
+        decode_url=str(run.decode_url),
         prefill_url=run.prefill_url,
         handle=h,
         engine_id=engine_id,
         engine_epoch=d.epoch if d else None,
         num_tokens=n,
-        chain=chain.digests(),
+        chain=_chain(run, prompt, held_ids).digests(),
         block_size=s.block_size,
         prompt_tokens=len(prompt),
         answer_digest=answer,
@@ -108,6 +88,41 @@ def build_record(run: TurnRun) -> ConversationRecord | Capture:
         tokens_digest=sequence_digest(held_ids),
         pin_id=None if h is None else svc.engine.pin_id(h),
     )
+
+
+def _note_stream_handle(run: TurnRun, d: InstanceView | None) -> None:
+    """Whether a streamed P/D turn's answer carried D's handle (the fleet learns which Ds' streams do)."""
+    prefilled = run.prefilled
+    stateful = prefilled is not None and prefilled.result.for_decode is not None and not run.plan.decode_local
+    if run.turn.stream and d is not None and stateful:
+        run.svc.fleet.saw_stream_handle(d.url, run.collected.handle is not None)
+
+
+def _held(run: TurnRun, seq_len: int) -> tuple[int, str, str | None] | Capture:
+    """What the record holds of D's sequence of ``seq_len`` tokens: how many tokens, the engine holding them,
+    and why no handle pins them (None: D's handle does); or why no record is kept."""
+    h = run.collected.handle
+    if h is not None:
+        held = run.svc.engine.read_handle(h, seq_len=seq_len, block_size=run.svc.settings.block_size)
+        return Capture(held.value) if isinstance(held, HandleProblem) else (held.tokens, held.engine_id, None)
+    # the next turn can still go decode-local (D's prefix cache holds the turn), and says why not more
+    if run.plan.decode_local:
+        return seq_len, "", "decode_local"  # D was asked for no handle (turn/decode.py)
+    if run.turn.stream:
+        return seq_len, "", "no_handle_in_stream"
+    return Capture.NO_HANDLE
+
+
+def _chain(run: TurnRun, prompt: list[int], held_ids: list[int]) -> ChainBuilder:
+    """The hash chain of the tokens the record holds: the render's, extended by D's answer, where D computed
+    the rendered prompt (a prompt D computed otherwise is counted: ``render_mismatch``)."""
+    rendered = run.rendered
+    same = rendered.prompt_ids is not None and prompt == rendered.prompt_ids
+    if rendered.prompt_ids is not None and not same:
+        run.svc.metrics.render_mismatch.inc()
+    if rendered.chain is not None and same and len(held_ids) >= len(prompt):
+        return rendered.chain.copy().extend(held_ids[len(prompt) :])
+    return ChainBuilder(run.svc.settings.block_size).extend(held_ids)
 
 
 async def finish(run: TurnRun, *, ok: bool) -> Capture:

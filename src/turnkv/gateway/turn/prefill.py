@@ -13,8 +13,9 @@ Transition: PREFILL → DECODE.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
-from turnkv.engine.base import PrefillCall
+from turnkv.engine.base import HandleUse, PrefillCall
 from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
 from turnkv.gateway.turn.deadline import Deadline
 from turnkv.gateway.turn.direct import size_guess
@@ -36,64 +37,84 @@ def queued_work(run: TurnRun) -> tuple[float, int]:
     return work, n - cached
 
 
+@dataclass
+class _Tries:
+    """The prefill engines this leg gave up on, and whether a single P's failed connection was tried again."""
+
+    given_up: set[str] = field(default_factory=set)
+    retried_same: bool = False
+
+
 async def run(run: TurnRun) -> Prefilled:
     svc, turn = run.svc, run.turn
     fleet = svc.fleet
-    tried: set[str] = set()
+    tries = _Tries()
     url = run.plan.prefill_url
-    only_one = fleet.size("prefill") == 1
     last: UpstreamError | None = None
-    retried_same = False
     work_s, work_tokens = queued_work(run)
     for _ in range(fleet.size("prefill") + 2):
+        tried = tries.given_up
         inst = fleet.view(url) if url and url not in tried else svc.router.pick("prefill", exclude=frozenset(tried))
         if inst is None:
             break
-        send = run.plan.send
-        t = svc.settings.timeouts
-        # a pull ahead of the token check is salted apart in P's cache, and checked on the ids P returns
-        # (``ahead``)
-        ahead = run.plan.pulls_ahead
-        body = salted(turn.body, turn.request_id) if ahead else turn.body
-        ids_back = ahead and svc.settings.ahead_check == "prefill"
-        call = PrefillCall(turn.path, body, run.rendered.prompt_ids, send, t.prefill_s, return_ids=ids_back)
+        call = _call(run)
         t0 = time.perf_counter()
-        run.journal.handle_spent = run.journal.handle_spent or send is not None
+        run.journal.handle_spent = run.journal.handle_spent or call.handle is not None
         try:
             with fleet.busy(inst.url, work_s, work_tokens) as slot:
                 sent, run.on_prefill_sent = run.on_prefill_sent, None
                 result = await run.until_aborted(
-                    svc.engine.prefill(inst.url, call, turn.meta), Deadline.prefill(t, inst.url), then=sent
+                    svc.engine.prefill(inst.url, call, turn.meta),
+                    Deadline.prefill(svc.settings.timeouts, inst.url),
+                    then=sent,
                 )
         except UpstreamError as exc:
             last = exc
-            timed_out = isinstance(exc, UpstreamTimeout)
-            if timed_out:
-                svc.metrics.deadline_misses.labels("prefill").inc()
-                fleet.missed_deadline(inst.url)
-            run.failed("prefill", inst.url, exc)
-            if send is not None and isinstance(exc, (UpstreamStatus, UpstreamTimeout)):
-                # P failed or stalled on D's handle (expired, D restarted or full, link failure): again,
-                # on the same P, without it. A request given up on (perhaps still in P's queue) told D
-                # nothing: vLLM notifies D only once it allocates one in this form, so a release of its own
-                # tells D. One P answered did reach D, or met a handle D no longer holds
-                if timed_out and svc.settings.release_unused:
-                    svc.releaser.submit(send.handle, "prefill_failed")
-                run.fall_back(Fallback.PREFILL_DEADLINE if timed_out else Fallback.PULL_FAILED)
-                url = inst.url
-                continue
-            run.retrying("prefill", exc.kind)
-            if only_one and isinstance(exc, UpstreamUnavailable) and not retried_same:
-                retried_same, url = True, inst.url  # a single P's connection failed: once more, the same
-                continue
-            tried.add(inst.url)
-            url = None
+            url = _after_failure(run, inst.url, exc, call.handle, tries)
             continue
         fleet.met_deadline(inst.url)
         done = Prefilled(inst.url, time.perf_counter() - t0, result, slot.served_s)
         _observe(run, done)
         return done
     raise last or UpstreamUnavailable("no prefill engine is available", leg="prefill")
+
+
+def _call(run: TurnRun) -> PrefillCall:
+    """P's request as the plan now says: a pull ahead of the token check is salted apart in P's cache, and
+    checked on the ids P returns (``ahead``)."""
+    svc, turn = run.svc, run.turn
+    ahead = run.plan.pulls_ahead
+    body = salted(turn.body, turn.request_id) if ahead else turn.body
+    ids_back = ahead and svc.settings.ahead_check == "prefill"
+    return PrefillCall(
+        turn.path, body, run.rendered.prompt_ids, run.plan.send, svc.settings.timeouts.prefill_s, return_ids=ids_back
+    )
+
+
+def _after_failure(run: TurnRun, url: str, exc: UpstreamError, send: HandleUse | None, tries: _Tries) -> str | None:
+    """The prefill on ``url`` failed: the P to try next (None: routing's pick of one not given up on); raises
+    when no other attempt can help."""
+    svc = run.svc
+    timed_out = isinstance(exc, UpstreamTimeout)
+    if timed_out:
+        svc.metrics.deadline_misses.labels("prefill").inc()
+        svc.fleet.missed_deadline(url)
+    run.failed("prefill", url, exc)
+    if send is not None and isinstance(exc, (UpstreamStatus, UpstreamTimeout)):
+        # P failed or stalled on D's handle (expired, D restarted or full, link failure): again, on the same P,
+        # without it. A request given up on (perhaps still in P's queue) told D nothing: vLLM notifies D only
+        # once it allocates one in this form, so a release of its own tells D. One P answered did reach D, or
+        # met a handle D no longer holds
+        if timed_out and svc.settings.release_unused:
+            svc.releaser.submit(send.handle, "prefill_failed")
+        run.fall_back(Fallback.PREFILL_DEADLINE if timed_out else Fallback.PULL_FAILED)
+        return url
+    run.retrying("prefill", exc.kind)
+    if svc.fleet.size("prefill") == 1 and isinstance(exc, UpstreamUnavailable) and not tries.retried_same:
+        tries.retried_same = True  # a single P's connection failed: once more, the same
+        return url
+    tries.given_up.add(url)
+    return None
 
 
 def _observe(run: TurnRun, done: Prefilled) -> None:

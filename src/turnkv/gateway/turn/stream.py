@@ -10,6 +10,7 @@ error event. A failure after the first output becomes a final SSE error event to
 only what turnkv asked D for (token ids) are not forwarded. Leaving (the client went away, the end,
 or a shutdown past its drain) closes D's answer, so D aborts the request; a client that leaves while
 the first token is awaited stops that read before anything else (the salvage) reads D's stream.
+Transition: the relay → CAPTURE, before the stream's ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -108,77 +110,118 @@ def _failure(run: TurnRun, missed: bool) -> GatewayError:
     return UpstreamProtocolError(str(msg or "decode failed"), leg="decode")
 
 
+@dataclass(frozen=True)
+class _Start:
+    """How D's answer started for the client: its first output (with what came before it), or what ends the
+    stream instead."""
+
+    opened: Opened | None = None  # the answer that shows output
+    stream: DecodeStream | None = None  # ... its stream
+    head: bytes = b""  # ... its first bytes
+    error: bytes | None = None  # no output: the SSE error event that ends the stream (None: an empty answer)
+    again: bool = False  # D failed before any output (or missed its deadline): the turn may run again
+    missed: bool = False  # ... it missed its first-token deadline
+
+
+async def _attempt(run: TurnRun) -> _Start:
+    """D's answer as opened now, read up to its first output."""
+    opened = run.opened
+    assert opened is not None and opened.stream is not None, "the relay reads an open stream"
+    stream = opened.stream
+    missed = False
+    try:
+        head = await _await_head(run, opened, stream)
+    except _Missed:
+        head, missed = None, True
+        missed_first_token(run, opened.url)
+    except StreamBroken as exc:
+        head = None
+        stream.collected.error = {"message": f"decode stream broke: {exc.cause}"}
+    if head is not None:
+        return _Start(opened, stream, head)
+    run.close_answer()
+    collected = stream.collected
+    if collected.error is None and not missed and collected.finish_reason is not None:
+        return _Start()  # finished with nothing to show (an empty answer): nothing failed
+    run.svc.metrics.upstream_error("decode", "first_token_deadline" if missed else "empty_stream", opened.url)
+    if run.aborted is not None:
+        return _Start(error=sse_error_event(_failure(run, missed)))
+    return _Start(again=True, missed=missed)
+
+
+async def _start(run: TurnRun, restart: Restart) -> _Start:
+    """The client's first output: D's answer, run again once, invisibly, when D fails before it."""
+    first = await _attempt(run)
+    if not first.again:
+        return first
+    try:
+        await restart(run)
+    except GatewayError as exc:
+        return _Start(error=sse_error_event(exc))
+    second = await _attempt(run)
+    return _Start(error=sse_error_event(_failure(run, second.missed))) if second.again else second
+
+
+def _ended_badly(run: TurnRun, opened: Opened, stream: DecodeStream, engine_error: bool) -> bytes | None:
+    """After the client's first output: the SSE error event that ends a stream that failed (None: it did not,
+    or D's own error event was forwarded)."""
+    if stream.collected.error is None and run.aborted is None:
+        return None
+    run.svc.metrics.upstream_error("decode", "stream", opened.url)
+    if engine_error and run.aborted is None:
+        return None  # D's own error event was forwarded
+    return sse_error_event(_failure(run, False))
+
+
 async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> AsyncGenerator[bytes, None]:
     """The client's stream: D's answer (run again once, invisibly, when D fails before its first output),
     then ``[DONE]`` once the next turn's record is stored."""
-    svc = run.svc
-    restarted = False
     finished = False
     started()
     try:
-        while True:
-            opened = run.opened
-            assert opened is not None and opened.stream is not None, "the relay reads an open stream"
-            stream = opened.stream
-            missed = False
+        start = await _start(run, restart)
+        if start.opened is not None and start.stream is not None:
+            opened, stream = start.opened, start.stream
+            opened.slot.prefilled()  # a decode-local turn's prefill is done on D
+            run.svc.fleet.met_deadline(opened.url)
+            yield start.head
+            engine_error = stream.collected.error is not None
             try:
-                head = await _await_head(run, opened, stream)
-            except _Missed:
-                head, missed = None, True
-                missed_first_token(run, opened.url)
+                async for out in _tail(stream):
+                    yield out
+                    engine_error = stream.collected.error is not None
+                if stream.done:
+                    await stream.drain(DRAIN_TIMEOUT_S)
             except StreamBroken as exc:
-                head = None
                 stream.collected.error = {"message": f"decode stream broke: {exc.cause}"}
-            if head is not None:
-                opened.slot.prefilled()  # a decode-local turn's prefill is done on D
-                svc.fleet.met_deadline(opened.url)
-                yield head
-                engine_error = stream.collected.error is not None
-                try:
-                    async for out in _tail(stream):
-                        yield out
-                        engine_error = stream.collected.error is not None
-                    if stream.done:
-                        await stream.drain(DRAIN_TIMEOUT_S)
-                except StreamBroken as exc:
-                    stream.collected.error = {"message": f"decode stream broke: {exc.cause}"}
-                finally:
-                    run.close_answer()
-                if stream.collected.error is not None or run.aborted is not None:
-                    svc.metrics.upstream_error("decode", "stream", opened.url)
-                    if not engine_error or run.aborted is not None:  # D's own error event was forwarded
-                        yield sse_error_event(_failure(run, False))
-                break
-            run.close_answer()
-            collected = stream.collected
-            if collected.error is None and not missed and collected.finish_reason is not None:
-                break  # finished with nothing to show (an empty answer): nothing failed
-            svc.metrics.upstream_error("decode", "first_token_deadline" if missed else "empty_stream", opened.url)
-            if restarted or run.aborted is not None:
-                yield sse_error_event(_failure(run, missed))
-                break
-            restarted = True
-            try:
-                await restart(run)
-            except GatewayError as exc:
-                yield sse_error_event(exc)
-                break
+            finally:
+                run.close_answer()
+            end = _ended_badly(run, opened, stream, engine_error)
+        else:
+            end = start.error
+        if end is not None:
+            yield end
         # Store the next record before the client sees [DONE]: an agent sends its next turn the moment
         # this one ends, and that turn must find the record, not this turn's claim.
         c = run.collected
-        ok = c.error is None and c.finish_reason is not None and run.aborted is None
         finished = True
-        await capture.end(run, ok=ok)
+        await capture.end(run, ok=c.error is None and c.finish_reason is not None and run.aborted is None)
         yield DONE_FRAME
     finally:
         if not finished:
-            opened = run.opened
-            if opened is not None and opened.stream is not None and not opened.stream.closed and run.aborted is None:
-                with anyio.CancelScope(shield=True):
-                    await opened.stream.salvage(SALVAGE_S)
+            await _salvage(run)
         run.close_answer()
         if not finished:
             await capture.end(run, ok=False)
+
+
+async def _salvage(run: TurnRun) -> None:
+    """The client's stream ended before the next record was stored (the client left): what D already sent is
+    read, bounded and shielded, so a handle on its final event is not lost (D's answer is closed after)."""
+    opened = run.opened
+    if opened is not None and opened.stream is not None and not opened.stream.closed and run.aborted is None:
+        with anyio.CancelScope(shield=True):
+            await opened.stream.salvage(SALVAGE_S)
 
 
 class RelayResponse(StreamingResponse):
