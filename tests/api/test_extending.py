@@ -19,12 +19,18 @@ from starlette.types import Receive, Scope, Send
 from turnkv.config import Settings
 from turnkv.engine.base import PrefillResult
 from turnkv.engine.mock import Call, Decode, MockEngine, Prefill, Render, Reply, WriteBackCall
-from turnkv.errors import ClientError
+from turnkv.errors import ClientError, ConfigError
 from turnkv.gateway.app import ROUTES, create_app
 from turnkv.gateway.hot import TurnRoute
 from turnkv.gateway.intake import prepare_turn, receive
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.driver import run_turn
+from turnkv.reuse.assess import Reason
+from turnkv.reuse.cost import Action, CostParams, TurnFacts
+from turnkv.reuse.decision import Decision, Keep, PolicyParams
+from turnkv.reuse.policies import POLICIES
+from turnkv.routing.base import InstanceView, Params, RouteRequest
+from turnkv.routing.plugins import SCORERS
 
 P, D = "http://p.toy", "http://d.toy"
 ROLES = {"system": 1, "user": 2, "assistant": 3}
@@ -198,3 +204,84 @@ async def test_a_toy_front_end_comes_in_the_one_way_and_its_turns_reuse(cors: bo
             r = await client.post("/v1/toy", json=body, headers=session)
             assert (r.status_code, r.json()["error"]["param"]) == (status, param), r.text
         assert len(toy.pulled) == calls
+
+
+class PullAtLeastParams(PolicyParams):
+    min_tokens: int = 0
+
+
+class PullAtLeast:
+    """A toy reuse policy: pull D's KV when at least ``min_tokens`` of it match, else recompute (and say so)."""
+
+    name = "pull-at-least"
+    checks_tokens = True
+    may_decode_local = False
+    may_decode_local_first = False
+
+    def __init__(self, params: PullAtLeastParams) -> None:
+        self.min_tokens = params.min_tokens
+
+    def decide(self, facts: TurnFacts, costs: CostParams) -> Decision:
+        if facts.reusable_tokens > 0 and facts.reusable_tokens >= self.min_tokens:
+            return Decision(Action.PULL)
+        return Decision(Action.RECOMPUTE, Reason.CHEAPER_TO_RECOMPUTE if facts.reusable_tokens else None)
+
+    def keeps_pin(self, facts: TurnFacts, costs: CostParams) -> Keep:
+        return Keep.PULL if facts.reusable_tokens >= self.min_tokens else Keep.NOT_NEEDED
+
+
+@pytest.mark.parametrize(
+    ("min_tokens", "action", "reason"), [(1, "pull", "full_match"), (10**6, "recompute", "cheaper_to_recompute")]
+)
+async def test_a_toy_policy_registered_by_name_decides_the_turns(
+    monkeypatch: pytest.MonkeyPatch, min_tokens: int, action: str, reason: str
+) -> None:
+    monkeypatch.setitem(POLICIES, "pull-at-least", (PullAtLeastParams, PullAtLeast))
+    settings = Settings(**BASE, policy={"name": "pull-at-least", "params": {"min_tokens": min_tokens}})
+    toy = ToyEngines()
+    async with running(create_app(settings, engine=MockEngine(toy, model="toy"))) as (client, svc):
+        assert svc.policy.name == "pull-at-least"
+        for n in (1, 2):
+            body = {"model": "toy", "messages": conversation(n)}
+            r = await client.post("/v1/chat/completions", json=body, headers={"x-session-id": "toy-policy"})
+            assert r.status_code == 200, r.text
+        assert r.headers["x-turnkv-action"] == action
+        assert r.headers["x-turnkv-reason"] == reason
+        assert bool(toy.pulled) is (action == "pull")
+
+
+async def test_an_unknown_policy_refuses_the_start() -> None:
+    app = create_app(Settings(**BASE, policy={"name": "pull-at-least"}), engine=MockEngine(ToyEngines()))
+    with pytest.raises(ConfigError, match="unknown policy 'pull-at-least'"):
+        async with running(app):
+            pass
+
+
+class PreferUrl:
+    """A toy routing scorer: 1 for the engines whose URL ends with ``suffix``, 0 for the others."""
+
+    def __init__(self, params: PreferUrlParams) -> None:
+        self.suffix = params.suffix
+
+    def score(self, req: RouteRequest, candidates: Sequence[InstanceView]) -> Sequence[float]:
+        return [1.0 if c.url.endswith(self.suffix) else 0.0 for c in candidates]
+
+
+class PreferUrlParams(Params):
+    suffix: str
+
+
+async def test_a_toy_routing_plugin_in_a_profile_of_ones_own_picks_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(SCORERS, "prefer-url", (PreferUrlParams, PreferUrl))
+    second = "http://d2.toy"
+    profile = {"scorers": [{"type": "prefer-url", "params": {"suffix": "d2.toy"}}]}
+    settings = Settings(**{**BASE, "decode": [D, second]}, routing="mine", routing_profiles={"mine": profile})
+    engine = MockEngine(ToyEngines(), model="toy")
+    async with running(create_app(settings, engine=engine)) as (client, _):
+        for session in ("a", "b", "c"):
+            body = {"model": "toy", "messages": conversation(1)}
+            r = await client.post("/v1/chat/completions", json=body, headers={"x-session-id": session})
+            assert r.status_code == 200, r.text
+    assert {c.base for c in engine.calls if isinstance(c, Decode)} == {second}
+    with pytest.raises(ValueError, match="suffix"):  # its parameters are checked at start
+        Settings(**BASE, routing="mine", routing_profiles={"mine": {"scorers": [{"type": "prefer-url"}]}})

@@ -126,7 +126,8 @@ class VllmMultiturnPolicy:
         return Keep.PULL  # the proxy keeps every handle until the next turn takes it (or its TTL)
 
 
-_REGISTRY: dict[str, tuple[type[PolicyParams], Callable[[Any], ReusePolicy]]] = {
+# the one place where policy names map to their parameter models and factories
+POLICIES: dict[str, tuple[type[PolicyParams], Callable[[Any], ReusePolicy]]] = {
     "adaptive": (AdaptiveParams, AdaptivePolicy),
     "always-pull": (FixedParams, AlwaysPullPolicy),
     "never-pull": (FixedParams, NeverPullPolicy),
@@ -135,14 +136,14 @@ _REGISTRY: dict[str, tuple[type[PolicyParams], Callable[[Any], ReusePolicy]]] = 
     "vllm-multiturn": (FixedParams, VllmMultiturnPolicy),
 }
 
-POLICY_NAMES = tuple(_REGISTRY)
+POLICY_NAMES = tuple(POLICIES)  # the built-in ones
 
 
 def build_policy(name: str, params: Mapping[str, Any] | None = None) -> ReusePolicy:
     try:
-        model, factory = _REGISTRY[name]
+        model, factory = POLICIES[name]
     except KeyError:
-        raise ConfigError(f"unknown policy {name!r}; known: {', '.join(_REGISTRY)}") from None
+        raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
     try:
         return factory(model.model_validate(dict(params or {})))
     except ValidationError as exc:
