@@ -289,7 +289,8 @@ class FourHopSettings(BaseModel):
     tokenizer: str | None = Field(
         None,
         description="the model's tokenizer.json (or its folder) for streaming derender in the gateway's process: "
-        "one render call an answer; without it the text comes from the render service's /detokenize",
+        "one render call an answer; without it the text comes from the render service's /detokenize ('sim': the "
+        "simulator's tokenizer, against turnkv sim)",
     )
     reasoning_parser: str | None = Field("qwen3", description="the render service's --reasoning-parser (None: none)")
     tool_parser: str | None = Field("hermes", description="the render service's --tool-call-parser (None: none)")

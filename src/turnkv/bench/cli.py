@@ -207,6 +207,7 @@ def add_bench_parser(sub: Any) -> None:
         required=True,
         choices=[
             "fifth-turn",
+            "four-hop",
             "overhead",
             "smoke",
             "decode-memory",

@@ -160,6 +160,13 @@ class SimServer:
             raise internal_error()
         return arrival
 
+    async def tokenizing(self, tokens: int) -> None:
+        """What templating and tokenizing a text prompt costs this engine (``CostModel.text_per_token_s``)."""
+        costs = self.settings.engine.costs
+        seconds = costs.scaled(costs.text_per_token_s * tokens)
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+
     def _prepare(
         self, req: GenerationRequest, prompt: list[int], sampling: Sampling, rid: str, arrival: float
     ) -> _Prepared:
@@ -191,6 +198,7 @@ class SimServer:
             prompt, thinking, text_prompt = self.chat_prompt(req)
             limit = self.chat_max_tokens(req, len(prompt), text_prompt)
             arrival = await self._admit()
+            await self.tokenizing(len(prompt) if text_prompt else 0)
         except ApiError as exc:
             return exc.response()
         tool_choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
@@ -326,6 +334,7 @@ class SimServer:
                 text_prompt=text_prompt,
             )
             arrival = await self._admit()
+            await self.tokenizing(len(prompt) if text_prompt else 0)
         except ApiError as exc:
             return exc.response()
         rid = "cmpl-" + (request.headers.get("x-request-id") or random_uuid())

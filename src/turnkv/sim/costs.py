@@ -106,6 +106,12 @@ class CostModel(BaseModel):
     prefill_attn_s: float = Field(PREFILL_ATTN_S, ge=0, description="per new token per token of context")
     prefill_floor_s: float = Field(0.0, ge=0, description="minimum duration of a step that prefills (0: none)")
     api_overhead_s: float = Field(0.003, ge=0, description="HTTP, templating and scheduling per request")
+    text_per_token_s: float = Field(
+        0.0,
+        ge=0,
+        description="per prompt token an engine templates and tokenizes itself (a text prompt; 0: free). vLLM "
+        "0.34's render took 2.42 us a token on 2 cores (``sim.render.RenderCosts``)",
+    )
     link: str = "host"
     link_fixed_s: float | None = None
     link_bytes_per_s: float | None = None

@@ -109,6 +109,7 @@ class InfoRoutes:
             check_model(req.model, s.settings.model)
             ids, _, text_prompt = s.chat_prompt(req)
             limit = s.chat_max_tokens(req, len(ids), text_prompt)
+            await s.tokenizing(len(ids) if text_prompt else 0)
         except ApiError as exc:
             return exc.response()
         kv = {k: v for k, v in (req.kv_transfer_params or {}).items() if k != "prompt_token_ids"} or None

@@ -127,6 +127,12 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-per-seq-us", type=float, default=None, help="per stream in the decode batch")
     g.add_argument("--decode-ctx-ns", type=float, default=None, help="per token of context the decode batch attends to")
     g.add_argument("--api-overhead-ms", type=float, default=None)
+    g.add_argument(
+        "--text-us-per-token",
+        type=float,
+        default=None,
+        help="templating and tokenizing a text prompt, per token (0: free; vLLM's render: about 2.4 us)",
+    )
     add_render_arguments(p)
     f = p.add_argument_group("faults (also settable at run time: POST /_sim/faults)")
     f.add_argument("--fail-next", type=int, default=0, help="answer the next N generation requests with 500")
@@ -153,6 +159,7 @@ def settings_from_args(a: argparse.Namespace) -> SimSettings:
             "prefill_attn_s": None if a.prefill_attn_ns is None else a.prefill_attn_ns / 1e9,
             "free_tokens": a.free_tokens,
             "api_overhead_s": None if a.api_overhead_ms is None else a.api_overhead_ms / 1e3,
+            "text_per_token_s": None if a.text_us_per_token is None else a.text_us_per_token / 1e6,
         }.items()
         if v is not None
     }

@@ -68,6 +68,7 @@ class Deployment:
     replicas: int = 1
     relay_server: str = "aiohttp"  # relay, pd-relay: aiohttp.web, or uvicorn with a bare ASGI app (baseline_asgi)
     shared_gpu: bool = False  # pd, pd-direct: every engine on one GPU, sharing its compute (the sim's --gpu-share-file)
+    four_hop: bool = False  # pd: tokens-only P and D behind a render service (engine vllm-four-hop)
 
     def __post_init__(self) -> None:
         if min(self.prefills, self.decodes, self.replicas) < 1:
@@ -91,6 +92,7 @@ class Deployment:
             "prefills": self.prefills,
             "decodes": self.decodes,
             "replica_engines": self.replicas,
+            "four_hop": self.four_hop,
             "relay_server": self.relay_server,
             "shared_gpu": self.shared_gpu,
         }
@@ -116,9 +118,15 @@ class Deployment:
         if self.kind == "pd-relay":
             relay = "python -m turnkv.bench.baseline_relay --prefill $P --upstream $D"
             out.append(" ".join([relay, *self.relay_flags]))
+        if self.four_hop:
+            out = [line.replace(" --role prefill", " --role prefill --tokens-only") for line in out]
+            out = [line.replace(" --role decode", " --role decode --tokens-only --turnkv-plugin") for line in out]
+            out.insert(0, f"turnkv sim --role render {e}".strip())
         if self.kind == "pd":
             redis = " --redis-url redis://127.0.0.1:$REDIS_PORT/0" if self.redis else ""
             env = "".join(f"{k}={v} " for k, v in self.gateway_env)
+            if self.four_hop:
+                env = f"TURNKV_ENGINE=vllm-four-hop TURNKV_RENDER=$R {env}"
             workers = f" --workers {self.gateway_workers}" if self.gateway_workers > 1 else ""
             ps = " ".join(f"$P{i}" for i in range(self.prefills)) if self.prefills > 1 else "$P"
             ds = " ".join(f"$D{i}" for i in range(self.decodes)) if self.decodes > 1 else "$D"
@@ -232,10 +240,14 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
             common = d.engine_flags
             if d.shared_gpu:  # one device: they say so (a gateway's shared_gpu auto sees it) and share its compute
                 common = (*common, "--gpu", "GPU-0", "--gpu-share-file", str(log_dir / "gpu.share"))
-            specs = [(n, "prefill", (*common, *d.prefill_flags)) for n in _names("prefill", d.prefills)]
-            specs += [(n, "decode", (*common, *d.decode_flags)) for n in _names("decode", d.decodes)]
+            tokens: tuple[str, ...] = ("--tokens-only",) if d.four_hop else ()
+            plugin: tuple[str, ...] = ("--turnkv-plugin",) if d.four_hop else ()
+            specs = [(n, "prefill", (*common, *d.prefill_flags, *tokens)) for n in _names("prefill", d.prefills)]
+            specs += [(n, "decode", (*common, *d.decode_flags, *tokens, *plugin)) for n in _names("decode", d.decodes)]
+            if d.four_hop:
+                specs.append(("render", "render", common))
             engs = _start_engines(specs, log_dir, started)
-            ps, ds = engs[: d.prefills], engs[d.prefills :]
+            ps, ds = engs[: d.prefills], engs[d.prefills : d.prefills + d.decodes]
             gateway = None
             if d.kind == "pd-direct":
                 target = Target(prefill=ps[0].url, decode=ds[0].url)
@@ -261,6 +273,8 @@ def deploy(d: Deployment, log_dir: Path) -> Iterator[Deployed]:
                         url = relay.url
                     extra += ["--redis-url", url]
                 env = {"TURNKV_DECISION_HEADERS": "full", **dict(d.gateway_env)}
+                if d.four_hop:
+                    env.update(TURNKV_ENGINE="vllm-four-hop", TURNKV_RENDER=engs[-1].url)
                 gateway = launch.gateway(
                     "gateway", [p.url for p in ps], [x.url for x in ds], *extra, log_dir=log_dir, env=env
                 )

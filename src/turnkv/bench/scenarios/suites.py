@@ -17,6 +17,7 @@ from turnkv.bench.scenarios import (
     decode_memory,
     decode_overload,
     fifth_turn,
+    four_hop,
     goodput,
     overhead,
     reliability,
@@ -29,6 +30,7 @@ from turnkv.bench.scenarios.base import Bench, run_bench, with_duration, with_ga
 Analyzer = Callable[[Sequence[ConfigResult]], tuple[str, dict[str, list[str]]]]
 SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
     "fifth-turn": (fifth_turn.benches, fifth_turn.analyze),
+    "four-hop": (four_hop.benches, four_hop.analyze),
     "overhead": (overhead.benches, overhead.analyze),
     "smoke": (smoke.benches, smoke.analyze),
     "decode-memory": (decode_memory.benches, decode_memory.analyze),
@@ -40,6 +42,7 @@ SUITES: dict[str, tuple[Callable[[int | None], list[Bench]], Analyzer]] = {
 }
 TITLES = {
     "fifth-turn": "turnkv bench: fifth-turn TTFT on the simulator",
+    "four-hop": "turnkv bench: the fifth turn over four hops against two, on the simulator",
     "overhead": "turnkv bench: gateway overhead with zero-cost engines",
     "smoke": "turnkv bench: smoke",
     "decode-memory": "turnkv bench: decode memory under load",

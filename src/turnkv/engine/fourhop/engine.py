@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -91,7 +91,7 @@ class FourHopEngine:
         self.renders = renders
         self.config = config
         self.local_decode = local_decode
-        self._rendered: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._rendered: OrderedDict[str, asyncio.Future[dict[str, Any]]] = OrderedDict()  # by the turn's request id
         self._versions: dict[str, tuple[int, ...]] = {}  # engines' versions by base URL, as /version said
         self._derender: Derender | None = None
         self.renders_on_path = 0  # turns rendered by their prefill or decode call (the pipeline had not)
@@ -111,26 +111,50 @@ class FourHopEngine:
         return list(rendered["token_ids"])
 
     async def _render(self, body: Mapping[str, Any], meta: CallMeta) -> dict[str, Any]:
+        """The turn's render: one call to the render service, whoever asks first; a call for a turn whose
+        render is on its way waits for it (P's leg sent beside the pipeline's render shares it), and one whose
+        render failed renders on its own."""
+        key = meta.request_id or ""
+        pending = self._rendered.get(key) if key else None
+        if pending is not None:
+            with contextlib.suppress(UpstreamError):
+                return await asyncio.shield(pending)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        if key:
+            self._rendered[key] = fut
+            while len(self._rendered) > KEPT_RENDERS:
+                self._rendered.popitem(last=False)
+        try:
+            rendered = await self._render_call(body)
+        except BaseException as exc:
+            if self._rendered.get(key) is fut:
+                del self._rendered[key]
+            if isinstance(exc, Exception):
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: a waiter may not come
+            else:
+                fut.cancel()
+            raise
+        fut.set_result(rendered)
+        return rendered
+
+    async def _render_call(self, body: Mapping[str, Any]) -> dict[str, Any]:
         req = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         rendered = await self.renders.render_chat(req)
         ids = rendered.get("token_ids")
         if not isinstance(ids, list) or not ids or not isinstance(rendered.get("sampling_params"), dict):
             raise UpstreamStatus(502, {"error": {"message": "render returned no token ids"}}, leg="render")
-        if meta.request_id:
-            self._rendered[meta.request_id] = rendered
-            while len(self._rendered) > KEPT_RENDERS:
-                self._rendered.popitem(last=False)
         return rendered
 
     async def _rendered_for(self, body: Mapping[str, Any], meta: CallMeta, *, last: bool) -> dict[str, Any]:
-        """The turn's render (kept from ``render``), or a render now; ``last``: no later call of the turn needs it."""
-        kept = self._rendered.get(meta.request_id or "")
-        if kept is None:  # the pipeline did not render this turn (a first turn, a decode-local one): now, once
+        """The turn's render (from ``render``, done or on its way), or a render now; ``last``: no later call of the
+        turn needs it."""
+        if (meta.request_id or "") not in self._rendered:  # the pipeline did not render this turn: now, once
             self.renders_on_path += 1
-            kept = await self._render(body, meta)
+        rendered = await self._render(body, meta)
         if last:
             self._rendered.pop(meta.request_id or "", None)
-        return kept
+        return rendered
 
     def _placement(self, base: str) -> wire.Placement:
         return wire.placement_of(self._versions.get(base))
@@ -424,6 +448,14 @@ async def _first_tokens(resp: aiohttp.ClientResponse, base: str) -> bool:
     raise UpstreamProtocolError("write-back: the stream ended without output", leg="prefill", instance=base)
 
 
+def _local_decode(tokenizer: str | None) -> Callable[[Sequence[int]], str] | None:
+    if tokenizer == "sim":  # the simulator's tokenizer: for runs against ``turnkv sim``
+        from turnkv.sim.tokenizer import Tokenizer
+
+        return Tokenizer().decode
+    return load_decode(tokenizer) if tokenizer else None
+
+
 @contextlib.asynccontextmanager
 async def fourhop_engine(settings: Settings) -> AsyncIterator[FourHopEngine]:
     """A ``FourHopEngine`` with its own aiohttp session; the render services are ``four_hop.render`` (else
@@ -432,7 +464,7 @@ async def fourhop_engine(settings: Settings) -> AsyncIterator[FourHopEngine]:
     bases = list(fh.render) or ([settings.render] if settings.render else [])
     if not bases:
         raise ConfigError("engine vllm-four-hop needs a render service: four_hop.render (or render)")
-    local = load_decode(fh.tokenizer) if fh.tokenizer else None
+    local = _local_decode(fh.tokenizer)
     connector = aiohttp.TCPConnector(
         limit=settings.max_connections, limit_per_host=0, keepalive_timeout=settings.engine_keep_alive_s
     )
