@@ -51,10 +51,12 @@ def _serve(args: argparse.Namespace) -> int:
 
         return serve_workers(settings)
     from turnkv.gateway.connections import edge_limits
+    from turnkv.gateway.tally import Tally
     from turnkv.launch import serve
 
     configure_stdlib(settings.log_level, json=settings.log_json)
-    serve(create_app(settings), settings.host, settings.port, edge=edge_limits(settings))
+    tally = Tally()  # what clients hold, for the connection limits and the app's edge alike
+    serve(create_app(settings, tally=tally), settings.host, settings.port, edge=edge_limits(settings), tally=tally)
     return 0
 
 

@@ -226,28 +226,58 @@ class Limits(BaseModel):
         "gateway's send buffer is full; then the connection is dropped (and D's stream "
         "with it): a client that stops reading cannot hold a turn for ever",
     )
+    max_header_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        description="a request's line and headers; more is answered 431 and the connection closed (uvicorn "
+        "buffers headers without limit: 400 connections of 4 MB unfinished headers took 1.7 GiB)",
+    )
+    max_header_count: int = Field(128, ge=8, description="header lines of one request; more: 431")
     max_client_connections: int = Field(
         8192,
         ge=1,
         description="open client connections; more are answered "
-        "503 and closed at once. Lowered at start to fit the open-file limit",
+        "503 and closed at once (a GET of /health or /ready is still answered). Lowered at start to fit the "
+        "open-file limit",
     )
     max_connections_per_ip: int | None = Field(
         None,
         ge=1,
-        description="open connections from one peer address; "
-        "none: no limit (behind a load balancer every peer is the balancer)",
+        description="open connections from one peer address, whatever room is left; none: only the reserve "
+        "(reserve_share) holds one address back",
+    )
+    max_arriving: int = Field(
+        256,
+        ge=1,
+        description="requests whose headers came but whose body is still arriving; more get 503 with "
+        "Retry-After. A request takes its place in flight (max_inflight) only once its body is whole, so "
+        "stalled uploads hold only this small budget, each until body_timeout_s",
     )
     max_inflight: int = Field(
-        1024,
+        2048,
         ge=1,
         description="requests to the engines (turns, tokenize) in flight at once; more get 503 with Retry-After",
+    )
+    max_inflight_per_ip: int | None = Field(
+        None,
+        ge=1,
+        description="the same per peer address, whatever room is left (429); none: only the reserve holds one "
+        "address back",
     )
     max_inflight_per_tenant: int = Field(
         256,
         ge=1,
         description="the same per tenant, when clients are "
         "authenticated (API keys or a trusted proxy); more get 429 with Retry-After",
+    )
+    reserve_share: float = Field(
+        0.125,
+        ge=0,
+        lt=1,
+        description="share of each gateway-wide cap (client connections, requests arriving, requests in flight) "
+        "kept for those holding little: once only it is left, a peer address (or, with keys, a tenant) "
+        "holding an eighth of it or more gets no more, so one client cannot shut out another however much "
+        "it holds. 0: off (behind a load balancer every peer is the balancer)",
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After on a 429 or 503 overload answer")
     max_json_depth: int = Field(64, ge=4, le=512, description="nesting depth of a request body")

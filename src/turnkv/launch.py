@@ -30,6 +30,7 @@ from turnkv.gateway.lifecycle import Drain
 
 if TYPE_CHECKING:
     from turnkv.gateway.connections import EdgeLimits
+    from turnkv.gateway.tally import Tally
 
 READY_TIMEOUT_S = 60.0
 GRACE_S = 5.0  # after the drain: for the aborted turns to send their error events and settle
@@ -79,7 +80,14 @@ class _DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._loop.call_later, self._delay_s, super().handle_exit, sig, frame)
 
 
-def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning", *, edge: EdgeLimits | None = None) -> None:
+def run_uvicorn(
+    app: Any,
+    sock: socket.socket,
+    log_level: str = "warning",
+    *,
+    edge: EdgeLimits | None = None,
+    tally: Tally | None = None,
+) -> None:
     """Serve ``app`` on a listening socket until SIGTERM or SIGINT. With ``edge`` (the gateway), a client's
     headers have a deadline and connections a cap (gateway/connections.py); websockets are off. An app with
     a ``Drain`` in its state (the gateway) gets its drain time before the server gives up on its connections."""
@@ -87,7 +95,7 @@ def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning", *, ed
     if edge is not None:
         from turnkv.gateway.connections import edge_protocol
 
-        extra = {"http": edge_protocol(edge), "ws": "none", "timeout_keep_alive": edge.keep_alive_s}
+        extra = {"http": edge_protocol(edge, tally=tally), "ws": "none", "timeout_keep_alive": edge.keep_alive_s}
     drain: Drain | None = getattr(getattr(app, "state", None), "drain", None)
     delay_s = float(getattr(app.state, "shutdown_delay_s", 0.0)) if drain is not None else 0.0
     graceful = delay_s + drain.drain_s + GRACE_S if drain is not None else GRACE_S
@@ -100,12 +108,20 @@ def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning", *, ed
     server.run(sockets=[sock])
 
 
-def serve(app: Any, host: str, port: int, log_level: str = "warning", *, edge: EdgeLimits | None = None) -> None:
+def serve(
+    app: Any,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    *,
+    edge: EdgeLimits | None = None,
+    tally: Tally | None = None,
+) -> None:
     """Bind, announce the URL on stdout, then serve ``app`` with uvicorn until stopped."""
     sock = bind(host, port)
     sock.listen(LISTEN_BACKLOG)
     announce(sock)
-    run_uvicorn(app, sock, log_level, edge=edge)
+    run_uvicorn(app, sock, log_level, edge=edge, tally=tally)
 
 
 @dataclass

@@ -62,7 +62,13 @@ class Server:
     def __init__(self, limits: EdgeLimits, base: type[asyncio.Protocol]) -> None:
         self.protocol: Any = edge_protocol(limits, base)
         self.big = Big()
-        app = Starlette(routes=[Route("/", ok, methods=["GET", "POST"]), Route("/big", self.big.endpoint)])
+        app = Starlette(
+            routes=[
+                Route("/", ok, methods=["GET", "POST"]),
+                Route("/health", ok),
+                Route("/big", self.big.endpoint),
+            ]
+        )
         self.uvicorn = uvicorn.Server(
             uvicorn.Config(app, http=self.protocol, ws="none", lifespan="off", log_level="warning")
         )
@@ -209,7 +215,7 @@ async def test_one_address_over_its_cap_does_not_shut_out_others(base: type[asyn
             answer = await closed_with(r)
             assert answer == b"" or answer.startswith(b"HTTP/1.1 503 ")
         await s.served()  # from 127.0.0.1
-        assert s.protocol.guard.by_ip.get("127.0.0.2") == 3
+        assert s.protocol.guard.held_by("127.0.0.2") == 3
         for _, w in [*held, *refused]:
             w.close()
         await wait_released(s)
@@ -229,6 +235,70 @@ async def test_a_client_that_stops_reading_is_dropped(base: type[asyncio.Protoco
         assert len(await closed_with(r)) < CHUNKS * len(CHUNK)  # dropped, not buffered whole
         await s.served()
         w.close()
+
+
+@BASES
+async def test_headers_past_their_limits_are_refused_before_they_are_buffered(base: type[asyncio.Protocol]) -> None:
+    async with serving(base, header_timeout_s=60, max_header_bytes=8192, max_header_count=20) as s:
+        r, w = await s.connect()
+        w.write(b"GET / HTTP/1.1\r\nHost: gateway\r\nX-Big: ")
+        sent = 0
+        for _ in range(64):  # 4 MiB of one header's value, never finished, unless the server closes first
+            try:
+                w.write(b"a" * 65536)
+                await w.drain()
+            except ConnectionError:
+                break
+            sent += 65536
+            if w.transport.is_closing():
+                break
+        answer = await closed_with(r)
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 431 ")  # a reset may beat the answer
+        assert sent < 4 << 20  # the server closed well before the 4 MiB were taken
+        r, w = await s.connect()
+        w.write(b"GET / HTTP/1.1\r\nHost: gateway\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(40)) + b"\r\n")
+        assert (await closed_with(r)).startswith(b"HTTP/1.1 431 ")
+        await wait_released(s)
+        # a head within the limits, sent in one write with a body far larger than them: served
+        r, w = await s.connect()
+        body = b"x" * (1 << 20)
+        w.write(b"POST / HTTP/1.1\r\nHost: gateway\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), CLOSE_WAIT_S)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        w.close()
+        await s.served()
+
+
+@BASES
+async def test_health_is_answered_over_the_connection_cap(base: type[asyncio.Protocol]) -> None:
+    async with serving(base, max_connections=5, header_timeout_s=60) as s:
+        held = [await s.connect() for _ in range(5)]
+        r, w = await s.connect()
+        w.write(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        answer = await closed_with(r)  # answered, then closed
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"ok"), answer
+        r, w = await s.connect()
+        w.write(b"GET / HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        answer = await closed_with(r)
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 503 ")
+        r, w = await s.connect()  # says nothing: let go once its short wait is over
+        assert await closed_with(r) == b""
+        for _, hw in held:
+            hw.close()
+        await wait_released(s)
+        assert s.protocol.guard.overflow == 0
+
+
+@BASES
+async def test_the_reserve_keeps_room_for_another_address(base: type[asyncio.Protocol]) -> None:
+    # 64 connections, 16 of them kept for addresses holding fewer than 2: one address holds 48 at most
+    async with serving(base, max_connections=64, reserve_share=0.25, header_timeout_s=60) as s:
+        heavy = [await s.connect("127.0.0.2") for _ in range(70)]  # more than the cap
+        assert s.protocol.guard.held_by("127.0.0.2") == 48
+        await s.served()  # from 127.0.0.1, holding none
+        for _, w in heavy:
+            w.close()
+        await wait_released(s)
 
 
 def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:

@@ -2,8 +2,9 @@
 and a client that leaves mid-body. Engines are unreachable on purpose: a request that gets past the front
 door ends in the engines' 503 (``upstream_unavailable``), one that does not ends in the door's own answer.
 
-Requests that must stay in flight are driven as ASGI calls on the app's own event loop (the TestClient's
-portal), with a body that arrives only when the test says so.
+Requests that must stay in flight, or still arriving, are driven as ASGI calls on the app's own event loop
+(the TestClient's portal), with a body that arrives only when the test says so; a request kept in flight
+waits in an engine double (``engine.mock.MockEngine``) that answers only once the test opens it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from starlette.testclient import TestClient
 
 from tests.asgi import chat_scope
 from turnkv.config import Settings
+from turnkv.engine.base import CallMeta, PrefillResult
+from turnkv.engine.mock import Call, MockEngine, Prefill, Render, Reply
 from turnkv.gateway.app import create_app
 
 DOWN = "http://127.0.0.1:9"  # the discard port: nothing listens
@@ -28,9 +31,12 @@ WAIT_S = 10.0
 
 
 @contextmanager
-def gateway(caplog: pytest.LogCaptureFixture, **over: Any) -> Iterator[TestClient]:
-    settings = Settings(**{"prefill": [DOWN], "decode": [DOWN], "models": ["m"], "template_audit": False, **over})
-    with caplog.at_level(logging.DEBUG), TestClient(create_app(settings), raise_server_exceptions=False) as c:
+def gateway(caplog: pytest.LogCaptureFixture, *, engine: Any = None, **over: Any) -> Iterator[TestClient]:
+    # with an engine double, P and D are two engines (one URL for both is one engine: a decode engine)
+    engines = {"prefill": [DOWN], "decode": [DOWN if engine is None else "http://127.0.0.2:9"]}
+    settings = Settings(**{**engines, "models": ["m"], "template_audit": False, **over})
+    app = create_app(settings, engine=engine)
+    with caplog.at_level(logging.DEBUG), TestClient(app, raise_server_exceptions=False) as c:
         yield c
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
@@ -131,7 +137,8 @@ class Held:
 
     async def receive(self) -> dict[str, Any]:
         self.reading.set()
-        await self.release.wait()
+        if not self.release.is_set():  # as a server's: a body already there is given without a wait
+            await self.release.wait()
         if self.disconnect:
             return {"type": "http.disconnect"}
         return {"type": "http.request", "body": self.body, "more_body": False}
@@ -162,49 +169,108 @@ def hold(
     return Held(c.app, c.app_state, body, headers, path)
 
 
+class Gated(MockEngine):
+    """Engines that answer each call (and /tokenize) only once the test opens them, counting who reached
+    them: a request that did is in flight."""
+
+    def __init__(self) -> None:
+        super().__init__(self.answer, model="m")
+        self.opened: anyio.Event | None = None  # made on the app's loop by the scenario
+        self.reached = 0
+
+    async def wait(self) -> None:
+        self.reached += 1
+        assert self.opened is not None, "the scenario opens the engines"
+        await self.opened.wait()
+
+    async def answer(self, call: Call) -> Any:
+        await self.wait()
+        if isinstance(call, Render):
+            return [1, 2, 3]
+        if isinstance(call, Prefill):
+            return PrefillResult(for_decode={}, cached_tokens=0, prompt_tokens=3, prompt_ids=None)
+        return Reply("ok", token_ids=[4])
+
+    async def api_post(self, base: str, path: str, body: Any, meta: CallMeta) -> dict[str, Any]:
+        await self.wait()
+        return {"tokens": [1, 2, 3]}
+
+    async def until_reached(self, n: int) -> None:
+        with anyio.fail_after(WAIT_S):
+            while self.reached < n:  # noqa: ASYNC110 - a count, not an event: polled, bounded
+                await anyio.sleep(0.001)
+
+
 def test_overload_is_a_503_with_retry_after_and_the_slot_comes_back(caplog: pytest.LogCaptureFixture) -> None:
-    with gateway(caplog, limits={"max_inflight": 2, "retry_after_s": 3}) as c:
+    engine = Gated()
+    with gateway(caplog, engine=engine, limits={"max_inflight": 2, "retry_after_s": 3}) as c:
         first, second, third, after = (hold(c, {}) for _ in range(4))
+        for h in (first, second, third, after):
+            h.release.set()  # every body arrives at once
 
         async def scenario() -> None:
+            engine.opened = anyio.Event()
             async with anyio.create_task_group() as tg:
                 for h in (first, second):
                     tg.start_soon(h.run)
-                with anyio.fail_after(WAIT_S):
-                    await first.reading.wait()
-                    await second.reading.wait()
+                await engine.until_reached(2)  # both in flight
                 await third.run()  # both places taken: refused at once
-                first.release.set()
-                second.release.set()
-            after.release.set()
+                engine.opened.set()
             await after.run()
 
         in_loop(c, scenario)
         assert third.status == 503 and third.headers["retry-after"] == "3"
         assert third.error()["code"] == "server_overloaded"
-        for h in (first, second, after):  # past the front door: the engines' own 503
-            assert h.status == 503 and h.error()["code"] == "upstream_unavailable"
+        for h in (first, second, after):
+            assert h.status == 200, h.chunks
 
 
 def test_a_tenant_over_its_limit_gets_429_others_are_served(caplog: pytest.LogCaptureFixture) -> None:
-    with gateway(caplog, api_keys=KEYS, limits={"max_inflight_per_tenant": 1, "max_inflight": 10}) as c:
+    engine = Gated()
+    limits = {"max_inflight_per_tenant": 1, "max_inflight": 10}
+    with gateway(caplog, engine=engine, api_keys=KEYS, limits=limits) as c:
         a1, a2, b1 = hold(c, bearer("sk-a")), hold(c, bearer("sk-a")), hold(c, bearer("sk-b"))
+        for h in (a1, a2, b1):
+            h.release.set()
 
         async def scenario() -> None:
+            engine.opened = anyio.Event()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(a1.run)
-                with anyio.fail_after(WAIT_S):
-                    await a1.reading.wait()
+                await engine.until_reached(1)
                 await a2.run()
                 tg.start_soon(b1.run)
-                with anyio.fail_after(WAIT_S):
-                    await b1.reading.wait()
-                a1.release.set()
-                b1.release.set()
+                await engine.until_reached(2)
+                engine.opened.set()
 
         in_loop(c, scenario)
         assert a2.status == 429 and a2.error()["code"] == "rate_limit_exceeded" and a2.headers["retry-after"] == "1"
-        assert a1.status == 503 and b1.status == 503  # admitted: the engines' answer
+        assert a1.status == 200 and b1.status == 200
+
+
+def test_a_stalled_upload_holds_no_place_in_flight(caplog: pytest.LogCaptureFixture) -> None:
+    """A request takes its place in flight once its body is whole: stalled uploads hold only the small budget
+    of requests still arriving, and a whole request is served beside them."""
+    limits = {"max_inflight": 1, "max_arriving": 3, "reserve_share": 0, "body_timeout_s": WAIT_S / 2}
+    with gateway(caplog, limits=limits) as c:
+        stalled = [hold(c, {}) for _ in range(3)]  # their bodies never come
+        over, whole = hold(c, {}), hold(c, {})
+        whole.release.set()
+
+        async def scenario() -> None:
+            async with anyio.create_task_group() as tg:
+                for h in stalled:
+                    tg.start_soon(h.run)
+                with anyio.fail_after(WAIT_S):
+                    for h in stalled:
+                        await h.reading.wait()
+                    await over.run()  # a fourth body to wait for: refused at once
+                    await whole.run()  # its body came whole: it takes the one place in flight
+                tg.cancel_scope.cancel()  # the stalled clients leave
+
+        in_loop(c, scenario)
+        assert over.status == 503 and over.error()["code"] == "server_overloaded"
+        assert whole.status == 503 and whole.error()["code"] == "upstream_unavailable"  # past the door: the engines
 
 
 def test_a_body_that_never_finishes_is_a_408_that_closes(caplog: pytest.LogCaptureFixture) -> None:
@@ -257,23 +323,26 @@ def test_turn_routes_and_the_others_share_one_admission_count(
     flight on one way in takes the only place from a request on the other."""
     body = {"/v1/responses": {"model": "m", "input": "hi"}, "/tokenize": {"model": "m", "prompt": "hi"}}
     body["/v1/completions"] = body["/tokenize"]
-    with gateway(caplog, limits={"max_inflight": 1, "retry_after_s": 2}) as c:
+    engine = Gated()
+    with gateway(caplog, engine=engine, limits={"max_inflight": 1, "retry_after_s": 2}) as c:
         held = hold(c, {}, json.dumps(body.get(held_path, CHAT)).encode(), held_path)
         other = hold(c, {}, json.dumps(body.get(other_path, CHAT)).encode(), other_path)
         after = hold(c, {}, json.dumps(body.get(other_path, CHAT)).encode(), other_path)
+        for h in (held, other, after):
+            h.release.set()
 
         async def scenario() -> None:
+            engine.opened = anyio.Event()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(held.run)
+                await engine.until_reached(1)
                 with anyio.fail_after(WAIT_S):
-                    await held.reading.wait()
                     await other.run()  # refused at once: its body is never read
-                held.release.set()
-            after.release.set()
+                engine.opened.set()
             with anyio.fail_after(WAIT_S):
                 await after.run()
 
         in_loop(c, scenario)
         assert other.status == 503 and other.error()["code"] == "server_overloaded" and not other.reading.is_set()
-        for h in (held, after):  # past the front door: the engines' own 503
-            assert h.status == 503 and h.error()["code"] == "upstream_unavailable", h.chunks
+        for h in (held, after):
+            assert h.status == 200, h.chunks

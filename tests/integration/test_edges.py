@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import resource
+import select
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -282,3 +283,118 @@ def test_an_idle_kept_alive_connection_outlives_the_clients_own_pools(
         sock.settimeout(10)
         sock.sendall(request)  # the same connection, reused
         assert _one_response(sock).startswith(b"HTTP/1.1 200 ")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc")
+
+
+def attacker(c: Cluster, source: str = "127.0.0.2") -> Any:
+    host, port = c.gateway.url.removeprefix("http://").split(":")
+
+    def connect() -> socket.socket:
+        return socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
+
+    return connect
+
+
+def high_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 4 * STALLED:
+        pytest.skip("the open-file hard limit is too low for this many connections")
+
+
+def test_stalled_uploads_hold_no_place_a_whole_turn_needs(procs: list[launch.Running], tmp_path: Path) -> None:
+    """1,100 uploads from one address that send one byte of a 2,000-byte body and stop: they hold the small
+    budget of requests still arriving (an address holding many gets none of its reserve), never a place in
+    flight, so another address's turns are served while they wait out their body deadline."""
+    high_fd_limit()
+    c = start_cluster(procs, tmp_path, gateway_env={"TURNKV_LIMITS__BODY_TIMEOUT_S": "5"})
+    connect = attacker(c)
+    stalled = [connect() for _ in range(STALLED)]
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+    for s in stalled:
+        s.sendall(head + b"Content-Length: 2000\r\n\r\n{")
+    runs = [converse(c, 2, session=f"conv-{i}") for i in range(3)]  # meanwhile, from 127.0.0.1
+    assert all(t.correct for turns in runs for t in turns)
+    assert [t.outcome for turns in runs for t in turns] == ["none", "full"] * 3
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    answers = [closed_with(s, deadline) for s in stalled]
+    statuses = {a.split(b" ", 2)[1] for a in answers if a}
+    assert statuses <= {b"408", b"429"}, statuses  # their body deadline, or no place to wait in at all
+    assert b"408" in statuses and b"429" in statuses
+    for s in stalled:
+        s.close()
+    assert metric(c.gateway.url, "turnkv_rejected_requests_total", reason="server_overloaded") == 0
+    no_tracebacks(c)
+
+
+def test_large_headers_are_cut_short_and_memory_stays_flat(procs: list[launch.Running], tmp_path: Path) -> None:
+    """400 connections each sending 4 MB of headers that never end: each is answered 431 once its head passes
+    max_header_bytes (64 KiB) and closed, so the gateway buffers at most that much of each (uvicorn buffered
+    them whole: 75 -> 1,700 MiB); turns from another address are served meanwhile."""
+    c = start_cluster(procs, tmp_path)
+    converse(c, 1, session="warm")  # a started, warm gateway: its memory before the attack
+    before = rss_mib(c.gateway.proc.pid)
+    connect = attacker(c)
+    chunk = b"a" * 65536
+    taken = 0
+    conns = []
+    for _ in range(400):
+        s = connect()
+        conns.append(s)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nX-Big: ")
+        for _ in range(64):  # up to 4 MiB, unless the gateway closes first
+            try:
+                s.sendall(chunk)
+            except OSError:  # reset: the gateway closed on it
+                break
+            taken += len(chunk)
+    runs = [converse(c, 2, session=f"conv-{i}") for i in range(2)]
+    assert all(t.correct for turns in runs for t in turns)
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    answers = [closed_with(s, deadline) for s in conns]
+    assert all(a == b"" or a.startswith(b"HTTP/1.1 431 ") for a in answers)  # a reset may beat the answer
+    for s in conns:
+        s.close()
+    grown = rss_mib(c.gateway.proc.pid) - before
+    # the kernel's socket buffers take some of each send before the gateway reads it, so more than 64 KiB a
+    # connection was sent; what the gateway holds is bounded all the same (by far less than the 1.6 GB sent
+    # were they all taken)
+    assert taken < 400 * (4 << 20) and grown < 64, (taken, grown)
+    assert metric(c.gateway.url, "turnkv_rejected_requests_total", reason="header_too_large") >= 1
+    no_tracebacks(c)
+
+
+def test_one_address_holding_every_connection_it_can_does_not_stop_another(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    """8,400 idle sockets from one address against the default cap of 8,192, scaled down tenfold: 840 against
+    a cap of 819 (the behaviour is the same at any size: the cap and its reserve are shares). The address gets
+    no more than the cap less the reserve kept for those holding little; another address's turns and health
+    checks are served, and the first address's own health check too (answered over the cap)."""
+    high_fd_limit()
+    env = {"TURNKV_LIMITS__MAX_CLIENT_CONNECTIONS": "819", "TURNKV_LIMITS__HEADER_TIMEOUT_S": "120"}
+    c = start_cluster(procs, tmp_path, gateway_env=env)
+    connect = attacker(c)
+    idle = [connect() for _ in range(840)]
+    held = 819 - 819 // 8  # the cap less its reserve
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    while len(select.select(idle, [], [], 0.1)[0]) < 840 - held:  # those refused are answered and closed
+        assert time.monotonic() < deadline, "the connections over the cap were not closed"
+    probe = connect()  # the attacker's own address, holding what it may
+    probe.sendall(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
+    answer = closed_with(probe, time.monotonic() + CLOSE_WAIT_S)
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"status":"ok"}'), answer
+    with httpx.Client(base_url=c.gateway.url, timeout=30) as other:  # 127.0.0.1
+        assert other.get("/health").status_code == 200 and other.get("/ready").json()["ready"] is True
+    runs = [converse(c, 2, session=f"conv-{i}") for i in range(3)]
+    assert all(t.correct for turns in runs for t in turns)
+    refused = metric(c.gateway.url, "turnkv_rejected_requests_total", reason="connection_cap_per_ip")
+    assert refused >= 840 - held
+    for s in [*idle, probe]:
+        s.close()
+    no_tracebacks(c)

@@ -7,13 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import openai
 import pytest
 
-from tests.integration.cluster import Cluster, Dialogue, Turn, metric, start_cluster, wait_for
+from tests.integration.cluster import Cluster, Dialogue, Turn, metric, sim_control, sim_state, start_cluster, wait_for
 from turnkv import launch
 from turnkv.bench.procs import descendants
 from turnkv.bench.redis_server import free_port
@@ -261,3 +263,29 @@ def test_a_port_another_supervisor_is_starting_on_is_refused(tmp_path: Path, red
     finally:
         lock.close()
     assert second.returncode == 2 and "another turnkv gateway is starting" in second.stderr
+
+
+def test_the_caps_count_what_every_worker_holds(procs: list[launch.Running], tmp_path: Path, redis_url: str) -> None:
+    """max_inflight is the whole gateway's: with two workers, as many requests as it allows are served however
+    the kernel spreads their connections (an equal share each refused some whenever the spread was uneven:
+    17,942 503s in one run of 1,000 streams), and one more is refused wherever it lands."""
+    cap = 24
+    env = {"TMPDIR": str(tmp_path), "TURNKV_LIMITS__MAX_INFLIGHT": str(cap), "TURNKV_LIMITS__RESERVE_SHARE": "0"}
+    c = start_cluster(
+        procs, tmp_path, compat="0.33", redis_url=redis_url, gateway_args=("--workers", "2"), gateway_env=env
+    )
+    d = c.decode[0].url
+    sim_control(d, delay_ms=60_000)  # D holds every request: each stays in flight at the gateway
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    def post(i: int) -> int:
+        with httpx.Client(base_url=c.gateway.url, timeout=60) as client:  # a connection of its own
+            return client.post("/v1/chat/completions", json={**body, "user": f"u{i}"}).status_code
+
+    with ThreadPoolExecutor(cap) as pool:
+        statuses = [pool.submit(post, i) for i in range(cap)]
+        wait_for(lambda: sim_state(d)["delayed"] == cap, timeout_s=30, what=f"{cap} requests held at D")
+        assert post(cap) == 503  # the gateway holds its cap, whichever worker took this one
+        sim_control(d, delay_ms=0)
+        assert [s.result() for s in statuses] == [200] * cap
+    assert len(set(served_by(c, cap))) == 2  # both workers served some

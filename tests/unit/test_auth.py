@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from turnkv.config import ConfigError, Settings, load_settings
-from turnkv.errors import ClientError, Forbidden, Overloaded, TenantLimit, Unauthorized
+from turnkv.errors import ClientError, Forbidden, Unauthorized
 from turnkv.gateway.auth import (
     ANONYMOUS,
     Authenticator,
@@ -24,7 +24,6 @@ from turnkv.gateway.auth import (
     parse_keys,
     require_admin,
 )
-from turnkv.gateway.inflight import InFlightLimits
 
 ENGINES: dict[str, Any] = {"prefill": ["http://127.0.0.1:9"], "decode": ["http://127.0.0.1:9"]}
 DIGEST_A = hashlib.sha256(b"sk-a").hexdigest()
@@ -231,27 +230,3 @@ def test_cache_salt_separates_tenants_and_client_salts() -> None:
     assert len(salts) == 9
     assert cache_salt("k:1", None) == cache_salt("k:1", None)
     assert cache_salt("k:1", "") == cache_salt("k:1", None)  # vLLM refuses an empty salt; the gateway never sends one
-
-
-def test_admission_caps() -> None:
-    adm = InFlightLimits(max_inflight=3, per_tenant=2, retry_after_s=7)
-    with adm.hold("a"), adm.hold("a"):
-        with pytest.raises(TenantLimit) as err:
-            adm.check("a")
-        assert err.value.status == 429 and err.value.headers() == {"retry-after": "7"}
-        with adm.hold("b"):
-            with pytest.raises(Overloaded) as full:
-                adm.check("c")
-            assert full.value.status == 503 and not isinstance(full.value, TenantLimit)
-        adm.check("b")
-    assert adm.inflight == 0 and adm.by_tenant == {}
-    open_to_all = InFlightLimits(max_inflight=1, per_tenant=None, retry_after_s=1)
-    with open_to_all.hold("a"), pytest.raises(Overloaded):
-        open_to_all.check("b")
-
-
-def test_admission_is_given_back_when_the_request_fails() -> None:
-    adm = InFlightLimits(max_inflight=1, per_tenant=1, retry_after_s=1)
-    with pytest.raises(RuntimeError), adm.hold("a"):
-        raise RuntimeError("the route failed")
-    assert adm.inflight == 0 and adm.by_tenant == {}

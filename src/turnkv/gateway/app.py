@@ -41,6 +41,7 @@ from turnkv.gateway.pins import PinKeeper
 from turnkv.gateway.release import Releaser
 from turnkv.gateway.responses import routes as responses_routes
 from turnkv.gateway.services import Catalog, Services, TemplateAudit
+from turnkv.gateway.tally import Tally
 from turnkv.gateway.turn import report
 from turnkv.gateway.writeback import WriteBacks
 from turnkv.logging import make_logger
@@ -272,13 +273,15 @@ def create_app(
     engine: Engine | None = None,
     store: ConversationStore | None = None,
     routes: Sequence[BaseRoute] = ROUTES,
+    tally: Tally | None = None,
 ) -> Starlette:
     """The gateway; ``multiprocess_dir`` is set by ``serve --workers N`` (workers.py): where the workers'
     metrics meet, so that /metrics reports all of them. ``drain`` is how the server that runs the app
     tells it a shutdown began (``launch.run_uvicorn``). ``engine`` and ``store``: used instead of the ones
     the settings name (tests pass an engine double, ``engine.mock.MockEngine`` or the simulator-backed
     one, and a store of their own). ``routes``: the route table (``ROUTES``, or one with a front end of the
-    caller's own)."""
+    caller's own). ``tally``: where the edge counts what clients hold (``gateway.tally``), shared with the
+    server's connection limits and, with ``--workers``, with the other workers."""
     drain = drain or Drain(settings.drain_s)
 
     @contextlib.asynccontextmanager
@@ -365,7 +368,7 @@ def create_app(
             await guard.close()
 
     cors = settings.cors
-    edge = Edge(settings)
+    edge = Edge(settings, tally)
     middleware = [Middleware(EdgeMiddleware, edge=edge)]
     if cors.allow_origins:  # outermost: a browser's preflight is answered without credentials
         middleware.insert(

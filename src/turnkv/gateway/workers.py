@@ -7,7 +7,10 @@ conversation records through Redis, which is why more than one worker needs ``re
 conversation's next turn may reach any worker. Each worker listens on a socket of its own with
 SO_REUSEPORT, so the kernel spreads connections over workers by address, rather than handing most of
 them to whichever worker happened to wake first on a shared socket. Metrics from all workers are merged
-through prometheus_client's multiprocess directory (see ``metrics.py``).
+through prometheus_client's multiprocess directory (see ``metrics.py``). The client-facing caps
+(connections, requests arriving and in flight, per address and per tenant) are the whole gateway's: each
+worker admits by what all workers hold, read from a table they share in that directory (``tally``), so a
+worker the kernel hands more connections than others does not refuse while the gateway has room.
 
 The supervisor first makes sure nothing listens on the port (with SO_REUSEPORT a second gateway could
 otherwise join this one's group and take half its connections), and that no other supervisor is starting
@@ -35,6 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
 from types import FrameType
@@ -43,12 +47,14 @@ from typing import Any
 from prometheus_client import multiprocess
 
 from turnkv.config import Settings
+from turnkv.gateway.tally import SharedCounts, Tally
 from turnkv.launch import LISTEN_BACKLOG, READY_TIMEOUT_S, announce, bind
 
 STOP_TIMEOUT_S = 10.0
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 METRICS_PREFIX = "turnkv-metrics-"
+LIMITS_FILE = "edge-limits.tally"  # in the metrics directory, beside prometheus_client's *.db files
 SUPERVISE_TICK_S = 1.0  # how long a wait for a worker's exit or a signal lasts before looking again
 
 
@@ -60,35 +66,29 @@ def _exit_with_supervisor(lifeline: Connection) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def worker_share(settings: Settings) -> Settings:
-    """One worker's settings: the client-facing caps (``limits.max_inflight``, ``max_inflight_per_tenant``,
-    ``max_client_connections``, ``max_connections_per_ip``) are the whole gateway's, so each of the
-    ``workers`` processes takes an equal share, rounded down, at least 1: together they never admit more
-    than configured. The kernel spreads connections over workers by address, not by load, so one worker
-    may refuse while another has room; per-process pools (``max_connections`` to the engines,
-    ``redis_max_connections``) are left as they are."""
-    n = settings.workers
-    lim = settings.limits
-    if n <= 1:
-        return settings
+@dataclass(frozen=True)
+class SharedLimits:
+    """Where the workers count what clients hold (``tally.SharedCounts``): the caps are the whole gateway's,
+    and each worker admits by what all of them actually hold."""
 
-    def share(cap: int) -> int:
-        return max(1, cap // n)
+    path: str
+    rows: int
+    salt: bytes
 
-    limits = lim.model_copy(
-        update={
-            "max_inflight": share(lim.max_inflight),
-            "max_inflight_per_tenant": share(lim.max_inflight_per_tenant),
-            "max_client_connections": share(lim.max_client_connections),
-            "max_connections_per_ip": None if lim.max_connections_per_ip is None else share(lim.max_connections_per_ip),
-        }
-    )
-    return settings.model_copy(update={"limits": limits})
+    @classmethod
+    def create(cls, directory: str, workers: int) -> SharedLimits:
+        path = os.path.join(directory, LIMITS_FILE)
+        return cls(path, workers, SharedCounts.create(path, workers))
+
+    def tally(self, row: int) -> Tally:
+        return Tally(SharedCounts(self.path, self.rows, row, self.salt))
 
 
-def _worker(settings: Settings, ready: Any, lifeline: Connection, metrics_dir: str) -> None:
-    """One worker process: listen on the shared port, tell the supervisor, serve until SIGTERM. Its caps
-    are its share of the gateway's (``worker_share``)."""
+def _worker(
+    settings: Settings, ready: Any, lifeline: Connection, metrics_dir: str, limits: SharedLimits, row: int
+) -> None:
+    """One worker process: listen on the shared port, tell the supervisor, serve until SIGTERM. Its caps are
+    the gateway's, counted with the other workers' in row ``row`` of the shared table."""
     from turnkv.gateway.app import create_app
     from turnkv.gateway.connections import edge_limits
     from turnkv.launch import run_uvicorn
@@ -96,17 +96,19 @@ def _worker(settings: Settings, ready: Any, lifeline: Connection, metrics_dir: s
 
     threading.Thread(target=_exit_with_supervisor, args=(lifeline,), daemon=True).start()
     configure_stdlib(settings.log_level, json=settings.log_json)
-    settings = worker_share(settings)
     sock = bind(settings.host, settings.port, reuse_port=True)
     sock.listen(LISTEN_BACKLOG)
     ready.put(os.getpid())
-    run_uvicorn(create_app(settings, multiprocess_dir=metrics_dir), sock, edge=edge_limits(settings))
+    tally = limits.tally(row)
+    app = create_app(settings, multiprocess_dir=metrics_dir, tally=tally)
+    run_uvicorn(app, sock, edge=edge_limits(settings), tally=tally)
 
 
 class Supervisor:
     def __init__(self, settings: Settings, metrics_dir: str) -> None:
         self.settings = settings
         self.metrics_dir = metrics_dir
+        self.limits = SharedLimits.create(metrics_dir, settings.workers)
         self._ctx = multiprocessing.get_context("spawn")
         self._ready = self._ctx.Queue()
         # the supervisor keeps the sending end and never sends: the workers see EOF when it exits
@@ -115,8 +117,12 @@ class Supervisor:
         self._restarts: list[float] = []
 
     def start(self, index: int | None = None) -> None:
+        row = len(self.workers) if index is None else index
+        SharedCounts.clear_row(self.limits.path, self.limits.rows, row)  # what a worker there held died with it
         p = self._ctx.Process(
-            target=_worker, args=(self.settings, self._ready, self._lifeline, self.metrics_dir), name="turnkv-worker"
+            target=_worker,
+            args=(self.settings, self._ready, self._lifeline, self.metrics_dir, self.limits, row),
+            name="turnkv-worker",
         )
         p.start()
         if index is None:
