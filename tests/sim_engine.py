@@ -12,10 +12,10 @@ P and D are instances by URL. A prefill computes the prompt (pulling D's pinned 
 says so, failing when D no longer holds it) and leaves it for D; D continues it, or computes the turn
 itself (decode-local), and pins its sequence when it took P's KV (a handle in the answer's last event,
 or in the body). Its metrics count the tokens it computed, requests waiting there and its pinned KV.
-Faults per instance (``faults(url)``): fail, be unreachable, hang (stuck: computing nothing), wait behind
-other work until ``free(url)`` (busy: its token count moves at every reading meanwhile), never show a
-first token, drop the stream mid-way, end a stream without its handle, send an error event before
-output. As with a real connection, a stream read while another read of it is pending raises.
+Faults per instance (``faults(url)``): fail, refuse the request, be unreachable, hang (stuck: computing
+nothing), wait behind other work until ``free(url)`` (busy: its token count moves at every reading
+meanwhile), never show a first token, drop the stream mid-way, end a stream without its handle, send an
+error event before output. As with a real connection, a stream read while another read of it is pending raises.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class Faults:
     """What an instance does wrong, until the test changes it. Counts are used up one call at a time."""
 
     fail: int = 0  # the next calls answer HTTP 500
+    refuse: int = 0  # the next calls answer HTTP 400: the engine refuses the request (as vLLM its own checks)
     hang: int = 0  # the next calls never answer: a deadline or an abort must end them
     busy: int = 0  # the next calls (a stream: its first output) wait behind other work until ``free(url)``
     leg: str | None = None  # the calls ``fail`` and ``hang`` apply to (render, prefill, decode...): None, all
@@ -214,6 +215,10 @@ class SimEngine(EngineDefaults):
         if f.fail > 0:
             f.fail -= 1
             raise UpstreamStatus(500, {"error": {"message": "fake engine failure"}}, leg=leg, instance=base)
+        if f.refuse > 0:
+            f.refuse -= 1
+            refusal = {"error": {"message": "fake engine refusal", "type": "BadRequestError", "code": 400}}
+            raise UpstreamStatus(400, refusal, leg=leg, instance=base)
         return inst
 
     async def render(self, base: str, body: Mapping[str, Any], meta: CallMeta) -> list[int]:

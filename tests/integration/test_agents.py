@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import openai
 import pytest
 
 from turnkv import launch
@@ -109,3 +110,19 @@ def test_the_anthropic_sdk_runs_a_streamed_tool_conversation_that_reuses_ds_kv(c
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="sim-model", max_tokens=100_000, messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def test_a_request_d_refuses_after_p_pulled_keeps_the_record_for_its_resend(cluster: Cluster) -> None:
+    """Under always-pull P pulls D's KV before D sees the request; D then refuses it (min_tokens above
+    max_tokens: P got neither). The resend still finds the conversation's record."""
+    client = cluster.client()
+    messages: list[Any] = [{"role": "user", "content": "Plan a weekend in Porto."}]
+    first = client.chat.completions.create(model="sim-model", messages=messages, max_tokens=60)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And Sunday?"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="sim-model", messages=messages, max_tokens=10, extra_body={"min_tokens": 50}
+        )
+    assert "min_tokens" in refused.value.message  # the engine's words, the client's numbers
+    raw = client.chat.completions.with_raw_response.create(model="sim-model", messages=messages, max_tokens=60)
+    assert (raw.headers["x-turnkv-outcome"], raw.headers["x-turnkv-reason"]) == ("none", "handle_spent")

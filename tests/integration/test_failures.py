@@ -131,7 +131,8 @@ def test_decode_dropping_mid_stream_ends_with_an_error_event(procs: list[launch.
             d.step()
         d.messages = d.messages  # the failed turn left the history as it was
         t = d.step()
-        assert t.correct and t.reason == "no_record"  # the broken turn stored nothing, but lost nothing else
+        # the broken turn stored nothing and put back the record it claimed (P had pulled its handle)
+        assert t.correct and t.reason == "handle_spent"
 
 
 def test_client_disconnect_aborts_the_decode_request(procs: list[launch.Running], tmp_path: Path) -> None:

@@ -116,7 +116,7 @@ async def test_a_stream_that_breaks_after_its_first_token_fails_the_turn() -> No
         gw.engine.faults(D0, drop=1, drop_after=3)
         a = await chat.say("and then?")
         assert a.error is not None and a.error["code"] == "upstream_protocol_error"
-        assert gw.turns[-1]["capture"] == "failed"
+        assert gw.turns[-1]["capture"] == "failed_kept_unpinned"  # P had pulled: the record goes back without it
         assert gw.metric("turnkv_upstream_errors_total", leg="decode", kind="stream") == 1
 
 

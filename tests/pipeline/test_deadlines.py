@@ -120,6 +120,6 @@ async def test_a_client_that_leaves_before_the_first_token_is_settled_cleanly(fa
         assert [m["type"] for m in sent] == ["http.response.start"]  # no output ever reached the client
         await gw.wait_for("the turn's log", lambda: len(gw.turns) == 2)
         t = gw.turns[-1]
-        assert (t["capture"], t.get("retries")) == ("failed", None)
+        assert (t["capture"], t.get("retries")) == ("failed_kept_unpinned", None)  # P had pulled the handle
         await gw.wait_for("D's handles to be freed", lambda: not gw.engine[D0].pins)
         assert gw.engine[D0].behind == 0

@@ -59,7 +59,9 @@ async def test_a_second_failure_before_output_is_an_error_event() -> None:
         gw.engine.faults(D0, drop=2, drop_after=0)
         a = await chat.say("and then?")
         assert a.error is not None and a.error["code"] == "upstream_protocol_error"
-        assert gw.turns[-1]["capture"] == "failed"
+        assert (
+            gw.turns[-1]["capture"] == "failed_kept_unpinned"
+        )  # P had pulled: the record goes back without the handle
 
 
 async def test_an_unreachable_prefill_engine_is_replaced() -> None:
@@ -110,7 +112,9 @@ async def test_a_shutdown_past_its_drain_aborts_a_stream_in_flight() -> None:
         gw.svc.drain.begin()
         a = await task
         assert a.error is not None and a.error["code"] == "shutting_down"
-        assert gw.turns[-1]["capture"] == "failed"
+        assert (
+            gw.turns[-1]["capture"] == "failed_kept_unpinned"
+        )  # P had pulled: the record goes back without the handle
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -128,7 +132,9 @@ async def test_a_shutdown_past_its_drain_aborts_a_turn_waiting_on_p(stream: bool
         assert task.done(), "the abort did not end the turn's wait on P"
         a = task.result()
         assert a.error is not None and a.error["code"] == "shutting_down"
-        assert gw.turns[-1]["capture"] == "failed"
+        assert (
+            gw.turns[-1]["capture"] == "failed_kept_unpinned"
+        )  # P had pulled: the record goes back without the handle
         assert gw.engine[P0].hung == 0  # P's call was given up on, not left waiting
 
 
@@ -159,7 +165,9 @@ async def test_a_client_that_leaves_mid_stream_aborts_d_and_frees_its_handle() -
         scope = chat_scope({"x-session-id": "c1"})
         await asyncio.wait_for(gw.app(scope, receive, send), 10)  # type: ignore[arg-type]
         await gw.wait_for("the turn's log", lambda: len(gw.turns) == 2)
-        assert gw.turns[-1]["capture"] == "failed"
+        assert (
+            gw.turns[-1]["capture"] == "failed_kept_unpinned"
+        )  # P had pulled: the record goes back without the handle
         await gw.wait_for("D's handles to be freed", lambda: not gw.engine[D0].pins)
         assert gw.metric("turnkv_handle_releases_total", why="failed_turn") == 1
 

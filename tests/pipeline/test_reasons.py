@@ -580,6 +580,17 @@ async def test_many_long_turns_at_once_on_a_shared_gpu_are_all_answered_right(to
         assert d.capacity_tokens is not None and gw.engine[D0].pinned_tokens <= d.capacity_tokens * share
 
 
+async def test_a_retry_after_p_pulled_and_d_refused_finds_the_record() -> None:
+    # more in tests/pipeline/test_failed_turns.py
+    async with gateway() as gw:
+        chat = await conversation(gw)
+        gw.engine.faults(D0, refuse=1, leg="decode")
+        assert (await chat.say("and then?")).status == 400
+        chat.messages.pop()
+        a = await chat.say("and then?")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "handle_spent")
+
+
 def test_every_reason_is_covered() -> None:
     """A reason added to ``Reason`` needs a test here (corrupt_record: Redis only, tests/unit/test_store.py)."""
     import inspect

@@ -51,6 +51,8 @@ class Reason(enum.StrEnum):
     SHARED_GPU = "shared_gpu"
     PULL_FAILED = "pull_failed"
     PIN_RELEASED = "pin_released"  # the stored handle was given back (budget, pressure, not worth its bytes)
+    # the stored handle went to P in a turn that then failed: the record was kept, the history is in P's cache
+    HANDLE_SPENT = "handle_spent"
     NO_HANDLE_IN_STREAM = "no_handle_in_stream"  # D's stream carried no handle (vLLM < 0.33 without the plugin)
     FIRST_TOKEN_DEADLINE = "first_token_deadline"  # an engine missed it; the turn ran another way
     DECODE_FAILED = "decode_failed"  # D failed before its first token; the turn ran again as plain P/D
@@ -186,4 +188,6 @@ def unpinned_reason(record: ConversationRecord) -> Reason:
         return Reason.NO_HANDLE_IN_STREAM
     if record.unpinned in ("not_needed", "decode_local"):
         return Reason.CHEAPER_TO_RECOMPUTE
+    if record.unpinned == "spent":
+        return Reason.HANDLE_SPENT
     return Reason.PIN_RELEASED

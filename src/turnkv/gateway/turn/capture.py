@@ -6,9 +6,11 @@ planner's decision (``plan.after_turn``): kept pinned when the policy would pull
 hedge should D not take the next turn and P's cache have lost the history (``stored_hedge``: a pull then
 beats P recomputing it all), and only within D's pin budget (``gateway.pins``); released at once where
 requests wait on D for blocks; else left to D's prefix cache. This step carries it out, and releases the
-claimed handle when P did not take it (a decode-local turn supersedes it). When a turn fails before P used
-the claimed handle, the record is put back, so one failure does not cost the conversation its reuse. Ends
-the turn with its log event and metrics (``report``).
+claimed handle when P did not take it (a decode-local turn supersedes it). Only a turn that completed
+replaces the record: when a turn fails (refused by an engine, aborted, drained, or answered without a
+record to build), the claimed record is put back, with its handle when P did not use it and without
+(``spent``) when P did, so one failure costs the conversation neither its record nor, where P still holds
+the history, its reuse. Ends the turn with its log event and metrics (``report``).
 Transition: CAPTURE → DONE (the turn is accounted for).
 """
 
@@ -36,6 +38,7 @@ from turnkv.state.record import ConversationRecord
 
 # the store keeps a record this long past its last usable moment, to tell "expired" from "none"
 EXPIRED_GRACE_S = 120.0
+SPENT = "spent"  # ``ConversationRecord.unpinned`` of a record put back after its handle went to P
 FINISH_TIMEOUT_S = 5.0
 UNBOUNDED = 1 << 62  # a handle's own token count, read without a sequence to hold it against
 log = logging.getLogger("turnkv.capture")
@@ -163,10 +166,15 @@ async def _store(run: TurnRun, built: ConversationRecord | Capture, after: After
         if isinstance(built, ConversationRecord):
             return await _put(run, conv, built, after)
         old = run.claimed.record
-        if not run.journal.handle_spent and old is not None and old.expires_at > time.time():
-            # the turn failed before P used the handle: the conversation keeps its reuse
-            await run.svc.store.records.put(conv.key, old, old.expires_at - time.time() + EXPIRED_GRACE_S)
-            return built.kept_previous()
+        if old is not None and old.expires_at > time.time():
+            # only a turn that completed replaces the record: a failed, refused, aborted or drained one puts
+            # back the one it claimed, so its retry (or the next turn) still finds the history. Where P
+            # already took its handle (a pull, or a release), it goes back without one: the history is in P's
+            # prefix cache now, and the next turn says so
+            spent = run.journal.handle_spent and old.handle is not None
+            kept = old.unpin(SPENT) if spent else old
+            await run.svc.store.records.put(conv.key, kept, old.expires_at - time.time() + EXPIRED_GRACE_S)
+            return built.kept_unpinned() if spent else built.kept_previous()
         if run.claimed.held:
             await run.svc.store.records.release(conv.key, owner=run.turn.request_id)
         return built

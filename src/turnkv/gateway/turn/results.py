@@ -245,6 +245,13 @@ class Capture(enum.StrEnum):
     NOT_A_DECODE_HANDLE_KEPT_PREVIOUS = "not_a_decode_handle_kept_previous"
     INCONSISTENT_HANDLE_KEPT_PREVIOUS = "inconsistent_handle_kept_previous"
     INCOMPLETE_HANDLE_KEPT_PREVIOUS = "incomplete_handle_kept_previous"
+    # nothing new was stored, and P had taken the claimed record's handle: the record was put back without it
+    FAILED_KEPT_UNPINNED = "failed_kept_unpinned"
+    NO_TOKEN_IDS_KEPT_UNPINNED = "no_token_ids_kept_unpinned"
+    NO_HANDLE_KEPT_UNPINNED = "no_handle_kept_unpinned"
+    NOT_A_DECODE_HANDLE_KEPT_UNPINNED = "not_a_decode_handle_kept_unpinned"
+    INCONSISTENT_HANDLE_KEPT_UNPINNED = "inconsistent_handle_kept_unpinned"
+    INCOMPLETE_HANDLE_KEPT_UNPINNED = "incomplete_handle_kept_unpinned"
 
     @property
     def stored(self) -> bool:
@@ -254,10 +261,14 @@ class Capture(enum.StrEnum):
     def kept_previous(self) -> Capture:
         return Capture(f"{self.value}_kept_previous")
 
+    def kept_unpinned(self) -> Capture:
+        return Capture(f"{self.value}_kept_unpinned")
+
     @property
     def put_back(self) -> bool:
-        """Nothing new was stored, and the claimed record was put back as it was."""
-        return self.value.endswith("_kept_previous")
+        """Nothing new was stored, and the claimed record was put back (as it was, or without the handle P
+        took)."""
+        return self.value.endswith(("_kept_previous", "_kept_unpinned"))
 
     @classmethod
     def unpinned(cls, why: str) -> Capture:
