@@ -126,3 +126,20 @@ def test_a_request_d_refuses_after_p_pulled_keeps_the_record_for_its_resend(clus
     assert "min_tokens" in refused.value.message  # the engine's words, the client's numbers
     raw = client.chat.completions.with_raw_response.create(model="sim-model", messages=messages, max_tokens=60)
     assert (raw.headers["x-turnkv-outcome"], raw.headers["x-turnkv-reason"]) == ("none", "handle_spent")
+
+
+def test_a_prompt_too_long_for_the_model_is_refused_with_the_clients_own_numbers(cluster: Cluster) -> None:
+    """P refuses the one-token prefill turnkv sends it; the client hears the engine's reason with the output
+    length it asked for, on chat completions and on the Messages API (in each API's shape)."""
+    long = "lorem ipsum dolor sit amet " * 1600  # 43,200 tokens: past the model's 40,960
+    with pytest.raises(openai.BadRequestError) as chat:
+        cluster.client().chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": long}], max_tokens=60
+        )
+    said = chat.value.message
+    assert "maximum context length is 40960 tokens" in said and "you requested 60 output tokens" in said, said
+    client = anthropic.Anthropic(api_key="key-a", base_url=cluster.gateway.url, max_retries=0, timeout=60)
+    with pytest.raises(anthropic.BadRequestError) as messages:
+        client.messages.create(model="sim-model", max_tokens=70, messages=[{"role": "user", "content": long}])
+    error = messages.value.body["error"]  # type: ignore[index]
+    assert error["type"] == "invalid_request_error" and "you requested 70 output tokens" in error["message"]

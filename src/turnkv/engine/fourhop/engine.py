@@ -59,6 +59,7 @@ from turnkv.engine.vllm.engine import (
 )
 from turnkv.engine.vllm.http import Upstream, map_aiohttp_errors
 from turnkv.engine.vllm.info import PLUGIN_HEADER, plugin_lists, version_tuple
+from turnkv.engine.vllm.refusals import as_client_asked
 from turnkv.errors import ClientError, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
 
 GENERATE = "/inference/v1/generate"
@@ -167,9 +168,12 @@ class FourHopEngine:
         rendered = await self._rendered_for(call.body, meta, last=False)
         params = handles.prefill_params(call.handle, self.block_size)
         body = wire.prefill_body(rendered, params, self._placement(base), self._rid(meta))
-        data = await self.upstream.post_json(
-            "prefill", base, GENERATE, body, self._headers(meta), timeout_s=call.timeout_s
-        )
+        try:
+            data = await self.upstream.post_json(
+                "prefill", base, GENERATE, body, self._headers(meta), timeout_s=call.timeout_s
+            )
+        except UpstreamStatus as exc:
+            raise as_client_asked(exc, call.body) from None  # the client's numbers, not the one-token prefill's
         kv = data.get("kv_transfer_params")
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}

@@ -36,6 +36,7 @@ from turnkv.engine.base import (
 from turnkv.engine.vllm import handles
 from turnkv.engine.vllm.http import Upstream, map_aiohttp_errors
 from turnkv.engine.vllm.info import PLUGIN_HEADER, engine_info, load_sample
+from turnkv.engine.vllm.refusals import as_client_asked
 from turnkv.engine.vllm.stream import DecodeCapture, VllmDecodeStream
 from turnkv.errors import ClientError, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
 
@@ -121,7 +122,12 @@ class VllmEngine:
 
     async def prefill(self, base: str, call: PrefillCall, meta: CallMeta) -> PrefillResult:
         path, body = self._prefill_request(call)
-        data = await self.upstream.post_json("prefill", base, path, body, self._headers(meta), timeout_s=call.timeout_s)
+        try:
+            data = await self.upstream.post_json(
+                "prefill", base, path, body, self._headers(meta), timeout_s=call.timeout_s
+            )
+        except UpstreamStatus as exc:
+            raise as_client_asked(exc, call.body) from None  # the client's numbers, not the one-token prefill's
         params = data.get("kv_transfer_params")
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}

@@ -109,6 +109,8 @@ def _after_failure(run: TurnRun, url: str, exc: UpstreamError, send: HandleUse |
             svc.releaser.submit(send.handle, "prefill_failed")
         run.fall_back(Fallback.PREFILL_DEADLINE if timed_out else Fallback.PULL_FAILED)
         return url
+    if isinstance(exc, UpstreamStatus) and exc.upstream_status < 500:
+        raise exc  # P refused the request itself (a prompt too long for the model...): so would every P
     run.retrying("prefill", exc.kind)
     if svc.fleet.size("prefill") == 1 and isinstance(exc, UpstreamUnavailable) and not tries.retried_same:
         tries.retried_same = True  # a single P's connection failed: once more, the same
