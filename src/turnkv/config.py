@@ -132,8 +132,8 @@ class WriteBackSettings(BaseModel):
         "auto",
         pattern="^(auto|always|off)$",
         description="auto: per conversation, where P's cache has room and keeps what it is given, and the "
-        "conversation's think time leaves the transfer off the next turn's path; always: every handle the "
-        "policy would keep pinned is written back instead; off: handles stay pinned or are let go, as before",
+        "conversation's think time leaves the transfer off the next turn's path; always: every handle is "
+        "written back where P has room; off: handles stay pinned or are let go, as before",
     )
     max_in_flight: int = Field(
         1, ge=1, description="write-backs at once on one prefill engine (each pulls a conversation's KV from D)"

@@ -67,9 +67,14 @@ def test_many_conversations_on_a_decode_engine_too_small_to_pin_them_all(
     procs: list[launch.Running], tmp_path: Path
 ) -> None:
     # 16 conversations pinning ~20 blocks each at their last turn would take 320 of D's 400 blocks; the
-    # budget is 200. Without it the pins alone would leave running turns waiting for blocks.
+    # budget is 200. Without it the pins alone would leave running turns waiting for blocks. Write-back off:
+    # every handle the policy keeps stays pinned, as the budget is to bound (with it, the next test)
     c = start_cluster(
-        procs, tmp_path, compat="0.33", decode_flags=("--num-gpu-blocks", str(DECODE_BLOCKS)), gateway_env=FAST_JANITOR
+        procs,
+        tmp_path,
+        compat="0.33",
+        decode_flags=("--num-gpu-blocks", str(DECODE_BLOCKS)),
+        gateway_env={**FAST_JANITOR, "TURNKV_WRITE_BACK__MODE": "off"},
     )
     # stored pins within their budget, and the handles nobody will pull within their own share
     budget = int(DECODE_BLOCKS * BLOCK * BUDGET_SHARE) + int(DECODE_BLOCKS * BLOCK * UNUSED_SHARE)
@@ -98,6 +103,35 @@ def test_many_conversations_on_a_decode_engine_too_small_to_pin_them_all(
     assert max(pins.samples) <= budget + 16 * 25 * BLOCK
     assert sim_state(c.decode[0].url)["untracked_pins"] == 0
     assert metric(c.gateway.url, "turnkv_pinned_kv_budget_bytes") > 0
+
+
+def test_the_same_conversations_with_write_back_leave_d_nothing_pinned_at_rest(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    # at the gateway's defaults a pressed D keeps no pins: each turn's handle goes to P's prefix cache, so the
+    # later turns find their history there (or pull it, where a write-back was not sent), and once the last
+    # write-backs are done D pins nothing
+    # engines that take some time (a decode step ~1.6 ms): a write-back's abort reaches P within its tokens
+    c = start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",
+        sim_flags=("--time-scale", "0.2"),
+        decode_flags=("--num-gpu-blocks", str(DECODE_BLOCKS)),
+        gateway_env=FAST_JANITOR,
+    )
+    results = _run_many(c, 16, 5)
+    later = [t for conv in results for t in conv[1:]]
+    assert all(t.correct for conv in results for t in conv)  # every answer equals the colocated truth
+    assert sum(t.reason == "written_back" for t in later) >= len(later) // 4, [t.reason for t in later]
+    assert metric(c.gateway.url, "turnkv_write_backs_total", result="cached") > 0
+    wait_for(
+        lambda: sim_state(c.decode[0].url)["pinned_tokens"] == 0,
+        timeout_s=30,
+        what="nothing pinned on D at rest",
+        state=lambda: sim_state(c.decode[0].url),
+    )
+    assert sim_state(c.prefill[0].url)["pins"] == 0  # nor on P: every write-back was aborted after its pull
 
 
 SMALL_BLOCKS = 160  # 2,560 tokens of KV; turns may reserve 0.9 of it: 2,304

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.cluster import metric, sim_control, sim_state
+from tests.integration.cluster import Dialogue, metric, sim_control, sim_state, start_cluster, wait_for
 from turnkv import launch
 from turnkv.config import Settings
 from turnkv.engine.base import WriteBack, WriteBackResult
@@ -150,3 +150,32 @@ def test_a_write_back_of_a_released_handle_fails_and_caches_nothing(engines: tup
     assert sim_state(p)["pins"] == 0
     _, cached = _next_turn(p, d, seq + _ids(40, 500))
     assert cached == 0
+
+
+def test_a_conversation_through_the_gateway_keeps_nothing_pinned_between_turns(
+    procs: list[launch.Running], tmp_path: Path
+) -> None:
+    # every handle written back (write_back.mode always): between turns D pins nothing and P holds no pin
+    # either; each later turn finds its history in P's prefix cache and answers as the colocated engine does
+    c = start_cluster(
+        procs,
+        tmp_path,
+        compat="0.33",
+        policy="adaptive",
+        sim_flags=("--time-scale", "1"),
+        gateway_env={"TURNKV_WRITE_BACK__MODE": "always", "TURNKV_POLICY__PARAMS": '{"decode_local": false}'},
+    )
+    p, d = c.prefill[0].url, c.decode[0].url
+    turns = []
+    with Dialogue(c, session="wb-1", stream=True, max_tokens=32) as chat:
+        for k in range(4):
+            turns.append(chat.step())
+            wait_for(
+                lambda k=k: metric(c.gateway.url, "turnkv_write_backs_total", result="cached") == k + 1,
+                what=f"write-back {k + 1}",
+            )
+            assert sim_state(d)["pins"] == 0 and sim_state(p)["pins"] == 0
+    assert all(t.correct for t in turns)
+    assert [t.reason for t in turns[1:]] == ["written_back"] * 3
+    events = c.turn_events(4)
+    assert [e["capture"] for e in events] == ["stored_write_back"] * 4

@@ -623,3 +623,18 @@ async def test_decode_local_turns_prefilling_on_d_are_counted_until_their_first_
         assert [x.action for x in answers] == ["decode_local"] * 3 and all(x.error is None for x in answers)
         await gw.wait_for("no prefill left on D", lambda: view(gw, D0).local_prefills == 0)
         assert view(gw, D0).local_prefill_tokens == 0
+
+
+async def test_a_turn_whose_history_was_written_back_to_p_says_so() -> None:
+    # write_back.mode always: the first turn's handle goes to P's prefix cache and D frees its pin; the next
+    # turn finds the whole sequence (prompt and answer) in P's cache and computes only its new part there
+    async with gateway(write_back={"mode": "always"}) as gw:
+        chat = await conversation(gw)
+        first = gw.turns[-1]
+        assert first["capture"] == "stored_write_back"
+        await gw.wait_for("the write-back", lambda: gw.engine[P0].calls.count("write_back") == 1)
+        assert not gw.engine[D0].pins and gw.engine[D0].released == []  # freed by P's read, not a release
+        hits = gw.engine[P0].prefix_hits
+        a = await chat.say("go on")
+        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "written_back")
+        assert gw.engine[P0].prefix_hits - hits > first["prompt_tokens"]  # the answer came back to P too

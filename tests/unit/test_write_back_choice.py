@@ -26,7 +26,7 @@ WB, KEEP, GO = AfterChoice.WRITE_BACK, AfterChoice.KEEP, AfterChoice.LET_GO
     [
         ({}, {}, After(WB)),  # P has room and keeps what it gets, the user thinks longer than the transfer
         ({"keep": Keep.HEDGE}, {}, After(WB)),
-        ({"think_s": None}, {}, After(WB)),  # not measured yet: taken as long enough
+        ({"think_s": None}, {}, After(KEEP, Why.THINK_UNKNOWN)),  # not measured yet: as before write-back
         # D would take the next turn from its own cache: nothing to keep, nothing to write back
         ({"keep": Keep.NOT_NEEDED}, {}, After(GO, Why.NOT_KEPT)),
         # an agent's tool loop: the next call comes before the write-back would be done; a pull stays ready
@@ -36,10 +36,12 @@ WB, KEEP, GO = AfterChoice.WRITE_BACK, AfterChoice.KEEP, AfterChoice.LET_GO
         ({"has_prefill": False}, {}, After(KEEP, Why.NO_PREFILL)),
         # D short of KV or queued: nothing stays pinned; written back where P takes it, whatever the think time
         ({"decode_pressed": True, "think_s": 0.01}, {}, After(WB)),
+        ({"decode_pressed": True, "think_s": None}, {}, After(WB)),
         ({"decode_pressed": True, "keep": Keep.NOT_NEEDED}, {}, After(WB)),
         ({"decode_pressed": True, "prefill_kv_usage": 0.95}, {}, After(GO, Why.PREFILL_FULL)),
-        # always: every handle the policy would keep is written back where P has room
+        # always: every handle is written back where P has room
         ({"think_s": 0.01, "prefill_cache_factor": 0.0}, {"mode": "always"}, After(WB)),
+        ({"keep": Keep.NOT_NEEDED, "think_s": None}, {"mode": "always"}, After(WB)),
         ({"prefill_kv_usage": 0.9}, {"mode": "always"}, After(KEEP, Why.PREFILL_FULL)),
         # off: as before write-back
         ({}, {"mode": "off"}, After(KEEP, Why.OFF)),

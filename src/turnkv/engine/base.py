@@ -104,6 +104,7 @@ class WriteBack:
     model: str | None
     timeout_s: float  # until P has pulled the blocks (its first output)
     priority: int | None = None  # the engine's request priority, where it schedules by priority (None: none sent)
+    release_via: str | None = None  # an engine that can read P's blocks, to release a pin P kept (D)
 
 
 class WriteBackResult(enum.StrEnum):
@@ -113,6 +114,7 @@ class WriteBackResult(enum.StrEnum):
     # ... but P finished the request before the gateway's abort reached it: P holds them pinned as D did (vLLM
     # pins a finished request's blocks that came with D's handle, for decoder_kv_blocks_ttl)
     PINNED = "pinned"
+    RELEASED = "released"  # ... and that pin was released through ``WriteBack.release_via`` (P's handle seen)
 
 
 @dataclass(frozen=True)

@@ -100,9 +100,10 @@ class Vocabulary:
         "write_back_dropped",
     )
     unused_left: tuple[str, ...] = ("unused", "not_needed")
-    # a write-back's end: in P's prefix cache (or pinned there, P having finished it before its abort), or given
-    # up on (its handle then released, counted in turnkv_handle_releases_total as write_back_<why>)
-    write_backs: tuple[str, ...] = ("cached", "pinned", "failed", "deferred", "cancelled", "dropped")
+    # a write-back's end: in P's prefix cache (or pinned there, P having finished it before its abort; that pin
+    # released through D where P said its handle), or given up on (its handle then released, counted in
+    # turnkv_handle_releases_total as write_back_<why>)
+    write_backs: tuple[str, ...] = ("cached", "pinned", "released", "failed", "deferred", "cancelled", "dropped")
     roles: tuple[str, ...] = ("prefill", "decode")
 
     def retries(self) -> list[tuple[str, str]]:

@@ -40,7 +40,7 @@ POLL_S = 0.02  # how often a waiting write-back looks at P's room again
 EXPIRY_MARGIN_S = 10.0  # vLLM's P declines a read within 5 s of D's expiry; the gateway's clock differs a little
 THINK_SAMPLES = 256  # the think times remembered (the latest)
 THINK_MIN_SAMPLES = 8  # before this many, the think time is not known
-THINK_QUANTILE = 0.1  # the think time a write-back must fit in: most next turns come later than this
+THINK_QUANTILE = 0.5  # the think time a write-back must fit in: most next turns come later than this
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Job:
     handle: Handle
     token_ids: Sequence[int]  # the sequence the handle holds
     prefill_url: str  # the P to write back to
+    decode_url: str  # the D holding the blocks: it releases a pin P would keep
     lacks: int  # tokens of the sequence P likely lacks (what it pulls)
     expires_at: float  # wall clock: the handle's last usable moment, as the gateway counts it
     queued_at: float = field(default_factory=time.monotonic)
@@ -166,7 +167,9 @@ class WriteBacks:
         slot = self._fleet.hold(url)  # ours in flight there: not another client's in P's counts
         started = time.monotonic()
         try:
-            call = WriteBack(job.handle, job.token_ids, self._model(), self.s.timeout_s, self.s.priority)
+            call = WriteBack(
+                job.handle, job.token_ids, self._model(), self.s.timeout_s, self.s.priority, job.decode_url
+            )
             result = await self._engine.write_back(url, call)
         except UpstreamError as exc:
             log.warning("write_back.failed instance=%s error=%s", url, exc)

@@ -53,6 +53,7 @@ class Reason(enum.StrEnum):
     PIN_RELEASED = "pin_released"  # the stored handle was given back (budget, pressure, not worth its bytes)
     # the stored handle went to P in a turn that then failed: the record was kept, the history is in P's cache
     HANDLE_SPENT = "handle_spent"
+    WRITTEN_BACK = "written_back"  # D's KV was handed to P's prefix cache after the last turn: P computes the rest
     NO_HANDLE_IN_STREAM = "no_handle_in_stream"  # D's stream carried no handle (vLLM < 0.33 without the plugin)
     FIRST_TOKEN_DEADLINE = "first_token_deadline"  # an engine missed it; the turn ran another way
     DECODE_FAILED = "decode_failed"  # D failed before its first token; the turn ran again as plain P/D
@@ -190,4 +191,6 @@ def unpinned_reason(record: ConversationRecord) -> Reason:
         return Reason.CHEAPER_TO_RECOMPUTE
     if record.unpinned == "spent":
         return Reason.HANDLE_SPENT
+    if record.unpinned == "write_back":
+        return Reason.WRITTEN_BACK
     return Reason.PIN_RELEASED

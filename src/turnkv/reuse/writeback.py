@@ -13,16 +13,19 @@ sequence, finds it there and computes only its new tokens, the transfer off its 
   the head of its first-come queue, and a P that is full evicts what it is given;
 * P's prefix cache keeps what it is given (``min_cache_factor``: the share of the hits the gateway expected of
   P that P reported);
-* the conversation's next turn comes after the write-back is done: the conversations' think time (a low
-  quantile of the gaps the gateway saw between a turn's end and the next turn) is longer than the transfer
-  (what P lacks of the sequence, at the link's measured rate) and P's queue. Unknown think time counts as
-  long enough; an agent's tool loop (the next call the instant the stream ends) is not, and keeps its pin
-  where the policy would pull it, or D's own cache where D would take the turn.
+* the conversation's next turn mostly comes after the write-back is done: the conversations' think time (the
+  median of the gaps the gateway saw between a turn's end and the next turn) is longer than the transfer of
+  what P lacks of the sequence, at the link's measured rate. P's queue does not count: P takes requests in
+  order, so a write-back sent before the next turn is pulled before that turn is scheduled. An agent's tool
+  loop (the next call the instant the stream ends) keeps its pin where the policy would pull it, or D's own
+  cache where D would take the turn; so does every conversation until the gateway has seen a few think
+  times. A write-back the next turn overtakes costs little: that turn recomputes on P what P lacked.
 
 Where D is short of KV or turns wait on it (``decode_pressed``), nothing is kept pinned: the handle is
 written back where P can take it, else let go. Otherwise a handle the policy would keep for a pull or as a
 hedge (``Keep``) is written back where that pays, and kept where it does not; one the policy would not
-keep (D would take the next turn from its own prefix cache) is let go, as before.
+keep (D would take the next turn from its own prefix cache) is let go, as before. ``write_back.mode:
+always`` writes back every handle where P has room; ``off`` keeps or lets go as before.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Why(enum.StrEnum):
     PREFILL_FULL = "prefill_full"  # P's KV too full now to take it
     PREFILL_EVICTS = "prefill_evicts"  # P's cache has not kept what it was expected to
     THINK_TOO_SHORT = "think_too_short"  # the next turn would come before the write-back is done
+    THINK_UNKNOWN = "think_unknown"  # the gateway has not seen enough think times yet
     NO_PREFILL = "no_prefill"  # no prefill engine to write back to
 
 
@@ -57,8 +61,8 @@ class AfterFacts:
     has_prefill: bool  # a prefill engine to write back to
     prefill_kv_usage: float  # P's KV usage now, with the write-back's blocks it lacks
     prefill_cache_factor: float  # of the prefix-cache hits expected of P, the share it delivered (1: all)
-    transfer_s: float  # the write-back's duration: P's queue and the transfer of what P lacks
-    think_s: float | None  # the conversations' think time, a low quantile (None: not measured yet)
+    transfer_s: float  # the write-back's transfer: what P lacks of the sequence, at the link's rate
+    think_s: float | None  # the conversations' think time, their median (None: not measured yet)
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,11 @@ def pays(f: AfterFacts, p: AfterParams) -> Why | None:
         return None
     if f.prefill_cache_factor < p.min_cache_factor:
         return Why.PREFILL_EVICTS
-    if f.think_s is not None and f.think_s < f.transfer_s and not f.decode_pressed:
+    if f.decode_pressed:
+        return None  # nothing stays pinned on a pressed D: a write-back is the only way to keep the reuse
+    if f.think_s is None:
+        return Why.THINK_UNKNOWN
+    if f.think_s < f.transfer_s:
         return Why.THINK_TOO_SHORT
     return None
 
@@ -93,7 +101,7 @@ def after_turn(f: AfterFacts, p: AfterParams) -> After:
     """What becomes of a turn's new handle (see the module docstring)."""
     if p.mode == "off":
         return After(AfterChoice.KEEP if f.keep.kept and not f.decode_pressed else AfterChoice.LET_GO, Why.OFF)
-    if not f.keep.kept and not f.decode_pressed:
+    if not f.keep.kept and not f.decode_pressed and p.mode != "always":
         return After(AfterChoice.LET_GO, Why.NOT_KEPT)
     why = pays(f, p)
     if why is None:

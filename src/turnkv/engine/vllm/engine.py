@@ -47,7 +47,7 @@ RELEASE_MAX_TOKENS = 16  # P decodes until the gateway closes the stream, not to
 # a write-back too: a request that finishes with its params' do_remote_decode unset is a "D node" to vLLM's
 # connector, which pins its blocks for decoder_kv_blocks_ttl (pull_scheduler.py request_finished, 0.26); one
 # aborted after its first output frees them into P's prefix cache, where they were cached when the pull ended
-WRITE_BACK_MAX_TOKENS = 64
+WRITE_BACK_MAX_TOKENS = 256
 # request fields that do not shape the prompt (vLLM's render refuses some of them)
 _NOT_FOR_RENDER = (
     "stream",
@@ -204,7 +204,8 @@ class VllmEngine:
         pulled D's blocks (its request waits for the pull before it computes the last token) and cached them,
         and its read told D to free them. The close aborts the request, so P keeps no pin of its own: its
         blocks go to its prefix cache, evictable. Should the request have finished by then (P decoded its
-        ``WRITE_BACK_MAX_TOKENS`` before the abort reached it), P pins the blocks as D did: ``PINNED``. An
+        ``WRITE_BACK_MAX_TOKENS`` before the abort reached it), P pins the blocks as D did: released through
+        ``call.release_via`` where the final event carried P's handle (``RELEASED``), else ``PINNED``. An
         error event, or an end before any output, is P failing the pull (``kv_load_failure_policy: fail``)."""
         body: dict[str, Any] = {
             "prompt": list(call.token_ids),
@@ -224,14 +225,20 @@ class VllmEngine:
                 )
                 try:
                     with map_aiohttp_errors("prefill", base):
-                        finished = await _first_output(resp, base)
+                        finished, left = await _first_output(resp, base)
                 finally:
                     resp.close()  # P aborts the request: its blocks go to its prefix cache, unpinned
         except TimeoutError:
             raise UpstreamTimeout(
                 "write-back: the prefill engine did not pull in time", leg="prefill", instance=base
             ) from None
-        return WriteBackResult.PINNED if finished else WriteBackResult.CACHED
+        if not finished:
+            return WriteBackResult.CACHED
+        if left is None or call.release_via is None:
+            return WriteBackResult.PINNED
+        # P pinned the blocks as D did; its handle came with the final event: D reads it, and P frees them
+        await self.release(call.release_via, left, call.model)
+        return WriteBackResult.RELEASED
 
     # -- handles -------------------------------------------------------------------------------
     def read_handle(self, handle: Handle, *, seq_len: int, block_size: int) -> HandleFacts | HandleProblem:
@@ -301,27 +308,35 @@ async def vllm_engine(settings: Settings) -> AsyncIterator[VllmEngine]:
         )
 
 
-async def _first_output(resp: aiohttp.ClientResponse, base: str) -> bool:
+async def _first_output(resp: aiohttp.ClientResponse, base: str) -> tuple[bool, Handle | None]:
     """Read a completion stream up to its first event with output, and whatever else the engine has already
-    sent; whether the request had finished by then (raises on an error event or an end without output)."""
+    sent: whether the request had finished by then, and the handle its final event carried (vLLM 0.33 puts
+    the finished request's ``kv_transfer_params`` there). Raises on an error event or an end without output."""
     async for raw in resp.content:
         event = _event(raw, base)
         if event is None or not event.get("choices"):
             continue
         finished = event["choices"][0].get("finish_reason") is not None
-        rest = resp.content.read_nowait()  # sent already: the request may have ended meanwhile
-        return finished or b'"finish_reason":"' in rest.replace(b" ", b"")
+        left = event.get("kv_transfer_params")
+        for line in resp.content.read_nowait().split(b"\n"):  # sent already: the request may have ended
+            later = _event(line, base, complete=False)
+            if later and later.get("choices") and later["choices"][0].get("finish_reason") is not None:
+                finished, left = True, later.get("kv_transfer_params")
+        return finished, left if finished and isinstance(left, dict) else None
     raise UpstreamProtocolError("write-back: the stream ended without output", leg="prefill", instance=base)
 
 
-def _event(raw: bytes, base: str) -> dict[str, Any] | None:
-    """One SSE line's event (None: not an event); an error event raises."""
+def _event(raw: bytes, base: str, *, complete: bool = True) -> dict[str, Any] | None:
+    """One SSE line's event (None: not an event, or, not ``complete``, a line cut short); an error event
+    raises."""
     line = raw.strip()
     if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
         return None
     try:
         event = json.loads(line[5:])
     except ValueError:
+        if not complete:
+            return None
         raise UpstreamProtocolError("write-back: unreadable event", leg="prefill", instance=base) from None
     if not isinstance(event, dict) or "error" in event:
         raise UpstreamStatus(500, event if isinstance(event, dict) else None, leg="prefill", instance=base)

@@ -32,6 +32,7 @@ from turnkv.gateway.turn.direct import bytes_per_token, history_digest
 from turnkv.gateway.turn.direct import enabled as direct_enabled
 from turnkv.gateway.turn.results import AfterTurn, Capture
 from turnkv.gateway.turn.run import TurnRun
+from turnkv.gateway.writeback import Job
 from turnkv.reuse.chain import ChainBuilder, sequence_digest
 from turnkv.routing import InstanceView
 from turnkv.state.record import ConversationRecord
@@ -134,7 +135,7 @@ async def finish(run: TurnRun, *, ok: bool) -> Capture:
     after = None
     if isinstance(built, ConversationRecord) and built.handle is not None:
         after = plan.after_turn(run.svc, built, run.claimed.record)
-        built = _carry_out(run.svc, built, after)
+        built = _carry_out(run, built, after)
     result = await _store(run, built, after)
     _settle_new_handle(run, result, ok=ok)
     old = run.claimed.record
@@ -144,16 +145,28 @@ async def finish(run: TurnRun, *, ok: bool) -> Capture:
     return result
 
 
-def _carry_out(svc: Services, rec: ConversationRecord, after: AfterTurn) -> ConversationRecord:
+def _carry_out(run: TurnRun, rec: ConversationRecord, after: AfterTurn) -> ConversationRecord:
     """The planner's decision on the new handle, done: the record then holds it, or says why not."""
+    svc = run.svc
     assert rec.handle is not None, "only a record with a handle is decided on"
-    if after is AfterTurn.DECODE_CROWDED:
+    if after is AfterTurn.WRITE_BACK:
+        _write_back(run, rec)  # the write-back owns the handle now: no turn may pull what it reads
+    elif after is AfterTurn.DECODE_CROWDED:
         _release(svc, rec.handle, "decode_crowded")  # its blocks go to the turns waiting on D
     elif after is AfterTurn.LET_GO:
         _leave(svc, rec.decode_url, rec.handle, rec.num_tokens, "not_needed")  # then in D's prefix cache
     else:
         return rec
     return rec.unpin(after.value)
+
+
+def _write_back(run: TurnRun, rec: ConversationRecord) -> None:
+    """Hand the record's handle to the write-backs, with the sequence it holds (D's own ids)."""
+    svc, cap, conv = run.svc, run.collected, run.turn.conversation
+    assert rec.handle is not None and rec.prefill_url is not None and conv is not None, "a P/D turn's handle"
+    ids = ((cap.prompt_token_ids or []) + cap.token_ids)[: rec.num_tokens]
+    lacks = plan.write_back_lacks(svc, rec, svc.fleet.view(rec.prefill_url))
+    svc.write_backs.submit(Job(conv.store_key, rec.handle, ids, rec.prefill_url, rec.decode_url, lacks, rec.expires_at))
 
 
 async def _store(run: TurnRun, built: ConversationRecord | Capture, after: AfterTurn | None) -> Capture:

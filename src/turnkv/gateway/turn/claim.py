@@ -14,6 +14,7 @@ from turnkv.gateway.services import Services
 from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Claimed
 from turnkv.reuse.assess import Reason
+from turnkv.state.base import ClaimStatus
 
 
 async def run(svc: Services, turn: Turn) -> Claimed:
@@ -28,4 +29,9 @@ async def run(svc: Services, turn: Turn) -> Claimed:
         return Claimed(None, Reason.STORE_BUSY, time.perf_counter() - t0)
     except StoreError:
         return Claimed(None, Reason.STORE_UNAVAILABLE, time.perf_counter() - t0)
+    if claim.status is ClaimStatus.FOUND and claim.record is not None:
+        # the conversation is back: how long it thought, and a write-back of its last turn not yet sent is
+        # given up (this turn computes what it needs on P)
+        svc.write_backs.think.observe(time.time() - claim.record.created_at)
+        svc.write_backs.cancel(turn.conversation.key)
     return Claimed(claim, Reason.NO_SESSION, time.perf_counter() - t0)

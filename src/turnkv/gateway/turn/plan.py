@@ -34,9 +34,11 @@ from turnkv.gateway.services import Services
 from turnkv.gateway.turn.direct import size_guess
 from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import AfterTurn, Ahead, Claimed, Plan, Rendered
+from turnkv.gateway.writeback import room_for
 from turnkv.openai.answer import echoed_answer
+from turnkv.reuse import writeback as write_back
 from turnkv.reuse.assess import Assessment, EngineView, Reason, assess, unpinned_reason
-from turnkv.reuse.cost import Action, CostParams, TurnFacts, pulled_tokens
+from turnkv.reuse.cost import Action, CostParams, TurnFacts, pulled_tokens, transfer_s
 from turnkv.reuse.decision import Decision, Keep
 from turnkv.reuse.load import LoadFacts, load_facts
 from turnkv.reuse.room import DecodeRoom, decode_room
@@ -303,7 +305,7 @@ def _expect_hits(rec: ConversationRecord | None, prefill: InstanceView | None, s
     if rec is None or prefill is None or prefill.url != rec.prefill_url:
         return 0
     bs = svc.settings.block_size
-    return (rec.prompt_tokens // bs) * bs
+    return (prefill_holds(rec) // bs) * bs
 
 
 # -- after the turn -------------------------------------------------------------------------------------
@@ -312,20 +314,53 @@ _AFTER = {Keep.PULL: AfterTurn.PIN, Keep.HEDGE: AfterTurn.HEDGE, Keep.NOT_NEEDED
 
 def after_turn(svc: Services, rec: ConversationRecord, claimed: ConversationRecord | None) -> AfterTurn:
     """What becomes of the new handle in ``rec`` once its turn is answered (``claimed``: the record the turn
-    continued). ``decode_memory.pin: always`` keeps it. Where requests wait on D for blocks while stored pins
-    hold more than the low watermark, it is released at once: a pin kept now would hold them there for a next
-    turn that may never come (plain P/D, which pins nothing, serves them first). Otherwise the policy says
-    whether it is worth its pinned bytes until a next turn like this one (``keeps_pin``), told the same facts
-    as a turn's plan, on the conversation's own P and D."""
+    continued). ``decode_memory.pin: always`` keeps it. Otherwise the policy says whether it is worth its
+    pinned bytes until a next turn like this one (``keeps_pin``), told the same facts as a turn's plan, on the
+    conversation's own P and D; and ``reuse.writeback`` whether it goes to P's prefix cache instead (D's pin
+    freed), stays pinned, or is let go. Where D is short of KV or requests wait on it, nothing stays pinned:
+    written back where P can take it, else released at once where turns wait for blocks its pins hold
+    (``decode_crowded``: plain P/D, which pins nothing, serves them first), else let go."""
     if svc.settings.decode_memory.pin == "always":
         return AfterTurn.PIN
     decode = svc.fleet.view(rec.decode_url)
-    if decode is not None and svc.pins.crowded(decode, rec.num_tokens):
-        return AfterTurn.DECODE_CROWDED
+    crowded = decode is not None and svc.pins.crowded(decode, rec.num_tokens)
     costs = svc.estimator.params()
+    prefill = svc.fleet.view(rec.prefill_url)
     ask = Ask(Basis.NEXT, rec, Assessment.whole(rec), rec.num_tokens + _next_new_tokens(svc, rec, claimed))
-    told = tell(svc, ask, svc.fleet.view(rec.prefill_url), decode, costs)
-    return _AFTER[svc.policy.keeps_pin(told.facts, costs)]
+    told = tell(svc, ask, prefill, decode, costs)
+    keep = svc.policy.keeps_pin(told.facts, costs)
+    pressed = crowded or (decode is not None and _decode_pressed(svc, decode))
+    lacks = write_back_lacks(svc, rec, prefill)
+    wb = svc.settings.write_back
+    choice = write_back.after_turn(
+        write_back.AfterFacts(
+            keep=keep,
+            decode_pressed=pressed,
+            has_prefill=prefill is not None and prefill.routable,
+            prefill_kv_usage=room_for(prefill, lacks) if prefill is not None else 1.0,
+            prefill_cache_factor=prefill.cache_factor if prefill is not None else 0.0,
+            transfer_s=transfer_s(costs, lacks, svc.settings.block_size),
+            think_s=svc.write_backs.think.quantile(),
+        ),
+        write_back.AfterParams(wb.mode, wb.prefill_max_kv_usage, wb.min_cache_factor),
+    ).choice
+    if choice is write_back.AfterChoice.WRITE_BACK:
+        return AfterTurn.WRITE_BACK
+    if choice is write_back.AfterChoice.KEEP:
+        return _AFTER[keep]
+    return AfterTurn.DECODE_CROWDED if crowded else AfterTurn.LET_GO
+
+
+def _decode_pressed(svc: Services, decode: InstanceView) -> bool:
+    """D short of KV now, or requests waiting on it (other clients' as last read, or turns held for room)."""
+    dm = svc.settings.decode_memory
+    return decode.kv_usage_now >= dm.pressure_kv_usage or decode.waiting_now > 0 or svc.admission.queued(decode.url) > 0
+
+
+def write_back_lacks(svc: Services, rec: ConversationRecord, prefill: InstanceView | None) -> int:
+    """Tokens of the record's sequence the P it would be written back to likely lacks: all past what it
+    computed for the turn and still caches (``likely_prefill_cached``)."""
+    return max(0, rec.num_tokens - likely_prefill_cached(rec, prefill, svc.settings.block_size))
 
 
 def _next_new_tokens(svc: Services, rec: ConversationRecord, claimed: ConversationRecord | None) -> int:
@@ -341,7 +376,7 @@ def room(svc: Services, decode: InstanceView, load: LoadFacts) -> DecodeRoom:
     ``decode_memory.local_queue: refuse``, against none: any request waiting on D refuses the turn)."""
     dm = svc.settings.decode_memory
     return decode_room(
-        kv_usage=decode.kv_usage,
+        kv_usage=decode.kv_usage_now,
         pressure_kv_usage=dm.pressure_kv_usage,
         held=svc.admission.queued(decode.url),
         decode_queue_ms=load.decode_queue_ms,
@@ -356,13 +391,19 @@ def turn_load(svc: Services, prefill: InstanceView | None, decode: InstanceView 
     )
 
 
+def prefill_holds(rec: ConversationRecord) -> int:
+    """Tokens of the conversation its P was given: the last prompt it computed, or, written back, the whole
+    sequence D held."""
+    return rec.num_tokens if rec.unpinned == "write_back" else rec.prompt_tokens
+
+
 def likely_prefill_cached(rec: ConversationRecord | None, prefill: InstanceView | None, block_size: int) -> int:
-    """Prompt tokens the chosen P likely still caches: it computed the last prompt if it served the
-    last turn; how much of that survives there is measured (``InstanceView.cache_factor``)."""
+    """Prompt tokens the chosen P likely still caches: what it was given of the conversation if it served the
+    last turn (``prefill_holds``); how much of that survives there is measured (``InstanceView.cache_factor``)."""
     if rec is None or prefill is None or prefill.url != rec.prefill_url:
         return 0
     bs = block_size
-    return int((rec.prompt_tokens // bs) * bs * prefill.cache_factor) // bs * bs
+    return int((prefill_holds(rec) // bs) * bs * prefill.cache_factor) // bs * bs
 
 
 def decode_cached(rec: ConversationRecord | None, matched: int, block_size: int) -> int:
@@ -394,10 +435,10 @@ def facts(
         prefill_cached_tokens=likely_prefill_cached(rec, prefill, block_size),
         decode_cached_tokens=decode_cached(rec, matched, block_size) if decode_holds else 0,
         decode_local_possible=decode_holds,
-        decode_busy=decode.busy if decode is not None else 0,
-        # for the ITL budget: D's decode batch and how full its KV is, as its metrics last said
-        decode_running=decode.busy if decode is not None else None,
-        decode_kv_usage=decode.kv_usage if decode is not None and decode.kv_usage > 0 else None,
+        decode_busy=load.decode_running,
+        # for the ITL budget: D's decode batch and how full its KV is, now (``reuse.load``)
+        decode_running=load.decode_running if decode is not None else None,
+        decode_kv_usage=load.decode_kv_usage if decode is not None and load.decode_kv_usage > 0 else None,
         decode_step_ms=load.decode_step_ms,
         decode_context_tokens=load.decode_context_tokens,
         prefill_queue_ms=load.prefill_queue_ms,

@@ -214,6 +214,8 @@ class AfterTurn(enum.StrEnum):
     HEDGE = "hedge"
     LET_GO = "not_needed"  # left to D's prefix cache: no pull would use it (D's TTL, within the unused share)
     DECODE_CROWDED = "decode_crowded"  # released at once: requests wait on D for blocks its pins hold
+    # handed to P's prefix cache (``gateway.writeback``): D's pin freed once P has pulled the blocks
+    WRITE_BACK = "write_back"
 
     @property
     def kept(self) -> bool:
@@ -228,6 +230,7 @@ class Capture(enum.StrEnum):
     STORED_HEDGE = "stored_hedge"
     STORED_NOT_NEEDED = "stored_not_needed"  # ... its handle released: a pull would not pay
     STORED_DECODE_CROWDED = "stored_decode_crowded"  # ... its handle released at once: turns wait on D
+    STORED_WRITE_BACK = "stored_write_back"  # ... its handle written back to P's prefix cache
     STORED_DECODE_LOCAL = "stored_decode_local"  # ... D was asked for no handle (decode-local)
     STORED_NO_HANDLE_IN_STREAM = "stored_no_handle_in_stream"  # ... D's stream carried none
     NO_SESSION = "no_session"  # a stateless turn
@@ -282,6 +285,7 @@ _STORED = frozenset(
         Capture.STORED_HEDGE,
         Capture.STORED_NOT_NEEDED,
         Capture.STORED_DECODE_CROWDED,
+        Capture.STORED_WRITE_BACK,
         Capture.STORED_DECODE_LOCAL,
         Capture.STORED_NO_HANDLE_IN_STREAM,
     }
