@@ -636,5 +636,27 @@ async def test_a_turn_whose_history_was_written_back_to_p_says_so() -> None:
         assert not gw.engine[D0].pins and gw.engine[D0].released == []  # freed by P's read, not a release
         hits = gw.engine[P0].prefix_hits
         a = await chat.say("go on")
-        assert (a.outcome, a.action, a.reason) == ("none", "recompute", "written_back")
+        assert (a.outcome, a.action, a.reason) == ("full", "recompute", "written_back")
         assert gw.engine[P0].prefix_hits - hits > first["prompt_tokens"]  # the answer came back to P too
+
+
+async def test_a_turn_that_comes_before_its_write_back_was_sent_takes_the_handle_back() -> None:
+    # P takes one write-back at a time and the first conversation's waits at P: the second's is not sent when
+    # its next turn comes. That turn takes the handle back (still pinned on D) and pulls it; the write-back is
+    # dropped, and the handle is read once
+    async with gateway(write_back={"mode": "always", "max_wait_s": 60}) as gw:
+        gw.engine.faults(P0, leg="write_back", busy=1)
+        await conversation(gw, session="a")
+        await gw.wait_for("a's write-back at P", lambda: gw.engine[P0].calls.count("write_back") == 1)
+        b = await conversation(gw, session="b")
+        assert gw.turns[-1]["capture"] == "stored_write_back"
+        await gw.wait_for("b's write-back waiting for P", lambda: gw.svc.write_backs.waiting == 1)
+        answer = await b.say("go on")
+        assert (answer.outcome, answer.action, answer.reason) == ("full", "pull", "full_match")
+        assert gw.svc.metrics.write_backs.labels("reclaimed")._value.get() == 1
+        gw.engine.free(P0)
+        await gw.wait_for("no write-back waiting", lambda: gw.svc.write_backs.waiting == 0)
+        assert await gw.svc.write_backs.drain(10)
+        # a's, then b's second turn's: the one taken back was never sent
+        assert gw.engine[P0].calls.count("write_back") == 2
+        assert not gw.engine[D0].pins and gw.engine[D0].released == []

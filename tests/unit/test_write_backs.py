@@ -122,14 +122,48 @@ async def test_a_failed_write_back_releases_the_handle(running: list[Any]) -> No
     assert rig.released == [("a", "write_back_failed")] and rig.count("failed") == 1
 
 
-async def test_the_next_turn_cancels_a_write_back_not_yet_sent(running: list[Any]) -> None:
+async def test_the_next_turn_takes_back_a_write_back_not_yet_sent(running: list[Any]) -> None:
     rig = Rig(max_wait_s=30.0)
     rig.fleet.apply_load(P, LoadSample(kv_usage=0.99, capacity_tokens=10_000))  # no room: it waits
     running.append(asyncio.create_task(rig.wb.run()))
     rig.wb.submit(rig.job("a"))
-    rig.wb.cancel("conv")
+    await until(lambda: rig.wb.waiting == 1)
+    assert rig.wb.reclaim("other") is None  # another conversation's turn takes nothing
+    handle = rig.wb.reclaim("conv")
+    assert handle is not None and handle["pin"] == "a"
+    assert rig.wb.reclaim("conv") is None  # once
     await asyncio.wait_for(rig.wb.drain(5), 5)
-    assert rig.sent() == [] and rig.released == [("a", "write_back_cancelled")]
+    # still pinned on D, the turn's now: neither sent nor released
+    assert rig.sent() == [] and rig.released == [] and rig.count("reclaimed") == 1
+
+
+async def test_a_write_back_already_sent_is_not_taken_back(running: list[Any]) -> None:
+    gate, started = asyncio.Event(), asyncio.Event()
+
+    async def handler(call: Call) -> None:
+        started.set()
+        await gate.wait()
+
+    rig = Rig(handler)
+    running.append(asyncio.create_task(rig.wb.run()))
+    rig.wb.submit(rig.job("a"))
+    await asyncio.wait_for(started.wait(), 5)
+    assert rig.wb.reclaim("conv") is None  # P is reading it: the next turn finds it in P's cache
+    gate.set()
+    await asyncio.wait_for(rig.wb.drain(5), 5)
+    assert rig.sent() == ["a"] and rig.count("cached") == 1 and rig.released == []
+
+
+async def test_a_conversations_next_write_back_replaces_one_not_yet_sent(running: list[Any]) -> None:
+    rig = Rig(max_wait_s=30.0)
+    rig.fleet.apply_load(P, LoadSample(kv_usage=0.99, capacity_tokens=10_000))
+    running.append(asyncio.create_task(rig.wb.run()))
+    rig.wb.submit(rig.job("a"))
+    rig.wb.submit(rig.job("b"))  # the same conversation's next turn, written back before the first was sent
+    await until(lambda: rig.released == [("a", "write_back_cancelled")])
+    rig.fleet.apply_load(P, LoadSample(kv_usage=0.2, capacity_tokens=10_000))
+    await asyncio.wait_for(rig.wb.drain(5), 5)
+    assert rig.sent() == ["b"] and rig.count("cancelled") == 1
 
 
 async def test_a_pinned_result_is_counted(running: list[Any]) -> None:

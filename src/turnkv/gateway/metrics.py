@@ -103,7 +103,9 @@ class Vocabulary:
     # a write-back's end: in P's prefix cache (or pinned there, P having finished it before its abort; that pin
     # released through D where P said its handle), or given up on (its handle then released, counted in
     # turnkv_handle_releases_total as write_back_<why>)
-    write_backs: tuple[str, ...] = ("cached", "pinned", "released", "failed", "deferred", "cancelled", "dropped")
+    write_backs: tuple[str, ...] = (
+        *("cached", "pinned", "released", "failed", "deferred", "cancelled", "reclaimed", "dropped"),
+    )
     roles: tuple[str, ...] = ("prefill", "decode")
 
     def retries(self) -> list[tuple[str, str]]:

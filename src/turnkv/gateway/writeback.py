@@ -13,8 +13,11 @@ a live request at P:
   for a P scheduled by priority;
 * one that cannot be sent within ``write_back.max_wait_s`` (or before its handle would expire) is given up:
   the handle is released instead (D frees the blocks; they stay in D's prefix cache), and so is one that
-  fails. A conversation whose next turn comes first cancels its write-back the same way (that turn computes
-  what it needs on P).
+  fails.
+
+A conversation whose next turn comes before its write-back was sent takes the handle back (``reclaim``): it
+is still pinned on D, so that turn may pull it as if it had been kept, and the write-back is dropped. One
+already sent runs to its end; that turn finds what P has of it in P's prefix cache.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Job:
     expires_at: float  # wall clock: the handle's last usable moment, as the gateway counts it
     queued_at: float = field(default_factory=time.monotonic)
     cancelled: bool = False
+    reclaimed: bool = False  # the conversation's next turn took the handle back: nothing to release
 
 
 class ThinkTimes:
@@ -108,11 +112,16 @@ class WriteBacks:
             old.cancelled = True
         self._pending[job.key] = job
 
-    def cancel(self, key: str) -> None:
-        """The conversation's next turn came before its write-back was sent: give the handle back instead."""
+    def reclaim(self, key: str) -> Handle | None:
+        """The conversation's next turn came before its write-back was sent: the write-back is dropped and
+        the turn takes its handle back (still pinned on D, now the turn's to pull or release); None when
+        there is none waiting (never written back, or already sent)."""
         job = self._pending.pop(key, None)
-        if job is not None:
-            job.cancelled = True
+        if job is None:
+            return None
+        job.cancelled = job.reclaimed = True
+        self._metrics.write_backs.labels("reclaimed").inc()
+        return job.handle
 
     async def run(self) -> None:
         await asyncio.gather(*(self._work() for _ in range(WORKERS)))
@@ -155,7 +164,8 @@ class WriteBacks:
         finally:
             self.waiting -= 1
         if job.cancelled:
-            self._give_up(job, "cancelled")
+            if not job.reclaimed:
+                self._give_up(job, "cancelled")  # replaced by the conversation's next write-back
             return
         if self._pending.get(job.key) is job:
             del self._pending[job.key]

@@ -62,6 +62,10 @@ class ConversationRecord:
         """This record without its handle (D's blocks released or left to its prefix cache), saying why."""
         return replace(self, handle=None, pin_id=None, unpinned=why)
 
+    def repin(self, handle: dict[str, Any], pin_id: str) -> ConversationRecord:
+        """This record holding ``handle`` again (a write-back of it was dropped before it was sent)."""
+        return replace(self, handle=handle, pin_id=pin_id, unpinned=None)
+
     @property
     def had_reasoning(self) -> bool:
         return self.reasoning_digest is not None

@@ -8,6 +8,7 @@ Transition: CLAIM → SHORTCUT (the record read first), or → PLAN beside RENDE
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from turnkv.errors import StoreBusy, StoreError
 from turnkv.gateway.services import Services
@@ -30,8 +31,10 @@ async def run(svc: Services, turn: Turn) -> Claimed:
     except StoreError:
         return Claimed(None, Reason.STORE_UNAVAILABLE, time.perf_counter() - t0)
     if claim.status is ClaimStatus.FOUND and claim.record is not None:
-        # the conversation is back: how long it thought, and a write-back of its last turn not yet sent is
-        # given up (this turn computes what it needs on P)
+        # the conversation is back: how long it thought; and a write-back of its last turn not yet sent is
+        # dropped, its handle (still pinned on D) the record's again, for this turn to pull or release
         svc.write_backs.think.observe(time.time() - claim.record.created_at)
-        svc.write_backs.cancel(turn.conversation.key)
+        handle = svc.write_backs.reclaim(turn.conversation.key)
+        if handle is not None and claim.record.unpinned == "write_back":
+            claim = replace(claim, record=claim.record.repin(handle, svc.engine.pin_id(handle)))
     return Claimed(claim, Reason.NO_SESSION, time.perf_counter() - t0)

@@ -134,12 +134,33 @@ class Plan:
         return self.action is Action.DECODE_LOCAL
 
     def outcome(self, stateful: bool) -> str:
-        """What became of the conversation's KV: full, partial, none, decode_local, or stateless."""
+        """What became of the conversation's KV: full, partial, none, decode_local, or stateless (a turn on
+        the KV written back to P counts as a pull would)."""
         if self.action is Action.DECODE_LOCAL:
             return "decode_local"
         if self.action is Action.PULL and self.assessment is not None:
             return self.assessment.outcome
+        if self.from_write_back:
+            return self.assessment.outcome if self.assessment is not None else "full"
         return "none" if stateful else "stateless"
+
+    @property
+    def from_write_back(self) -> bool:
+        """P computes the turn on the conversation's KV that D wrote back to it after the last turn: what
+        matched of D's sequence comes from P's prefix cache, as a pull's would. ``written_back`` says the
+        whole sequence matched (proved by the record or by the token check); P is the one written to where
+        it is expected to cache some of it."""
+        if self.action is not Action.RECOMPUTE:
+            return False
+        if self.reason is Reason.WRITTEN_BACK:
+            return self.expected_cached > 0
+        a = self.assessment
+        return (
+            a is not None
+            and a.record is not None
+            and a.record.unpinned == "write_back"
+            and a.record.prefill_url == self.prefill_url
+        )
 
     def downgrade(self, why: Fallback | Reason, *, stateful: bool = True, release: Handle | None = None) -> Plan:
         """The plan run as plain P/D after all: P computes what its own cache lacks, pulls nothing (it gets
