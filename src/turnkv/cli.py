@@ -51,8 +51,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         return serve_workers(settings)
     from turnkv.gateway.connections import edge_limits
+    from turnkv.gateway.server import serve
     from turnkv.gateway.tally import Tally
-    from turnkv.launch import serve
 
     configure_stdlib(settings.log_level, json=settings.log_json)
     tally = Tally()  # what clients hold, for the connection limits and the app's edge alike

@@ -7,7 +7,6 @@ backlog until the app's startup is done. So no polling and no port races.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -21,19 +20,12 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import uvicorn
 
-from turnkv.gateway.lifecycle import Drain
-
-if TYPE_CHECKING:
-    from turnkv.gateway.connections import EdgeLimits
-    from turnkv.gateway.tally import Tally
-
 READY_TIMEOUT_S = 60.0
-GRACE_S = 5.0  # after the drain: for the aborted turns to send their error events and settle
+GRACE_S = 5.0  # once a shutdown began (for the gateway: after its drain), for the connections to settle
 LISTEN_BACKLOG = 2048
 
 
@@ -56,72 +48,31 @@ def announce(sock: socket.socket) -> None:
     print(json.dumps({"listening": f"http://{shown}:{port}"}), flush=True)
 
 
-class _DrainingServer(uvicorn.Server):
-    """uvicorn, telling the app's ``Drain`` (``gateway.lifecycle``) when a shutdown begins: the app says
-    it is not ready at once, and the server stops listening only ``delay_s`` later."""
-
-    def __init__(self, config: uvicorn.Config, drain: Drain, delay_s: float) -> None:
-        super().__init__(config)
-        self._drain = drain
-        self._delay_s = delay_s
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._drain.bind(self._loop)
-        await super().startup(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain.draining or self._delay_s <= 0 or self._loop is None:
-            self._drain.begin(0.0)
-            super().handle_exit(sig, frame)
-            return
-        self._drain.begin(self._delay_s)
-        self._loop.call_soon_threadsafe(self._loop.call_later, self._delay_s, super().handle_exit, sig, frame)
-
-
-def run_uvicorn(
-    app: Any,
-    sock: socket.socket,
-    log_level: str = "warning",
-    *,
-    edge: EdgeLimits | None = None,
-    tally: Tally | None = None,
-) -> None:
-    """Serve ``app`` on a listening socket until SIGTERM or SIGINT. With ``edge`` (the gateway), a client's
-    headers have a deadline and connections a cap (gateway/connections.py); websockets are off. An app with
-    a ``Drain`` in its state (the gateway) gets its drain time before the server gives up on its connections."""
-    extra: dict[str, Any] = {}
-    if edge is not None:
-        from turnkv.gateway.connections import edge_protocol
-
-        extra = {"http": edge_protocol(edge, tally=tally), "ws": "none", "timeout_keep_alive": edge.keep_alive_s}
-    drain: Drain | None = getattr(getattr(app, "state", None), "drain", None)
-    delay_s = float(getattr(app.state, "shutdown_delay_s", 0.0)) if drain is not None else 0.0
-    graceful = delay_s + drain.drain_s + GRACE_S if drain is not None else GRACE_S
-    if logging.getLogger().handlers:  # the process configured its logging (configure_stdlib): uvicorn's too
-        extra["log_config"] = None
-    config = uvicorn.Config(
-        app, log_level=log_level, access_log=False, timeout_graceful_shutdown=int(graceful + 1), lifespan="on", **extra
-    )
-    server = _DrainingServer(config, drain, delay_s) if drain is not None else uvicorn.Server(config)
-    server.run(sockets=[sock])
-
-
-def serve(
-    app: Any,
-    host: str,
-    port: int,
-    log_level: str = "warning",
-    *,
-    edge: EdgeLimits | None = None,
-    tally: Tally | None = None,
-) -> None:
-    """Bind, announce the URL on stdout, then serve ``app`` with uvicorn until stopped."""
+def listening(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port (0: a free port), its URL announced on stdout (``announce``)."""
     sock = bind(host, port)
     sock.listen(LISTEN_BACKLOG)
     announce(sock)
-    run_uvicorn(app, sock, log_level, edge=edge, tally=tally)
+    return sock
+
+
+def uvicorn_config(app: Any, log_level: str, *, graceful_s: float = GRACE_S, **extra: Any) -> uvicorn.Config:
+    """uvicorn's configuration for ``app``: no access log, the lifespan on, ``graceful_s`` for the
+    connections to finish once a shutdown begins; uvicorn's own logging unless the process configured its
+    own (``turnkv.logging.configure_stdlib``)."""
+    if logging.getLogger().handlers:
+        extra["log_config"] = None
+    graceful = int(graceful_s + 1)
+    return uvicorn.Config(
+        app, log_level=log_level, access_log=False, timeout_graceful_shutdown=graceful, lifespan="on", **extra
+    )
+
+
+def serve(app: Any, host: str, port: int, log_level: str = "warning") -> None:
+    """Bind, announce the URL on stdout, then serve ``app`` with uvicorn until stopped (the simulated engines,
+    the benchmark's relays; the gateway is served by ``gateway.server``)."""
+    sock = listening(host, port)
+    uvicorn.Server(uvicorn_config(app, log_level)).run(sockets=[sock])
 
 
 @dataclass

@@ -277,7 +277,7 @@ def create_app(
 ) -> Starlette:
     """The gateway; ``multiprocess_dir`` is set by ``serve --workers N`` (workers.py): where the workers'
     metrics meet, so that /metrics reports all of them. ``drain`` is how the server that runs the app
-    tells it a shutdown began (``launch.run_uvicorn``). ``engine`` and ``store``: used instead of the ones
+    tells it a shutdown began (``gateway.server``). ``engine`` and ``store``: used instead of the ones
     the settings name (tests pass an engine double, ``engine.mock.MockEngine`` or the simulator-backed
     one, and a store of their own). ``routes``: the route table (``ROUTES``, or one with a front end of the
     caller's own). ``tally``: where the edge counts what clients hold (``gateway.tally``), shared with the
@@ -391,6 +391,6 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={GatewayError: on_gateway_error, HTTPException: on_http_exception, Exception: on_unexpected},
     )
-    app.state.drain = drain  # for the server: launch.run_uvicorn tells it when a shutdown begins
+    app.state.drain = drain  # for the server (gateway.server): told when a shutdown begins
     app.state.shutdown_delay_s = settings.shutdown_delay_s
     return app

@@ -91,7 +91,7 @@ def _worker(
     the gateway's, counted with the other workers' in row ``row`` of the shared table."""
     from turnkv.gateway.app import create_app
     from turnkv.gateway.connections import edge_limits
-    from turnkv.launch import run_uvicorn
+    from turnkv.gateway.server import run
     from turnkv.logging import configure_stdlib
 
     threading.Thread(target=_exit_with_supervisor, args=(lifeline,), daemon=True).start()
@@ -101,7 +101,7 @@ def _worker(
     ready.put(os.getpid())
     tally = limits.tally(row)
     app = create_app(settings, multiprocess_dir=metrics_dir, tally=tally)
-    run_uvicorn(app, sock, edge=edge_limits(settings), tally=tally)
+    run(app, sock, edge=edge_limits(settings), tally=tally)
 
 
 class Supervisor:
