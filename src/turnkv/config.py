@@ -594,7 +594,7 @@ class Settings(BaseSettings):
                 "API keys (api_keys, api_keys_file) or trusted proxy are configured: anyone could "
                 "use them. Configure keys, or set allow_anonymous to accept that"
             )
-        from turnkv.gateway.auth import load_keys  # the key file is read, and refused if malformed, at start
+        from turnkv.api_keys import load_keys  # the key file is read, and refused if malformed, at start
 
         load_keys(self)
         build_profile(self.routing, self.routing_profiles)  # so is the routing profile

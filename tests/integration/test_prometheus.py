@@ -24,8 +24,8 @@ import pytest
 
 from tests.integration.cluster import Cluster, Dialogue, sim_control, start_cluster, wait_for
 from turnkv import launch
+from turnkv.api_keys import key_digest
 from turnkv.bench.redis_server import RedisServer
-from turnkv.gateway.auth import key_digest
 
 pytestmark = pytest.mark.integration
 

@@ -10,20 +10,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from turnkv.api_keys import KeyFileError, key_digest, parse_key_line, parse_keys
 from turnkv.config import ConfigError, Settings, load_settings
 from turnkv.errors import ClientError, Forbidden, Unauthorized
-from turnkv.gateway.auth import (
-    ANONYMOUS,
-    Authenticator,
-    KeyFileError,
-    bearer_token,
-    cache_salt,
-    key_digest,
-    named_tenant,
-    parse_key_line,
-    parse_keys,
-    require_admin,
-)
+from turnkv.gateway.auth import ANONYMOUS, Authenticator, bearer_token, cache_salt, named_tenant, require_admin
 
 ENGINES: dict[str, Any] = {"prefill": ["http://127.0.0.1:9"], "decode": ["http://127.0.0.1:9"]}
 DIGEST_A = hashlib.sha256(b"sk-a").hexdigest()

@@ -111,6 +111,27 @@ def test_no_module_of_turnkv_imports_itself_through_others() -> None:
     assert found == []
 
 
+def test_no_package_of_turnkv_imports_itself_through_others() -> None:
+    # a package is a module's first name below turnkv (turnkv.gateway, turnkv.launch, turnkv.config...)
+    graph = _graph()
+    packages: dict[str, set[str]] = {_package(m): set() for m in graph}
+    for m, found in graph.items():
+        packages[_package(m)] |= {_package(d) for d in found} - {_package(m)}
+    edges = [
+        f"{m} -> {d}"
+        for cycle in _cycles(packages)
+        for m in sorted(graph)
+        if _package(m) in cycle
+        for d in sorted(graph[m])
+        if _package(d) in cycle and _package(d) != _package(m)
+    ]
+    assert edges == []
+
+
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
 def test_the_cycle_finder_finds_one() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -20,24 +20,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from turnkv.api_keys import TENANT_NAME, key_digest, load_keys
 from turnkv.errors import ClientError, Forbidden, Unauthorized
 
 if TYPE_CHECKING:
     from turnkv.config import Settings
 
 ANONYMOUS = "anonymous"
-_DIGEST = re.compile(r"[0-9a-f]{64}")
-_TENANT_NAME = re.compile(r"[A-Za-z0-9._:@/+=\-]{1,128}")
 _BEARER = re.compile(r"bearer[ \t]+(\S+)[ \t]*", re.IGNORECASE)
-
-
-class KeyFileError(ValueError):
-    """A key file or key list line that cannot be read; raised at start (a ``ConfigError`` there)."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +47,6 @@ def _hash(*parts: str) -> str:
     return hashlib.blake2b("\x00".join(parts).encode(), digest_size=16).hexdigest()
 
 
-def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
 def named_tenant(name: str) -> str:
     """The tenant id of a configured name: the same whether a key or the trusted proxy names it."""
     return "t:" + _hash("tenant", name)[:16]
@@ -68,65 +58,6 @@ def bearer_token(value: str | None) -> str | None:
         return None
     m = _BEARER.fullmatch(value.strip())
     return m.group(1) if m else None
-
-
-def parse_key_line(line: str) -> tuple[str, str] | None:
-    """``(sha256 digest, tenant name)`` of one key line; None for blanks and ``#`` comments.
-
-    ``sha256:<64 hex> [tenant]`` gives the digest; any other first word is a plain key, hashed here. A key
-    without a tenant is its own tenant, named after its digest."""
-    text = line.strip()
-    if not text or text.startswith("#"):
-        return None
-    parts = text.split()
-    if len(parts) > 2:
-        raise KeyFileError("a key line is '<key or sha256:hex> [tenant]'")
-    key = parts[0]
-    if key.lower().startswith("sha256:"):
-        digest = key[len("sha256:") :].lower()
-        if not _DIGEST.fullmatch(digest):
-            raise KeyFileError("sha256: must be followed by 64 hex digits")
-    else:
-        digest = key_digest(key)
-    name = parts[1] if len(parts) == 2 else "key-" + digest[:16]
-    if not _TENANT_NAME.fullmatch(name):
-        raise KeyFileError("a tenant name is 1-128 characters of letters, digits and ._:@/+=-")
-    return digest, name
-
-
-def parse_keys(lines: Iterable[str], source: str) -> dict[str, str]:
-    """digest -> tenant name; a key listed twice for two tenants is refused."""
-    keys: dict[str, str] = {}
-    for n, line in enumerate(lines, 1):
-        try:
-            parsed = parse_key_line(line)
-        except KeyFileError as exc:
-            raise KeyFileError(f"{source} line {n}: {exc}") from None  # the line may hold a key: not echoed
-        if parsed is None:
-            continue
-        digest, name = parsed
-        if keys.get(digest, name) != name:
-            raise KeyFileError(f"{source} line {n}: this key is already listed for another tenant")
-        keys[digest] = name
-    return keys
-
-
-def load_keys(settings: Settings) -> dict[str, str]:
-    """Every configured key (the file's and ``api_keys``), as digests; read at start."""
-    keys = parse_keys((k.get_secret_value() for k in settings.api_keys), "api_keys")
-    if settings.api_keys_file:
-        path = Path(settings.api_keys_file)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise KeyFileError(f"api_keys_file {path}: {exc.strerror or exc}") from None
-        for digest, name in parse_keys(text.splitlines(), f"api_keys_file {path}").items():
-            if keys.get(digest, name) != name:
-                raise KeyFileError(f"api_keys_file {path}: a key is listed for two tenants")
-            keys[digest] = name
-    if (settings.api_keys or settings.api_keys_file) and not keys:
-        raise KeyFileError("API keys are configured, but none was found")
-    return keys
 
 
 def cache_salt(tenant: str, client_salt: str | None) -> str:
@@ -165,7 +96,7 @@ class Authenticator:
         if self._from_proxy(headers):
             name = headers.get(self._tenant_header) if self._tenant_header else None
             if name:
-                if not _TENANT_NAME.fullmatch(name):
+                if not TENANT_NAME.fullmatch(name):
                     raise ClientError(
                         f"{self._tenant_header} must be 1-128 characters of letters, digits and ._:@/+=-",
                         param=self._tenant_header,
