@@ -4,6 +4,7 @@ template forbids is refused."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ def four_hop_cluster(
     policy: str = "always-pull",
     gateway_env: dict[str, str] | None = None,
     decode_flags: tuple[str, ...] = (),
+    sim_flags: tuple[str, ...] = (),
 ) -> tuple[Cluster, launch.Running]:
     common = ("--time-scale", "0", "--template", template, "--vllm-compat", compat)
     render = launch.sim("render", "render", *common, log_dir=log_dir)
@@ -48,6 +50,7 @@ def four_hop_cluster(
         template=template,
         compat=compat,
         policy=policy,
+        sim_flags=sim_flags,
         prefill_flags=("--tokens-only",),
         decode_flags=("--tokens-only", *(("--turnkv-plugin",) if plugin else ()), *decode_flags),
         gateway_env={"TURNKV_ENGINE": "vllm-four-hop", "TURNKV_RENDER": render.url, **(gateway_env or {})},
@@ -195,3 +198,30 @@ def test_a_derender_failing_after_text_was_streamed_ends_the_stream_with_an_erro
     assert r.status_code == 200 and '"content"' in r.text
     assert events[-1] == "data: [DONE]" and events[-2].startswith('data: {"error"'), r.text[-500:]
     assert post_chat(cluster, stream=True).status_code == 200  # and the gateway goes on serving
+
+
+def test_usage_counts_render_s_prompt_and_the_cached_tokens(procs: list[launch.Running], tmp_path: Path) -> None:
+    # vLLM says cached tokens only with --enable-prompt-tokens-details
+    cluster, render = four_hop_cluster(procs, tmp_path, sim_flags=("--enable-prompt-tokens-details",))
+    headers = {"X-Session-ID": "usage-1"}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Plan a trip"}]
+    usages = []
+    for stream in (False, True):
+        body = {"model": "sim-model", "messages": messages, "max_tokens": 40, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        r = httpx.post(cluster.gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+            usage = events[-1]["usage"]
+            content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        else:
+            usage = r.json()["usage"]
+            content = r.json()["choices"][0]["message"]["content"]
+        ids = httpx.post(render.url + "/v1/chat/completions/render", json={"model": "sim-model", "messages": messages})
+        assert usage["prompt_tokens"] == len(ids.json()["token_ids"])
+        usages.append(usage)
+        messages = [*messages, {"role": "assistant", "content": content}, {"role": "user", "content": "And then?"}]
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] > 0  # turn 2 pulled D's KV
+    assert usages[1]["completion_tokens"] > 0

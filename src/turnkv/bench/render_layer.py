@@ -258,6 +258,36 @@ def capacity(a: argparse.Namespace) -> dict[str, Any]:
     return {"output_tokens": n, "utilisation": a.utilisation, "model": asdict_costs(costs), "rows": out}
 
 
+def plot_capacity(result: dict[str, Any], path: Path) -> None:
+    """Render cores against request rate, per way of derendering, at each prompt length (log scale)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the bench extra is not installed: the table is the result
+        return
+    prompts = sorted({r["prompt_tokens"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(prompts), figsize=(4 * len(prompts), 3.4), sharey=True)
+    rates = [1, 2, 5, 10, 20, 50, 100, 200]
+    for ax, prompt in zip(axes if len(prompts) > 1 else [axes], prompts, strict=True):
+        for r in (r for r in result["rows"] if r["prompt_tokens"] == prompt):
+            per = r["core_ms_per_request"] / 1e3
+            ax.plot(
+                rates, [max(1, math.ceil(x * per / result["utilisation"])) for x in rates], marker=".", label=r["way"]
+            )
+        ax.set(xscale="log", yscale="log", title=f"{prompt // 1000}k-token prompts", xlabel="requests/s")
+        ax.grid(True, which="both", alpha=0.3)
+    (axes[0] if len(prompts) > 1 else axes).set_ylabel("render cores needed")
+    fig.legend(*fig.axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=7)
+    fig.suptitle(
+        f"Render cores for a request rate ({result['output_tokens']}-token answers, {result['utilisation']:.0%} busy)"
+    )
+    fig.tight_layout(rect=(0, 0.12, 1, 0.95))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def asdict_costs(costs: RenderCosts) -> dict[str, float]:
     return {k: float(v) for k, v in costs.model_dump().items()}
 
@@ -267,6 +297,7 @@ def run(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if a.what == "capacity":
         result = capacity(a)
+        plot_capacity(result, out / "capacity.png")
     else:
         flags = ("--vllm-compat", a.compat, "--time-scale", "0")
         with ExitStack() as stack:
