@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -61,11 +61,92 @@ def running(servers: list[RedisServer]) -> Iterator[list[RedisServer]]:
             s.stop()
 
 
+@dataclass
+class ClusterSetup:
+    """A Redis Cluster on loopback: its masters (each with ``replicas`` replicas) and its URL."""
+
+    servers: list[RedisServer]
+    node_timeout_ms: int
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+
+    def live(self) -> list[RedisServer]:
+        return [s for s in self.servers if s.proc is not None]
+
+    def slots(self) -> dict[int, tuple[int, int]]:
+        """Each master's port with the first and last slot of its range(s), as a live node sees them."""
+        c = self.live()[0].client()
+        try:
+            raw = cast(Any, c).execute_command("CLUSTER", "SLOTS")
+        finally:
+            c.close()
+        return {int(r[2][1]): (int(r[0]), int(r[1])) for r in raw}
+
+    def master_of(self, key: str) -> int:
+        """The port of the master serving ``key``'s slot now."""
+        c = self.live()[0].client()
+        try:
+            slot = int(cast(Any, c).execute_command("CLUSTER", "KEYSLOT", key))
+        finally:
+            c.close()
+        return next(port for port, (lo, hi) in self.slots().items() if lo <= slot <= hi)
+
+    def masters(self) -> list[RedisServer]:
+        ports = set(self.slots())
+        return [s for s in self.live() if s.port in ports]
+
+    def kill(self, server: RedisServer) -> None:
+        """SIGKILL ``server``: a crash, nothing said to its replicas or clients."""
+        assert server.proc is not None
+        server.proc.kill()
+        server.proc.wait(READY_TIMEOUT_S)
+        server.proc = None
+
+    def wait_failed_over(self, port: int, timeout_s: float = READY_TIMEOUT_S) -> int:
+        """Until a replica of the master that was on ``port`` serves its slots and every live node
+        says the cluster is ok; the new master's port."""
+        lo, _ = next(r for p, r in self.slots().items() if p == port)
+
+        def moved() -> bool:
+            return all(_cluster_ok(s) for s in self.live()) and _owner(self.live()[0], lo) != port
+
+        wait_until(moved, f"a replica serving the slots of {port}", timeout_s)
+        return _owner(self.live()[0], lo)
+
+
+def _cluster_ok(server: RedisServer) -> bool:
+    c = server.client()
+    try:
+        return bool(c.cluster("INFO").get("cluster_state") == "ok")
+    finally:
+        c.close()
+
+
+def _owner(server: RedisServer, slot: int) -> int:
+    c = server.client()
+    try:
+        raw = cast(Any, c).execute_command("CLUSTER", "SLOTS")
+    finally:
+        c.close()
+    return next(int(r[2][1]) for r in raw if int(r[0]) <= slot <= int(r[1]))
+
+
 @contextlib.contextmanager
-def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
-    """``masters`` cluster-enabled servers joined into one Cluster; yields its redis+cluster:// URL."""
+def redis_cluster_setup(
+    workdir: Path,
+    masters: int = 3,
+    *,
+    replicas: int = 0,
+    node_timeout_ms: int = 5000,
+    full_coverage: bool = True,
+) -> Iterator[ClusterSetup]:
+    """``masters`` cluster-enabled servers, each with ``replicas`` replicas, joined into one Cluster.
+    ``full_coverage`` is Redis's ``cluster-require-full-coverage`` (its default, yes: every node refuses
+    every query while some slot has no master that answers)."""
     cli = _binary("redis-cli")
-    ports = [free_port() for _ in range(masters)]
+    ports = [free_port() for _ in range(masters * (1 + replicas))]
     # the bus port is named: the default (port + 10000) may be taken or past 65535
     servers = [
         _server(
@@ -76,15 +157,22 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
                 "--cluster-config-file",
                 f"nodes-{p}.conf",
                 "--cluster-node-timeout",
-                "5000",
+                str(node_timeout_ms),
                 "--cluster-port",
                 str(free_port()),
+                "--cluster-require-full-coverage",
+                "yes" if full_coverage else "no",
+                # a replica takes over however long its link was down (the default refuses after
+                # 10 node timeouts without one: a loaded test machine must not decide the test)
+                "--cluster-replica-validity-factor",
+                "0",
             ],
             workdir,
             p,
         )
         for p in ports
     ]
+    setup = ClusterSetup(servers, node_timeout_ms)
     with running(servers):
         subprocess.run(
             [
@@ -93,7 +181,7 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
                 "create",
                 *(f"127.0.0.1:{p}" for p in ports),
                 "--cluster-replicas",
-                "0",
+                str(replicas),
                 "--cluster-yes",
             ],
             check=True,
@@ -101,13 +189,24 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
             timeout=READY_TIMEOUT_S,
         )
         for s in servers:
-            c = s.client()
-            wait_until(
-                lambda c=c: c.cluster("INFO").get("cluster_state") == "ok",  # type: ignore[misc]
-                f"cluster_state:ok on {s.port}",
-            )
-            c.close()
-        yield "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+            wait_until(lambda s=s: _cluster_ok(s), f"cluster_state:ok on {s.port}")  # type: ignore[misc]
+        wait_until(lambda: len(setup.slots()) == masters, f"{masters} masters serving slots")
+        for s in servers:
+            if s.port not in setup.slots():
+                c = s.client()
+                wait_until(
+                    lambda c=c: c.info("replication").get("master_link_status") == "up",  # type: ignore[misc]
+                    f"replica {s.port} in sync",
+                )
+                c.close()
+        yield setup
+
+
+@contextlib.contextmanager
+def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
+    """``masters`` cluster-enabled servers joined into one Cluster; yields its redis+cluster:// URL."""
+    with redis_cluster_setup(workdir, masters) as setup:
+        yield setup.url
 
 
 @dataclass

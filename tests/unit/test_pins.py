@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import pytest
 
 from turnkv.config import Settings
 from turnkv.engine.base import LoadSample
 from turnkv.engine.mock import MockEngine
+from turnkv.errors import StoreError
 from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.gateway.pins import PinKeeper
@@ -18,7 +20,7 @@ from turnkv.gateway.release import Releaser
 from turnkv.logging import make_logger
 from turnkv.reuse.chain import chain_of
 from turnkv.routing import Router, build_profile
-from turnkv.state.base import ClaimStatus
+from turnkv.state.base import ClaimStatus, PinEntry, Pinned
 from turnkv.state.breaker import BreakerPolicy
 from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
@@ -150,3 +152,37 @@ async def test_a_new_pin_is_refused_while_requests_wait_for_memory_past_the_low_
     view = rig.fleet.view(D)
     assert view is not None
     assert rig.keeper.crowded(view, tokens) is crowded  # keep share 0.1 of 10,000 tokens
+
+
+class _IndexDown:
+    """An engine's pin index on a store node that counts as down (its breaker open): every call refused."""
+
+    async def pinned(self, decode_urls: Sequence[str]) -> dict[str, Pinned]:
+        raise StoreError("store node down", kind="open")
+
+    async def evict(self, decode_url: str, *, keep_tokens: int, why: str) -> list[PinEntry]:
+        raise StoreError("store node down", kind="open")
+
+    async def prune(self, decode_url: str, *, now: float, epoch: float | None) -> list[PinEntry]:
+        raise StoreError("store node down", kind="open")
+
+
+async def test_a_pin_index_that_cannot_be_asked_lets_the_pin_in_over_the_budget(rig: Rig) -> None:
+    # the conversation's record may live on a node that is up (a Cluster): the turn's put goes on
+    keeper = PinKeeper(
+        Settings(prefill=["http://p1"], decode=[D]),
+        rig.fleet,
+        _IndexDown(),
+        Releaser(
+            MockEngine(lambda call: None), Router(build_profile("affinity"), rig.fleet.views), rig.metrics, lambda: None
+        ),
+        rig.metrics,
+        make_logger("test", json=True),
+    )
+    for _ in range(5):
+        await keeper.make_room(D, 1000)  # within the budget of 5,000: the index is not asked
+    await keeper.make_room(D, 1000)
+    await keeper.make_room(D, 1000)
+    assert keeper.pinned(D) == 7000
+    assert rig.metrics.registry.get_sample_value("turnkv_pins_over_budget_total") == 2
+    assert rig.released("budget") == 0

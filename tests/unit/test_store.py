@@ -5,9 +5,10 @@ Cluster, TLS) is in tests/integration/test_store_redis.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import fakeredis
 import fakeredis.aioredis
@@ -19,7 +20,7 @@ from redis.asyncio.connection import SSLConnection
 from tests.store_contract import SHORT_MARKER_TTL_S, Backend, RedisContract, StoreContract, rec
 from turnkv.config import ConfigError, load_settings
 from turnkv.errors import StoreBusy, StoreError
-from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus
+from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus, Gate, OneNode, Pinned
 from turnkv.state.breaker import BreakerPolicy
 from turnkv.state.guard import StoreGuard
 from turnkv.state.memory import MemoryStore
@@ -80,18 +81,84 @@ def test_record_of_another_format_is_refused() -> None:
 
 
 class _Failing:
-    """A store whose claims fail with the given error (the only call these tests make)."""
+    """A store whose claims fail with the given error (the only call these tests make), on one node."""
 
     def __init__(self, error: StoreError | None) -> None:
         self.error = error
         self.calls = 0
         self.records = self.pins = self.documents = self
+        self.nodes = OneNode("redis")
+
+    def steps_through(self, gate: Gate) -> None:
+        return None
 
     async def claim(self, key: str, *, owner: str) -> Claim:
         self.calls += 1
         if self.error is not None:
             raise self.error
         return Claim(ClaimStatus.MISSING)
+
+
+class _Slots:
+    """``Nodes`` of a fake Cluster: a key's node is ``owner[its first letter]``; ``refresh`` learns ``moves``."""
+
+    def __init__(self, owner: dict[str, str]) -> None:
+        self.owner = owner
+        self.moves: dict[str, str] = {}
+        self.refreshes = 0
+
+    def of_conversation(self, key: str) -> str:
+        return self.owner[key[0]]
+
+    of_document = of_conversation
+
+    def of_index(self, decode_url: str) -> str:
+        return self.owner[decode_url[-1]]
+
+    def serving(self) -> frozenset[str]:
+        return frozenset(self.owner.values())
+
+    async def refresh(self) -> None:
+        self.refreshes += 1
+        self.owner.update(self.moves)
+
+
+class _Cluster:
+    """Records and a pin index on the nodes ``_Slots`` names; the calls to a node in ``down`` fail as
+    unreachable. A claim of a key starting with ``u`` also drops a pin entry on node ``b``, as a step
+    through the guard's gate that costs the claim nothing when it fails."""
+
+    def __init__(self, slots: _Slots) -> None:
+        self.nodes = slots
+        self.down: set[str] = set()
+        self.calls: list[tuple[str, str]] = []  # (op, node)
+        self.records = self.pins = self.documents = self
+        self.gate: Gate | None = None
+
+    def steps_through(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def _on(self, op: str, node: str) -> None:
+        self.calls.append((op, node))
+        if node in self.down:
+            raise StoreError(f"{node} refused", kind="unreachable")
+
+    async def claim(self, key: str, *, owner: str) -> Claim:
+        self._on("claim", self.nodes.of_conversation(key))
+        if key.startswith("u"):
+            assert self.gate is not None
+
+            async def unpin() -> None:
+                self._on("unpin", "b")
+
+            with contextlib.suppress(StoreError):
+                await self.gate("b", "unpin", unpin)
+        return Claim(ClaimStatus.MISSING)
+
+    async def pinned(self, decode_urls: Sequence[str]) -> dict[str, Pinned]:
+        for node in {self.nodes.of_index(u) for u in decode_urls}:
+            self._on("pinned", node)
+        return {u: Pinned(1, 10) for u in decode_urls}
 
 
 POLICY = BreakerPolicy(open_s=5.0)
@@ -282,3 +349,92 @@ async def test_what_a_timeout_retries(message: str, idempotent: bool, tries: int
         assert failed.value.kind == "timeout"
     assert calls == tries
     await s.close()
+
+
+def _guarded(cluster: _Cluster, now: list[float], log: list[tuple[str, bool]]) -> StoreGuard:
+    return StoreGuard(
+        cluster,  # type: ignore[arg-type]
+        policy=POLICY,
+        clock=lambda: now[0],
+        on_node=lambda node, is_open: log.append((node, is_open)),
+    )
+
+
+async def test_a_node_that_is_down_costs_only_the_keys_it_serves() -> None:
+    now = [0.0]
+    nodes: list[tuple[str, bool]] = []
+    cluster = _Cluster(_Slots({"a": "a", "b": "b"}))
+    g = _guarded(cluster, now, nodes)
+    cluster.down.add("a")
+    with pytest.raises(StoreError):
+        await g.records.claim("a1", owner="o")
+    assert nodes == [("a", True)] and not g.up and g.down() == ["a"]
+    for _ in range(3):
+        with pytest.raises(StoreError, match="store node a is down") as skipped:
+            await g.records.claim("a2", owner="o")
+        assert skipped.value.kind == "open"
+        assert (await g.records.claim("b1", owner="o")).status is ClaimStatus.MISSING
+    assert cluster.calls == [("claim", "a")] + [("claim", "b")] * 3  # a's keys skipped, b's served
+    cluster.down.clear()
+    now[0] = 6.0  # past open_s: the next call of a's probes it
+    assert (await g.records.claim("a3", owner="o")).status is ClaimStatus.MISSING
+    assert nodes == [("a", True), ("a", False)] and g.up
+
+
+async def test_a_skipped_call_follows_its_slots_to_the_new_master_and_the_old_node_is_forgotten() -> None:
+    now = [0.0]
+    nodes: list[tuple[str, bool]] = []
+    states: list[bool] = []
+    slots = _Slots({"a": "a", "b": "b"})
+    cluster = _Cluster(slots)
+    g = _guarded(cluster, now, nodes)
+    g._on_state = states.append
+    cluster.down.add("a")
+    with pytest.raises(StoreError):
+        await g.records.claim("a1", owner="o")
+    with pytest.raises(StoreError):  # skipped; it asked where a's keys are now: still on a
+        await g.records.claim("a2", owner="o")
+    assert slots.refreshes == 1
+    now[0] = 1.0
+    with pytest.raises(StoreError):  # within open_s of the last look: skipped without asking again
+        await g.records.claim("a3", owner="o")
+    now[0] = 5.0
+    with pytest.raises(StoreError):  # the probe: a still refuses, skipped twice as long now (10 s)
+        await g.records.claim("a4", owner="o")
+    assert slots.refreshes == 1
+    slots.moves = {"a": "c"}  # a replica of a took over its slots
+    now[0] = 6.0  # open_s after the last look: a skipped call asks again, and goes to c
+    assert (await g.records.claim("a5", owner="o")).status is ClaimStatus.MISSING
+    assert slots.refreshes == 2 and cluster.calls[-1] == ("claim", "c")
+    assert [c for c in cluster.calls if c[1] == "a"] == [("claim", "a")] * 2  # the first call and the probe
+    # a forgotten: it serves nothing (the probe's failure said down again)
+    assert nodes == [("a", True), ("a", True), ("a", False)] and states == [False, False, True] and g.up
+
+
+async def test_a_step_on_another_node_fails_alone_and_counts_for_that_node() -> None:
+    now = [0.0]
+    nodes: list[tuple[str, bool]] = []
+    errors: list[tuple[str, str]] = []
+    cluster = _Cluster(_Slots({"a": "a", "b": "b", "u": "a"}))
+    g = _guarded(cluster, now, nodes)
+    g._on_error = lambda op, kind: errors.append((op, kind))
+    cluster.down.add("b")
+    for _ in range(2):  # the claim on a stands; its step on b failed, then was skipped
+        assert (await g.records.claim("u1", owner="o")).status is ClaimStatus.MISSING
+    assert cluster.calls == [("claim", "a"), ("unpin", "b"), ("claim", "a")]
+    assert errors == [("unpin", "unreachable")] and nodes == [("b", True)] and g.down() == ["b"]
+
+
+async def test_pinned_asks_each_node_through_its_breaker() -> None:
+    now = [0.0]
+    nodes: list[tuple[str, bool]] = []
+    cluster = _Cluster(_Slots({"a": "a", "b": "b"}))
+    g = _guarded(cluster, now, nodes)
+    urls = ["http://d/a", "http://e/a", "http://d/b"]
+    assert await g.pins.pinned(urls) == {u: Pinned(1, 10) for u in urls}
+    assert sorted(cluster.calls) == [("pinned", "a"), ("pinned", "b")]  # one call per node
+    cluster.down.add("b")
+    with pytest.raises(StoreError):
+        await g.pins.pinned(urls)
+    assert nodes == [("b", True)]
+    assert await g.pins.pinned(urls[:2]) == {u: Pinned(1, 10) for u in urls[:2]}  # a's engines alone: served

@@ -298,6 +298,7 @@ def create_app(
             policy=breaker_policy(settings),
             on_error=lambda op, kind: metrics.redis_errors.labels(op, kind).inc(),
             on_state=lambda up: metrics.store_up.set(1 if up else 0),
+            on_node=lambda node, is_open: metrics.store_breaker_open.labels(node).set(1 if is_open else 0),
             on_busy=lambda op: metrics.store_busy.labels(op).inc(),
             on_skip=lambda op: metrics.store_skipped.labels(op).inc(),
         )

@@ -53,7 +53,23 @@ class Vocabulary:
         "stream",
         "empty_stream",
     )
-    store_ops: tuple[str, ...] = ("claim", "put", "release", "pinned", "evict", "prune", "put_doc", "get_doc", "ping")
+    # a store operation, or one of its steps on another node of a Cluster (a pin's index entry and its removal,
+    # evict's and prune's questions to the records)
+    store_ops: tuple[str, ...] = (
+        "claim",
+        "put",
+        "release",
+        "pinned",
+        "evict",
+        "prune",
+        "put_doc",
+        "get_doc",
+        "ping",
+        "index",
+        "unpin",
+        "strip",
+        "holds",
+    )
     store_error_kinds: tuple[str, ...] = ("timeout", "connect_timeout", "unreachable", "error")
     # what a plan's outcome and action can be together (TurnPlan.outcome)
     decisions: tuple[tuple[str, str], ...] = (
@@ -176,7 +192,18 @@ class GatewayMetrics:
             registry=r,
         )
         self.store_up = Gauge(
-            "turnkv_store_up", "1 when the conversation store answers", registry=r, multiprocess_mode="livemin"
+            "turnkv_store_up",
+            "1 when every node of the conversation store answers (no node's breaker is open)",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.store_breaker_open = Gauge(
+            "turnkv_store_breaker_open",
+            "1 while the breaker of this node of the store is open: its conversations run without their "
+            "records (node: host:port of one Redis or of a Cluster master, sentinel/<service>, memory)",
+            ["node"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.captures = Counter("turnkv_handle_captures", "Decode handles captured or missed", ["result"], registry=r)
         self.render_mismatch = Counter(
@@ -249,6 +276,12 @@ class GatewayMetrics:
             "turnkv_unused_handles_left",
             "Handles nobody will pull, left pinned for the decode engine's TTL to free (as plain P/D), by why",
             ["why"],
+            registry=r,
+        )
+        self.pins_over_budget = Counter(
+            "turnkv_pins_over_budget",
+            "Handles pinned past the decode memory budget because the engine's pin index could not be asked "
+            "(its store node down)",
             registry=r,
         )
         self.write_backs = Counter(

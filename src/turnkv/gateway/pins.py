@@ -110,13 +110,22 @@ class PinKeeper:
     # -- on the turn's path ------------------------------------------------------------------
     async def make_room(self, url: str, tokens: int) -> None:
         """Before a new pin of ``tokens`` is stored on ``url``: when it would cross the budget (as far as
-        this process knows), release the pins idle longest until it fits. Raises ``StoreError``."""
+        this process knows), release the pins idle longest until it fits. When the engine's pin index
+        cannot be asked (its store node is down: a Cluster master failing over) the pin goes in over the
+        budget rather than cost its conversation the record, which may live on a node that is up; the
+        next pin tries again, and what no evict reaches meanwhile D's own TTL frees."""
         budget = self.budget(url)
         est = self._estimate.get(url, 0) + tokens
         if budget is None or est <= budget:
             self._set(url, est)
             return
-        entries = await self._store.evict(url, keep_tokens=max(budget - tokens, 0), why="budget")
+        try:
+            entries = await self._store.evict(url, keep_tokens=max(budget - tokens, 0), why="budget")
+        except StoreError as exc:
+            self._metrics.pins_over_budget.inc()
+            self._log.info("pins.over_budget", decode=url, tokens=est, budget=budget, kind=exc.kind)
+            self._set(url, est)
+            return
         self.release(entries, "budget")
         self._set(url, min(est, budget))
 

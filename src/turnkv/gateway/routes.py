@@ -177,7 +177,11 @@ async def ready(request: Request) -> Response:
         "ready": ok,
         "prefill": p,
         "decode": d,
-        "store": {"kind": "redis" if svc.settings.redis_url else "memory", "up": svc.store.up},
+        "store": {
+            "kind": "redis" if svc.settings.redis_url else "memory",
+            "up": svc.store.up,
+            "nodes_down": svc.store.down(),  # the nodes whose breakers are open
+        },
         "template": {"class": svc.catalog.template.cls.value, "detail": svc.catalog.template.detail},
         "policy": svc.policy.name,
         "shared_gpu": shared_gpus(svc),

@@ -16,18 +16,26 @@ one whose record a turn claimed meanwhile (that turn owns the handle).
 
 Every operation touches the keys of one Redis Cluster hash slot at a time: a conversation's keys
 share its slot, each engine's index its own. Implementations raise ``StoreError`` on any failure.
+
+``Nodes``: which node of the backing store serves a key. A node fails on its own and the guard
+(``state.guard``) keeps a breaker per node, so that one Redis Cluster master's outage costs only the
+conversations it serves. A store on one server (memory, one Redis, Sentinel's master) is one node.
+An operation runs on the node of its key (a conversation's, a document's, an engine's index); a step
+it takes on another node (a put's pin entry on its engine's index) goes through that node's breaker
+as well (``ConversationStore.steps_through``) and costs the operation nothing when it fails.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from turnkv.state.record import ConversationRecord
 
 IN_FLIGHT_TTL_S = 300.0
+T = TypeVar("T")
 
 
 class ClaimStatus(enum.Enum):
@@ -102,9 +110,62 @@ class Documents(Protocol):
     async def get(self, key: str) -> str | None: ...
 
 
+class Nodes(Protocol):
+    """Which node of the backing store serves a key, as far as the store knows now."""
+
+    def of_conversation(self, key: str) -> str: ...
+
+    def of_document(self, key: str) -> str: ...
+
+    def of_index(self, decode_url: str) -> str: ...
+
+    def serving(self) -> frozenset[str]:
+        """The nodes that serve keys now (a Cluster's masters); a node not among them serves none."""
+
+    async def refresh(self) -> None:
+        """Learn again which node serves what (a Cluster's slots after a failover). Raises ``StoreError``."""
+
+
+class OneNode:
+    """``Nodes`` of a store on one server: every key on the node ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._serving = frozenset({name})
+
+    def of_conversation(self, key: str) -> str:
+        return self.name
+
+    def of_document(self, key: str) -> str:
+        return self.name
+
+    def of_index(self, decode_url: str) -> str:
+        return self.name
+
+    def serving(self) -> frozenset[str]:
+        return self._serving
+
+    async def refresh(self) -> None:
+        return None
+
+
+class Gate(Protocol):
+    """A step on one node of the store, through that node's breaker: raises ``StoreError`` (kind ``open``)
+    at once while the node counts as down, else runs ``fn`` and reports how it went."""
+
+    def __call__(self, node: str, op: str, fn: Callable[[], Awaitable[T]]) -> Awaitable[T]: ...
+
+
 class ConversationStore(Protocol):
     """The three parts, on one backing store (their records and pins are written together: a put indexes
     its pin, a claim and an evict take it out)."""
+
+    @property
+    def nodes(self) -> Nodes: ...
+
+    def steps_through(self, gate: Gate) -> None:
+        """Run each step of an operation that falls on another node than the operation's through ``gate``
+        (a store on one node has no such steps)."""
 
     @property
     def records(self) -> Records: ...

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus, PinEntry, Pinned
+from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus, Gate, OneNode, PinEntry, Pinned
 from turnkv.state.record import ConversationRecord
 
 Clock = Callable[[], float]
@@ -186,6 +186,10 @@ class MemoryStore:
         self.records = MemoryRecords(self._table)
         self.pins = MemoryPins(self._table)
         self.documents = MemoryDocuments(clock, max_entries)
+        self.nodes = OneNode("memory")
+
+    def steps_through(self, gate: Gate) -> None:
+        return None  # one node: no step falls on another
 
     async def ping(self) -> None:
         return None

@@ -343,8 +343,8 @@ def analyze(configs: Sequence[ConfigResult]) -> tuple[str, dict[str, list[str]]]
         rt = rc.meta["redis_round_trips"]
         by_cmd = rc.meta.get("redis_round_trips_by_command", {})
         setup = sum(v for k, v in by_cmd.items() if k.split()[0] in SETUP_COMMANDS)
-        # a script's first EVALSHA on a connection pool fails with NOSCRIPT and is sent again after SCRIPT LOAD
-        setup += by_cmd.get("script", 0)
+        # a script's first EVALSHA fails with NOSCRIPT and is sent again as EVAL (after SCRIPT LOAD in a pipeline)
+        setup += by_cmd.get("script", 0) + by_cmd.get("eval", 0)
         # an operation done at least once per two turns is per-turn work; rarer ones are background loops
         background = sum(v for k, v in by_cmd.items() if k.split()[0] not in SETUP_COMMANDS and v < turns / 2)
         per_cmd = ", ".join(f"{k} {v / turns:.2f}" for k, v in sorted(by_cmd.items()))

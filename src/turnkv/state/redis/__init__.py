@@ -44,7 +44,7 @@ handle released under a turn that holds it nor a handle used after its release:
 
 Round trips: claim 1 (2 when the record holds a handle), put 1, release 1, pinned 1 for any number
 of engines, evict 2 per 256 entries, prune 1-3, docs 1; plus one per script on the first use after
-Redis lost its script cache (NOSCRIPT: load, run again).
+Redis lost its script cache (NOSCRIPT: the script itself, EVAL, runs and caches it on that node).
 
 The in-flight TTL bounds what a crashed gateway leaves behind: its markers go after
 ``in_flight_ttl_s``. A marker that times out while its turn still runs costs nothing but a reason

@@ -169,7 +169,7 @@ def build_client(
     tls: TLSOptions,
 ) -> tuple[Redis | RedisCluster, list[Any]]:
     """The redis-py client for ``target``: pools of ``max_connections`` and explicit timeouts (a slow
-    Redis must not hold a turn). Retry: once at once, on a connection error only (redis-py keeps
+    Redis must not hold a turn). Retry (one server, Sentinel): once at once, on a connection error only (redis-py keeps
     the retry of the connections its pool makes: the pool's connection kwargs carry it; a Redis
     client's own ``retry=`` is ignored when it is handed a pool). New connections open through
     ``gate`` (not in a Cluster, whose client makes its own per-node connections)."""
@@ -184,12 +184,13 @@ def build_client(
     ssl = tls.kwargs() if target.tls else {}
     if target.topology is Topology.CLUSTER:
         nodes = [ClusterNode(h, p) for h, p in target.nodes]
-        # a Cluster client retries (once here) on connection errors and timeouts, with a fresh
-        # view of the slots; its per-node pools are not shared with anything else
+        # no retry by the client: it would send any command again after a timeout or a connection
+        # that broke mid-command (a claim run twice finds its own marker); the store retries where
+        # that is harmless (RedisConnection.twice_on_timeout). Its per-node pools are its own.
         return RedisCluster(
             startup_nodes=nodes,
             max_connections=max_connections,
-            retry=Retry(NoBackoff(), 1),
+            retry=Retry(NoBackoff(), 0),
             ssl=target.tls,
             **common,
             **ssl,

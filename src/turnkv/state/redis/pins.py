@@ -2,12 +2,17 @@
 by ``stored_at``, a hash of their entries and the running token total, each engine's keys in one slot
 (``{<hash of the URL>}``); and the per-record compare-and-set steps (``STRIP``, ``HOLDS``) that keep an
 evict or a prune from touching a pin a turn claimed meanwhile. The orders are in ``state.redis``.
+
+In a Cluster the records an evict or a prune asks are on any master: those on a master that fails (or
+counts as down) are left alone (an evicted entry's record keeps its handle, unindexed; a pruned entry whose
+record could not be asked stays) and the operation goes on with the others.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, cast
 
 from turnkv import jsonwire
@@ -156,7 +161,11 @@ class RedisPins:
             return {}
 
         async def run() -> list[Any]:
-            async with self._conn.client.pipeline(transaction=False) as pipe:
+            client: Any = self._conn.client
+            if self._conn.cluster:  # single commands: no Cluster pipeline (``state.redis.connection``)
+                reads = [r for url in urls for r in _totals(client, self._conn.index(url))]
+                return list(await asyncio.gather(*reads))
+            async with client.pipeline(transaction=False) as pipe:
                 for url in urls:
                     z, _, t = self._conn.index(url).keys
                     pipe.zcard(z)
@@ -188,16 +197,19 @@ class RedisPins:
         return bool(int(more)), [_entry(decode_url, str(flat[i]), str(flat[i + 1])) for i in range(0, len(flat), 2)]
 
     async def _strip(self, picked: Sequence[PinEntry], why: str) -> list[PinEntry]:
-        """Evict's second step: the CAS on each record; the entries whose record gave up its handle."""
+        """Evict's second step: the CAS on each record; the entries whose record gave up its handle (a record
+        on another node than the index's that could not be asked keeps it)."""
         if not picked:
             return []
-        stripped = await self._conn.batch(
-            [(STRIP, [self._conn.conversation_key(e.key)], [e.pin_id, why]) for e in picked]
+        here = self._conn.node_of(self._conn.index(picked[0].decode_url).keys[0])
+        stripped = await self._conn.spread(
+            here, "strip", [(STRIP, [self._conn.conversation_key(e.key)], [e.pin_id, why]) for e in picked]
         )
-        return [e for e, ok in zip(picked, stripped, strict=True) if int(ok) == 1]
+        return [e for e, ok in zip(picked, stripped, strict=True) if ok is not None and int(ok) == 1]
 
     async def prune(self, decode_url: str, *, now: float, epoch: float | None) -> list[PinEntry]:
         index = self._conn.index(decode_url)
+        here = self._conn.node_of(index.keys[0])
         async with self._conn.op("prune"):
             raw: dict[str, str] = await cast(Any, self._conn.client).hgetall(index.keys[1])
             entries = {k: _entry(decode_url, k, v) for k, v in raw.items()}
@@ -209,10 +221,11 @@ class RedisPins:
             ask = [k for k in entries if k not in doomed]
             for i in range(0, len(ask), PRUNE_CHUNK):
                 chunk = ask[i : i + PRUNE_CHUNK]
-                holds = await self._conn.batch(
-                    [(HOLDS, [self._conn.conversation_key(k)], [entries[k].pin_id]) for k in chunk]
+                holds = await self._conn.spread(
+                    here, "holds", [(HOLDS, [self._conn.conversation_key(k)], [entries[k].pin_id]) for k in chunk]
                 )
-                doomed.update(k for k, h in zip(chunk, holds, strict=True) if int(h) != 1)
+                # a record that could not be asked (None) keeps its entry
+                doomed.update(k for k, h in zip(chunk, holds, strict=True) if h is not None and int(h) != 1)
             out: list[PinEntry] = []
             todo = [k for k in entries if k in doomed]
             for i in range(0, len(todo), PRUNE_CHUNK):
@@ -223,6 +236,12 @@ class RedisPins:
                 dropped = await self._conn.eval(DROP, index.keys, args)
                 out.extend(entries[k] for k, d in zip(chunk, dropped, strict=True) if int(d) == 1)
         return out
+
+
+def _totals(client: Any, index: Index) -> tuple[Awaitable[Any], Awaitable[Any]]:
+    """One engine's pinned handles and tokens, as two reads."""
+    z, _, t = index.keys
+    return client.zcard(z), client.get(t)
 
 
 def _entry(decode_url: str, key: str, raw: str) -> PinEntry:

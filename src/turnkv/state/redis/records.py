@@ -2,12 +2,14 @@
 slot), put with its pin's index entry, its in-flight marker released by its owner.
 
 A put holding a handle runs the record's script and the index entry's (``pins.index_entry``) in one
-pipeline; a claim of a record holding one drops that entry in a second step (``pins.unpin``). The orders
-and what a race between the steps costs are in ``state.redis``.
+pipeline (in a Cluster: at once, the entry through its node's breaker); a claim of a record holding one
+drops that entry in a second step (``pins.unpin``). The orders and what a race between the steps costs
+are in ``state.redis``. A step on the index fails alone: the record stands.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -72,6 +74,7 @@ class RedisRecords:
 
     async def claim(self, key: str, *, owner: str) -> Claim:
         conn = self._conn
+        here = conn.node_of(conn.conversation_key(key))
 
         async def run() -> Claim:
             return _claim_of(await conn.eval(CLAIM, [conn.conversation_key(key)], [owner, self._in_flight_ms]))
@@ -79,21 +82,35 @@ class RedisRecords:
         claim = await conn.twice_on_timeout("claim", run, idempotent=False)
         record = claim.record
         if record is not None and record.pin_id is not None:
+            # the claim stands whatever happens here (the turn owns the handle); an entry left behind
+            # is an orphan that evict's CAS refuses and prune drops
+            unpin = pins.unpin(conn.index(record.decode_url), key, record.pin_id)
             try:
                 async with conn.op("claim"):
-                    await conn.eval(*pins.unpin(conn.index(record.decode_url), key, record.pin_id))
-            except StoreError as exc:
-                # the claim stands (the turn owns the handle); the entry left behind is an
-                # orphan that evict's CAS refuses and prune drops
+                    await conn.aside(here, "unpin", unpin, leaves="orphan_entry")
+            except StoreError as exc:  # no connection free for it
                 log.warning("store.claim_unindex_failed reason=orphan_entry kind=%s error=%s", exc.kind, exc)
         return claim
 
     async def put(self, key: str, record: ConversationRecord, ttl_s: float) -> None:
         conn = self._conn
+        calls = self._put_calls(key, record, ttl_s)
         async with conn.op("put"):
-            replaced = (await conn.batch(self._put_calls(key, record, ttl_s)))[0]
+            if len(calls) == 1 or not conn.cluster:
+                replaced = (await conn.batch(calls))[0]
+            else:  # in a Cluster the pin's entry may be on another node: its failure leaves the pin unindexed
+                here = conn.node_of(calls[0][1][0])
+                replaced, _ = await asyncio.gather(
+                    conn.eval(*calls[0]),
+                    conn.aside(here, "index", calls[1], leaves="unindexed_pin"),
+                    return_exceptions=True,
+                )
+                if isinstance(replaced, BaseException):  # raised once the entry's step ended too
+                    raise replaced
             if replaced:  # a record holding another pin was overwritten: that pin's entry goes too
-                await conn.eval(*pins.unpin(conn.index_by_id(str(replaced[1])), key, str(replaced[0])))
+                index = conn.index_by_id(str(replaced[1]))
+                here = conn.node_of(calls[0][1][0])
+                await conn.aside(here, "unpin", pins.unpin(index, key, str(replaced[0])), leaves="orphan_entry")
 
     def _put_calls(self, key: str, record: ConversationRecord, ttl_s: float) -> list[Call]:
         """Put's steps: the record, then (when it holds a handle) its index entry."""

@@ -1,5 +1,6 @@
 """``RedisStore``: the three parts of the store contract (``records``, ``pins``, ``documents``) on one
-connection to the deployment a URL names (``state.redis_url``)."""
+connection to the deployment a URL names (``state.redis_url``), and its nodes (``state.base.Nodes``): one
+server or Sentinel's master is one node, a Cluster has one per master."""
 
 from __future__ import annotations
 
@@ -9,18 +10,41 @@ from typing import Any
 
 from redis.asyncio import Redis, RedisCluster
 
+from turnkv.state.base import Gate, Nodes, OneNode
 from turnkv.state.redis.clients import ConnectGate, TLSOptions, build_client
 from turnkv.state.redis.connection import RedisConnection
 from turnkv.state.redis.documents import RedisDocuments
 from turnkv.state.redis.pins import RedisPins
 from turnkv.state.redis.records import RedisRecords
-from turnkv.state.redis_url import parse_redis_url
+from turnkv.state.redis_url import RedisTarget, Topology, parse_redis_url
 
 log = logging.getLogger("turnkv.store")
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_POOL_TIMEOUT_S = 0.5
 DEFAULT_CONNECT_CONCURRENCY = 16
 DEFAULT_IN_FLIGHT_TTL_S = 60.0
+
+
+class ClusterNodes:
+    """A Cluster's nodes: the master that serves a key's slot, as far as the client knows the slots."""
+
+    def __init__(self, conn: RedisConnection) -> None:
+        self._conn = conn
+
+    def of_conversation(self, key: str) -> str:
+        return self._conn.node_of(self._conn.conversation_key(key))
+
+    def of_document(self, key: str) -> str:
+        return self._conn.node_of(self._conn.doc_key(key))
+
+    def of_index(self, decode_url: str) -> str:
+        return self._conn.node_of(self._conn.index(decode_url).keys[0])
+
+    def serving(self) -> frozenset[str]:
+        return self._conn.serving()
+
+    async def refresh(self) -> None:
+        await self._conn.refresh()
 
 
 class RedisStore:
@@ -33,15 +57,29 @@ class RedisStore:
         pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S,
         in_flight_ttl_s: float = DEFAULT_IN_FLIGHT_TTL_S,
         closers: Sequence[Any] = (),
+        node: str = "redis",
+        refresh_within_s: float = 1.0,
     ) -> None:
         """``client`` must decode responses to str; its pools should allow ``max_connections``.
-        ``closers``: more objects with ``aclose()`` that the store owns (a Sentinel's clients)."""
+        ``closers``: more objects with ``aclose()`` that the store owns (a Sentinel's clients). ``node``:
+        the name of the one node of a client that is not a Cluster's (metrics, logs);
+        ``refresh_within_s``: the longest a Cluster's slots take to learn again."""
         self.conn = RedisConnection(
-            client, namespace=namespace, max_connections=max_connections, pool_timeout_s=pool_timeout_s, closers=closers
+            client,
+            namespace=namespace,
+            max_connections=max_connections,
+            pool_timeout_s=pool_timeout_s,
+            closers=closers,
+            node=node,
+            refresh_within_s=refresh_within_s,
         )
         self.records = RedisRecords(self.conn, in_flight_ttl_s=in_flight_ttl_s)
         self.pins = RedisPins(self.conn)
         self.documents = RedisDocuments(self.conn)
+        self.nodes: Nodes = ClusterNodes(self.conn) if self.conn.cluster else OneNode(node)
+
+    def steps_through(self, gate: Gate) -> None:
+        self.conn.gate = gate
 
     @classmethod
     def from_url(
@@ -85,6 +123,8 @@ class RedisStore:
             pool_timeout_s=pool_timeout_s,
             in_flight_ttl_s=in_flight_ttl_s,
             closers=closers,
+            node=node_name(target),
+            refresh_within_s=connect_s + command_timeout_s,
         )
 
     async def warm(self, connections: int, *, within_s: float) -> int:
@@ -96,3 +136,14 @@ class RedisStore:
 
     async def close(self) -> None:
         await self.conn.close()
+
+
+def node_name(target: RedisTarget) -> str:
+    """How metrics and logs name the one node of a deployment that is not a Cluster: ``host:port`` (or the
+    socket's path) of one server, ``sentinel/<service>`` for the master Sentinel names (wherever it is)."""
+    if target.topology is Topology.SENTINEL:
+        return f"sentinel/{target.service}"
+    if target.path is not None:
+        return target.path
+    host, port = target.nodes[0]
+    return f"{host}:{port}"
