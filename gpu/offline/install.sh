@@ -8,11 +8,13 @@ set -euo pipefail
 home="${TURNKV_GPU_HOME:-$([ "$(id -u)" = 0 ] && echo /root || echo "$HOME/.turnkv-gpu")}"
 site="$home/site"
 if [ ! -f "$site/.done" ]; then
-  parts=$(ls .stage/c*/part.* 2>/dev/null || ls "$home"/chunks/part.* 2>/dev/null || true)
+  # both places together (a transport may leave some parts in the repository and the rest in chunks/), each
+  # part once, in the order of their names (part.0, part.1, ..., or part.0a, part.0b, ...)
+  parts=$(for p in .stage/c*/part.* "$home"/chunks/part.*; do if [ -f "$p" ]; then echo "$(basename "$p") $p"; fi; done |
+    sort -u -k1,1 | cut -d' ' -f2)
   [ -n "$parts" ] || { echo "install.sh: no bundle: .stage/c*/part.* or $home/chunks/part.*" >&2; exit 1; }
   work="$(mktemp -d)"
-  # the parts in the order of their names (part.0, part.1, ..., or part.0a, part.0b, ...), wherever they lie
-  for p in $parts; do echo "$(basename "$p") $p"; done | sort | cut -d' ' -f2 | xargs cat | tar -x -C "$work"
+  echo "$parts" | xargs cat | tar -x -C "$work"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
     "$work"/*.whl 2>&1 | tail -3
   rm -rf "$work"
