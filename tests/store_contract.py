@@ -9,13 +9,14 @@ same object in process), and a way to let time pass for the stores' TTLs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from turnkv.reuse.chain import chain_of, sequence_digest
-from turnkv.state.base import ClaimStatus, ConversationStore, PinEntry, Pinned
+from turnkv.state.base import Claim, ClaimStatus, ConversationStore, PinEntry, Pinned, pool
 from turnkv.state.record import ConversationRecord
 from turnkv.state.redis import RedisStore
 
@@ -175,6 +176,52 @@ class RecordsContract:
         assert await backend.store.pins.pinned([D1]) == {}
 
 
+class PoolsContract:
+    """``claim_any`` and ``put_any``: interchangeable records under one name (``state.base.pool``)."""
+
+    async def test_a_pool_holds_one_record_per_conversation_that_stores_into_it(self, backend: Backend) -> None:
+        s, slots = backend.store, pool("k", 4)
+        stored = [await s.records.put_any(slots, rec(f"p{i}", turn=i), LONG_TTL_S, owner=f"t{i}") for i in range(3)]
+        assert stored == slots[:3]  # three at once: three slots, none overwritten
+        got = [await backend.other.records.claim_any(slots, owner=f"n{i}") for i in range(3)]
+        assert sorted(c.record.turn for _, c in got if c.record is not None) == [0, 1, 2]
+        assert (await s.records.claim_any(slots, owner="n3"))[1].status is ClaimStatus.IN_FLIGHT
+        for i, (key, _) in enumerate(got):
+            await s.records.release(key, owner=f"n{i}")
+        assert await s.records.claim_any(slots, owner="n4") == (slots[0], Claim(ClaimStatus.MISSING))
+
+    async def test_claim_any_takes_the_record_whose_answer_the_client_echoes(self, backend: Backend) -> None:
+        s, slots = backend.store, pool("k", 4)
+        for i, answer in enumerate(("x", "y", "z")):
+            r = dataclasses.replace(rec(f"p{i}"), answer_digest=answer)
+            await s.records.put_any(slots, r, LONG_TTL_S, owner=f"o{i}")
+        key, got = await s.records.claim_any(slots, owner="a", prefer="z")
+        assert got.record is not None and got.record.answer_digest == "z" and key == slots[2]
+        key, other = await s.records.claim_any(slots, owner="b", prefer="none of them")
+        assert other.record is not None and key == slots[0]  # no such answer: the first there is
+
+    async def test_put_any_uses_its_own_marker_and_never_a_claimed_slot_while_one_is_free(
+        self, backend: Backend
+    ) -> None:
+        s, slots = backend.store, pool("k", 3)
+        await s.records.put_any(slots, rec("p1"), LONG_TTL_S, owner="x")
+        await s.records.put_any(slots, rec("p2"), LONG_TTL_S, owner="y")
+        key, _ = await s.records.claim_any(slots, owner="turn")  # claims slot 0
+        assert await s.records.put_any(slots, rec("p3"), LONG_TTL_S, owner="other") == slots[2]
+        # the claiming turn stores its next record where its marker is
+        assert await s.records.put_any(slots, rec("p4"), LONG_TTL_S, owner="turn") == key == slots[0]
+        # full: over an unclaimed record, never a marker
+        await s.records.claim_any(slots, owner="late")  # claims slot 0 again
+        assert await s.records.put_any(slots, rec("p5"), LONG_TTL_S, owner="new") == slots[1]
+        assert (await s.pins.pinned([D1]))[D1].handles == 2  # p3 and p5: p2's entry went with it
+
+    async def test_a_pools_first_key_is_the_plain_key(self, backend: Backend) -> None:
+        s = backend.store
+        await s.records.put("k", rec("old"), LONG_TTL_S)  # stored before pools
+        key, got = await s.records.claim_any(pool("k", 2), owner="a")
+        assert key == "k" and got.record == rec("old")
+
+
 class PinsContract:
     """``state.base.PinIndex``: pins indexed per engine as records are put and claimed, evicted and pruned."""
 
@@ -285,7 +332,7 @@ class DocumentsContract:
         assert await s.documents.get("resp_1") == '{"id": "resp_1"}'
 
 
-class StoreContract(RecordsContract, PinsContract, DocumentsContract):
+class StoreContract(RecordsContract, PoolsContract, PinsContract, DocumentsContract):
     """The whole contract: the three parts on one backing store."""
 
 
@@ -298,15 +345,16 @@ class RedisContract:
         """A rolling upgrade shares Redis between gateway versions: a record's hash holds the record's JSON
         (no member for the pin id), the handle and, beside them, the pin id (``p``) and its index (``i``),
         as earlier gateways wrote them (they took the pin id out of the handle themselves); such a hash is
-        read with that pin id. A handle without a pin id is corrupt, never used."""
+        read with that pin id. A handle without a pin id is corrupt, never used. The answer's digest (``a``,
+        which a pool's claim looks at) is new: a hash without it is read as before."""
         s = backend.store
         assert isinstance(s, RedisStore)
         redis: Any = s.conn.client  # decodes to str
         await s.records.put("new", rec("p1"), LONG_TTL_S)
         stored: dict[str, str] = await redis.hgetall(s.conn.conversation_key("new"))
-        assert set(stored) == {"r", "h", "p", "i"} and stored["p"] == "p1"
+        assert set(stored) == {"r", "h", "p", "i", "a"} and stored["p"] == "p1" and stored["a"] == "a"
         assert "pin_id" not in json.loads(stored["r"]) and json.loads(stored["h"]) == rec("p1").handle
-        await redis.hset(s.conn.conversation_key("earlier"), mapping=stored)
+        await redis.hset(s.conn.conversation_key("earlier"), mapping={k: v for k, v in stored.items() if k != "a"})
         assert (await s.records.claim("earlier", owner="t")).record == rec("p1")
         await redis.hset(s.conn.conversation_key("broken"), mapping={k: v for k, v in stored.items() if k != "p"})
         assert (await s.records.claim("broken", owner="t")).status is ClaimStatus.CORRUPT
@@ -378,5 +426,7 @@ class RedisContract:
         assert isinstance(s, RedisStore)
         conv = s.conn.conversation_key("tenant:{odd}key")
         assert key_slot(conv.encode()) == key_slot(b"{tenant:{odd}")
+        slots = {key_slot(s.conn.conversation_key(k).encode()) for k in pool("tenant:k")}
+        assert slots == {key_slot(s.conn.conversation_key("tenant:k").encode())}  # a pool is one slot
         slots = {key_slot(k.encode()) for k in s.conn.index(D1).keys}
         assert len(slots) == 1

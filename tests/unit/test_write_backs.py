@@ -5,19 +5,22 @@ An engine whose write-backs a handler answers, a real fleet fed metrics readings
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from tests.store_contract import rec
 from turnkv.config import WriteBackSettings
 from turnkv.engine.base import LoadSample, WriteBackResult
 from turnkv.engine.mock import Call, MockEngine, WriteBackCall
 from turnkv.errors import UpstreamStatus
 from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.metrics import GatewayMetrics
-from turnkv.gateway.writeback import Job, ThinkTimes, WriteBacks
+from turnkv.gateway.writeback import Job, ThinkTimes, WriteBacks, job_key
+from turnkv.reuse.chain import sequence_digest
 
 P, D = "http://p0", "http://d0"
 
@@ -135,6 +138,16 @@ async def test_the_next_turn_takes_back_a_write_back_not_yet_sent(running: list[
     await asyncio.wait_for(rig.wb.drain(5), 5)
     # still pinned on D, the turn's now: neither sent nor released
     assert rig.sent() == [] and rig.released == [] and rig.count("reclaimed") == 1
+
+
+def test_a_write_back_is_found_by_its_records_pool_sequence_and_moment() -> None:
+    """Identical conversations share a pool (one store key), each with its own handle: a turn takes back
+    only the write-back of the record it claimed (the same record, stored without its handle: same key)."""
+    mine = dataclasses.replace(rec("p1"), tokens_digest=sequence_digest(list(range(20))), created_at=5.0)
+    assert job_key("k", mine) == job_key("k", mine.unpin("write_back"))
+    assert job_key("k", mine) != job_key("other", mine)
+    assert job_key("k", mine) != job_key("k", dataclasses.replace(mine, created_at=5.5))  # another run's
+    assert job_key("k", mine) != job_key("k", dataclasses.replace(mine, tokens_digest=sequence_digest([1])))
 
 
 async def test_a_write_back_already_sent_is_not_taken_back(running: list[Any]) -> None:

@@ -22,6 +22,12 @@ arguments) and a tool message's text; reasoning, tool-call ids, names and surrou
 not count. Two clients continuing the same history (a fork) look up the same key: the claim is
 single use, so one reuses and the other recomputes; each stores its record under its own request.
 
+Such keys name what several conversations may share word for word (the same task started three times
+at once), so their records live in pools (``state.base.pool``): each conversation stores its record
+beside the others', and a claim takes the one holding the answer the client sent back (``prefer``). A
+request that was answered before (a retry, a regenerated answer) finds that answer's record under its
+own digest: the turn's claim looks there when its history's key holds nothing (``turn.claim``).
+
 The tenant is the request's authenticated one (``auth.Authenticator``). Every store key hashes the
 tenant, so one tenant can neither read nor consume another's handle, whatever ids or histories they send.
 """
@@ -36,7 +42,7 @@ from typing import Any, Literal
 
 from turnkv import jsonwire
 from turnkv.errors import ClientError
-from turnkv.openai.answer import last_assistant, tool_arguments
+from turnkv.openai.answer import echoed_answer, last_assistant, tool_arguments
 
 _ID = re.compile(r"[A-Za-z0-9._:@/+=\-]+\Z")  # \Z, not $: "id\n" is not "id" (used with match)
 BODY_FIELDS = ("session_id", "conversation_id")
@@ -53,6 +59,10 @@ class Conversation:
     # where this turn's record is stored when not under ``key``: a conversation found from its history
     # (or a previous response) is stored under the digest of this request's messages
     next_key: str | None = None
+    # the digest of the answer the client sent back (``answer.echoed_answer``): of a pool's records, the one
+    # holding that answer is this conversation's own
+    prefer: str | None = None
+    continues: bool = True  # the history holds an earlier answer: ``key`` can name a stored record
 
     @property
     def log_id(self) -> str:
@@ -62,6 +72,12 @@ class Conversation:
     def store_key(self) -> str:
         """The key capture stores this turn's record under."""
         return self.next_key or self.key
+
+    @property
+    def pooled(self) -> bool:
+        """Its records live in pools (``state.base.pool``): a history or a previous response names what
+        several conversations may share word for word (the same task started twice), an id only one."""
+        return self.source in ("digest", "response")
 
 
 def _hash(*parts: str) -> str:
@@ -143,16 +159,21 @@ def conversation_of(
     if named is not None:
         return Conversation(tenant, named[0], _hash(tenant, named[0]), named[1])
     if response_key is not None:
-        return Conversation(
-            tenant, response_key, response_key, "response", history_keys(tenant, messages)[1] if messages else None
-        )
+        store = history_keys(tenant, messages)[1] if messages else None
+        return Conversation(tenant, response_key, response_key, "response", store, _prefer(messages))
     other = _openai_id(body)
     if other is not None:
         return Conversation(tenant, other[0], _hash(tenant, other[0]), other[1])
     if not from_history or not messages:
         return None
     claim, store = history_keys(tenant, messages)
-    return Conversation(tenant, claim, claim, "digest", store)
+    continues = last_assistant(messages) is not None
+    return Conversation(tenant, claim, claim, "digest", store, _prefer(messages), continues)
+
+
+def _prefer(messages: Sequence[Any] | None) -> str | None:
+    echoed = echoed_answer(messages) if messages else None
+    return echoed.answer_digest if echoed is not None else None
 
 
 def _text(content: Any) -> Any:

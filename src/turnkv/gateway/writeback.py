@@ -23,6 +23,7 @@ already sent runs to its end; that turn finds what P has of it in P's prefix cac
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import deque
@@ -35,6 +36,7 @@ from turnkv.errors import UpstreamError
 from turnkv.gateway.fleet import Fleet
 from turnkv.gateway.metrics import GatewayMetrics
 from turnkv.routing import InstanceView
+from turnkv.state.record import ConversationRecord
 
 log = logging.getLogger("turnkv.writeback")
 QUEUE_SIZE = 4096
@@ -46,9 +48,18 @@ THINK_MIN_SAMPLES = 8  # before this many, the think time is not known
 THINK_QUANTILE = 0.5  # the think time a write-back must fit in: most next turns come later than this
 
 
+def job_key(store_key: str, record: ConversationRecord) -> str:
+    """What a conversation's write-back is found by when its next turn comes: the key its record was stored
+    under (of a pool: the pool's), the sequence the handle holds and when the record was made. Identical
+    conversations share a pool, each with its own handle: a turn takes back only its claimed record's."""
+    h = hashlib.blake2b(record.tokens_digest or record.chain, digest_size=8)
+    h.update(repr(record.created_at).encode())
+    return f"{store_key}:{h.hexdigest()}"
+
+
 @dataclass
 class Job:
-    key: str  # the conversation's store key: its next turn cancels a write-back not yet sent
+    key: str  # ``job_key``: the conversation's next turn cancels a write-back not yet sent
     handle: Handle
     token_ids: Sequence[int]  # the sequence the handle holds
     prefill_url: str  # the P to write back to

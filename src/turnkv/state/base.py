@@ -4,7 +4,10 @@ within a budget) and ``Documents`` (the Responses API's stored objects). ``Conve
 three on one backing store, implemented in memory (``state.memory``) and on Redis (``state.redis``).
 
 ``claim`` is atomic: of two turns racing on one conversation, one gets the record and the other
-sees ``in_flight``. A claimed key holds the claiming turn's in-flight marker until ``put`` replaces
+sees ``in_flight``. A pool (``pool``: a base key and its slots) holds several interchangeable records under
+one name, for conversations found from their history, which several clients may share word for word:
+``claim_any`` takes one of them (the one whose answer the client echoes, where it can tell), ``put_any``
+adds one beside the others. A claimed key holds the claiming turn's in-flight marker until ``put`` replaces
 it or ``release`` (by that owner) drops it, or it times out.
 
 The pin index: a stored record whose ``handle`` is set pins ``num_tokens`` of KV on its decode
@@ -36,6 +39,19 @@ from turnkv.state.record import ConversationRecord
 
 IN_FLIGHT_TTL_S = 300.0
 T = TypeVar("T")
+POOL_SLOTS = 8  # records a pool holds (identical conversations that run at once)
+SLOT = "#"  # a pool's keys: its base key, then base#1 ... (one Redis Cluster hash slot: the base is the tag)
+
+
+def base_of(key: str) -> str:
+    """The pool a key is a slot of (a key that is no slot: itself)."""
+    return key.partition(SLOT)[0]
+
+
+def pool(key: str, slots: int = POOL_SLOTS) -> list[str]:
+    """The keys of the pool based on ``key``: ``key`` itself (where a record stored before pools were is
+    found), then ``key#1`` ... ``key#{slots-1}``."""
+    return [key, *(f"{key}{SLOT}{i}" for i in range(1, slots))]
 
 
 class ClaimStatus(enum.Enum):
@@ -84,6 +100,16 @@ class Records(Protocol):
 
     async def release(self, key: str, *, owner: str) -> None:
         """Drop ``owner``'s in-flight marker (a turn that stores nothing); anything else stays."""
+
+    async def claim_any(self, keys: Sequence[str], *, owner: str, prefer: str | None = None) -> tuple[str, Claim]:
+        """A pool of interchangeable records (``pool``): claim, as ``claim`` does, the first of ``keys`` whose
+        record's ``answer_digest`` is ``prefer``, else the first holding a record. Returns the key claimed
+        and the claim; when none holds an unclaimed record, the first key and ``IN_FLIGHT`` (some are
+        claimed) or ``MISSING``."""
+
+    async def put_any(self, keys: Sequence[str], record: ConversationRecord, ttl_s: float, *, owner: str) -> str:
+        """Store ``record`` in a pool: in the first of ``keys`` holding nothing or ``owner``'s own marker,
+        else over the first holding an unclaimed record, else over the first. Returns the key used."""
 
 
 class PinIndex(Protocol):

@@ -194,6 +194,17 @@ class GuardedRecords:
     async def release(self, key: str, *, owner: str) -> None:
         await self._call("release", lambda: self._records.release(key, owner=owner), lambda: self._node(key))
 
+    async def claim_any(self, keys: Sequence[str], *, owner: str, prefer: str | None = None) -> tuple[str, Claim]:
+        # a pool is one hash slot: its first key's node
+        return await self._call(
+            "claim", lambda: self._records.claim_any(keys, owner=owner, prefer=prefer), lambda: self._node(keys[0])
+        )
+
+    async def put_any(self, keys: Sequence[str], record: ConversationRecord, ttl_s: float, *, owner: str) -> str:
+        return await self._call(
+            "put", lambda: self._records.put_any(keys, record, ttl_s, owner=owner), lambda: self._node(keys[0])
+        )
+
 
 class GuardedPins:
     def __init__(self, guard: StoreGuard, pins: PinIndex) -> None:

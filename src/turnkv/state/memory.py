@@ -113,6 +113,29 @@ class MemoryRecords:
         if item is not None and isinstance(item[1], _Marker) and item[1].owner == owner:
             del self._t.data[key]
 
+    async def claim_any(self, keys: Sequence[str], *, owner: str, prefer: str | None = None) -> tuple[str, Claim]:
+        held = [(k, item[1]) for k in keys if (item := self._t.live(k)) is not None]
+        records = [(k, v) for k, v in held if isinstance(v, ConversationRecord)]
+        if not records:
+            return keys[0], Claim(ClaimStatus.IN_FLIGHT if held else ClaimStatus.MISSING)
+        key = next((k for k, v in records if prefer is not None and v.answer_digest == prefer), records[0][0])
+        return key, await self.claim(key, owner=owner)
+
+    async def put_any(self, keys: Sequence[str], record: ConversationRecord, ttl_s: float, *, owner: str) -> str:
+        key = _free(keys, {k: item[1] for k in keys if (item := self._t.live(k)) is not None}, owner)
+        await self.put(key, record, ttl_s)
+        return key
+
+
+def _free(keys: Sequence[str], held: dict[str, ConversationRecord | _Marker], owner: str) -> str:
+    """Where ``put_any`` stores: the first key holding nothing or ``owner``'s marker, else the first holding
+    an unclaimed record, else the first."""
+    for k in keys:
+        v = held.get(k)
+        if v is None or (isinstance(v, _Marker) and v.owner == owner):
+            return k
+    return next((k for k in keys if isinstance(held[k], ConversationRecord)), keys[0])
+
 
 class MemoryPins:
     def __init__(self, table: _Conversations) -> None:

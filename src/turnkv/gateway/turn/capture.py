@@ -32,9 +32,10 @@ from turnkv.gateway.turn.direct import bytes_per_token, history_digest
 from turnkv.gateway.turn.direct import enabled as direct_enabled
 from turnkv.gateway.turn.results import AfterTurn, Capture
 from turnkv.gateway.turn.run import TurnRun
-from turnkv.gateway.writeback import Job
+from turnkv.gateway.writeback import Job, job_key
 from turnkv.reuse.chain import ChainBuilder, sequence_digest
 from turnkv.routing import InstanceView
+from turnkv.state.base import pool
 from turnkv.state.record import ConversationRecord
 
 # the store keeps a record this long past its last usable moment, to tell "expired" from "none"
@@ -166,7 +167,8 @@ def _write_back(run: TurnRun, rec: ConversationRecord) -> None:
     assert rec.handle is not None and rec.prefill_url is not None and conv is not None, "a P/D turn's handle"
     ids = ((cap.prompt_token_ids or []) + cap.token_ids)[: rec.num_tokens]
     lacks = plan.write_back_lacks(svc, rec, svc.fleet.view(rec.prefill_url))
-    svc.write_backs.submit(Job(conv.store_key, rec.handle, ids, rec.prefill_url, rec.decode_url, lacks, rec.expires_at))
+    key = job_key(conv.store_key, rec)
+    svc.write_backs.submit(Job(key, rec.handle, ids, rec.prefill_url, rec.decode_url, lacks, rec.expires_at))
 
 
 async def _store(run: TurnRun, built: ConversationRecord | Capture, after: AfterTurn | None) -> Capture:
@@ -186,10 +188,10 @@ async def _store(run: TurnRun, built: ConversationRecord | Capture, after: After
             # prefix cache now, and the next turn says so
             spent = run.journal.handle_spent and old.handle is not None
             kept = old.unpin(SPENT) if spent else old
-            await run.svc.store.records.put(conv.key, kept, old.expires_at - time.time() + EXPIRED_GRACE_S)
+            await run.svc.store.records.put(_claimed_key(run), kept, old.expires_at - time.time() + EXPIRED_GRACE_S)
             return built.kept_unpinned() if spent else built.kept_previous()
         if run.claimed.held:
-            await run.svc.store.records.release(conv.key, owner=run.turn.request_id)
+            await run.svc.store.records.release(_claimed_key(run), owner=run.turn.request_id)
         return built
     except StoreError:
         if isinstance(built, ConversationRecord) and built.handle is not None:
@@ -201,13 +203,25 @@ async def _put(run: TurnRun, conv: Conversation, rec: ConversationRecord, after:
     svc = run.svc
     if rec.handle is not None:
         await svc.pins.make_room(rec.decode_url, rec.num_tokens)
-    # a conversation found from its history moves on: stored under this request's digest
-    await svc.store.records.put(conv.store_key, rec, svc.settings.handle_ttl_s + EXPIRED_GRACE_S)
-    if conv.store_key != conv.key and run.claimed.held:
-        await svc.store.records.release(conv.key, owner=run.turn.request_id)
+    # a conversation found from its history moves on: stored under this request's digest, in its pool
+    ttl_s, owner = svc.settings.handle_ttl_s + EXPIRED_GRACE_S, run.turn.request_id
+    if conv.pooled:
+        stored = await svc.store.records.put_any(pool(conv.store_key), rec, ttl_s, owner=owner)
+    else:
+        stored = conv.store_key
+        await svc.store.records.put(stored, rec, ttl_s)
+    if run.claimed.held and _claimed_key(run) != stored:
+        await svc.store.records.release(_claimed_key(run), owner=owner)
     if rec.handle is None:
         return Capture.unpinned(str(rec.unpinned))
     return Capture.STORED_HEDGE if after is AfterTurn.HEDGE else Capture.STORED
+
+
+def _claimed_key(run: TurnRun) -> str:
+    """The key the turn claimed (of a pool: the slot), where its record goes back or its marker is let go."""
+    conv = run.turn.conversation
+    assert conv is not None, "only a conversation's turn claims"
+    return run.claimed.key or conv.key
 
 
 def _settle_new_handle(run: TurnRun, result: Capture, *, ok: bool) -> None:

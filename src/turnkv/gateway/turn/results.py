@@ -40,6 +40,7 @@ class Claimed:
     # the record); store_busy or store_unavailable when the store did not answer
     reason: Reason = Reason.NO_SESSION
     seconds: float = 0.0
+    key: str | None = None  # the store key claimed (of a pool: the slot), where CAPTURE puts back or releases
 
     @property
     def record(self) -> ConversationRecord | None:

@@ -32,7 +32,7 @@ from redis.exceptions import (
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from turnkv.errors import StoreBusy, StoreError
-from turnkv.state.base import Gate
+from turnkv.state.base import SLOT, Gate
 from turnkv.state.redis.clients import REDIS_ERRORS, NoConnectTurn, hold_open
 
 T = TypeVar("T")
@@ -97,7 +97,9 @@ class RedisConnection:
     # --- keys ---
 
     def conversation_key(self, key: str) -> str:
-        return f"{self.namespace}:c:{{{key}}}"
+        """``ns:c:{key}``; a pool's slot ``base#i`` is ``ns:c:{base}#i``, in its base's hash slot."""
+        base, sep, slot = key.partition(SLOT)
+        return f"{self.namespace}:c:{{{base}}}{sep}{slot}"
 
     def doc_key(self, key: str) -> str:
         return f"{self.namespace}:d:{{{key}}}"
