@@ -11,9 +11,11 @@ everything else stays as it is, so two stores meet the same scenario side by sid
     .venv/bin/python scripts/cluster_failover.py --gateway-src /tmp/before/src --kill index --kill most
 
 ``--kill index``: the master that holds the decode engine's pin index (every conversation's pin entries
-are on it); ``--kill most``: the master serving the most conversations. Reports per run: the failover
-(kill -> a replica serves the slots), the other masters' turns after the kill (reused / all, and those
-in the failover window), the failed master's conversations (store back, reuse back), turns not answered.
+are on it); ``--kill most``: the master serving the most conversations; ``--kill sentinel``: the master of
+a Sentinel set-up (master, replica, one Sentinel counting it down after ``--node-timeout-ms``). Reports
+per run: the failover (kill -> a replica serves the slots), the other masters' turns after the kill
+(reused / all, and those in the failover window), the failed master's conversations (store back, reuse
+back), turns not answered.
 Not a test: timings vary with the machine.
 """
 
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.integration import failover_load
 from tests.integration.cluster import start_cluster
-from tests.integration.redis_topologies import redis_cluster_setup
+from tests.integration.redis_topologies import redis_cluster_setup, redis_sentinel
 
 from turnkv import launch
 
@@ -43,20 +45,32 @@ def one_run(kill: str, conversations: int, node_timeout_ms: int, gateway_src: st
 
 
 def _in(work: Path, kill: str, conversations: int, node_timeout_ms: int, gateway_src: str | None) -> dict[str, Any]:
-    if True:
-        (work / "redis").mkdir()
-        procs: list[launch.Running] = []
-        env = {"PYTHONPATH": gateway_src} if gateway_src else None
-        with redis_cluster_setup(
-            work / "redis", replicas=1, node_timeout_ms=node_timeout_ms, full_coverage=False
-        ) as rc:
-            try:
+    (work / "redis").mkdir()
+    procs: list[launch.Running] = []
+    env = {"PYTHONPATH": gateway_src} if gateway_src else None
+    try:
+        if kill == "sentinel":  # Sentinel counts the master down after the same time
+            with redis_sentinel(work / "redis", down_after_ms=node_timeout_ms) as sentinel:
+                gw = start_cluster(procs, work, redis_url=sentinel.url, gateway_env=env)
+                run = failover_load.run_sentinel(gw, sentinel, conversations=conversations)
+                procs = _stopped(procs)
+        else:
+            with redis_cluster_setup(
+                work / "redis", replicas=1, node_timeout_ms=node_timeout_ms, full_coverage=False
+            ) as rc:
                 gw = start_cluster(procs, work, redis_url=rc.url, gateway_env=env)
                 run = failover_load.run(gw, rc, conversations=conversations, kill=kill)
-            finally:
-                for p in reversed(procs):
-                    p.stop()
-        return summary(run)
+                procs = _stopped(procs)
+    finally:
+        _stopped(procs)
+    return summary(run)
+
+
+def _stopped(procs: list[launch.Running]) -> list[launch.Running]:
+    """Stop the gateway and engines (before their Redis goes); nothing is left to stop."""
+    for p in reversed(procs):
+        p.stop()
+    return []
 
 
 def summary(run: failover_load.Failover) -> dict[str, Any]:
@@ -80,7 +94,9 @@ def summary(run: failover_load.Failover) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kill", action="append", choices=["index", "most"], help="one run each (default: index)")
+    ap.add_argument(
+        "--kill", action="append", choices=["index", "most", "sentinel"], help="one run each (default: index)"
+    )
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--node-timeout-ms", type=int, default=2000, help="cluster-node-timeout (Redis's default 15000)")
     ap.add_argument("--gateway-src", help="PYTHONPATH for the gateway: another copy of src/")

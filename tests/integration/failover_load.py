@@ -4,8 +4,10 @@ which conversations kept their reuse, and how long the failed master's took to g
 Each conversation is an agent-style dialogue (the openai SDK, turns back to back, one thread each). Its
 first turn runs alone, so the test sees which master its record went to. Then all run at once, a master
 is SIGKILLed mid-load, and the load goes on until its replica serves the slots and each of the failed
-master's conversations has reused again. Used by tests/integration/test_cluster_failover.py (one run:
-the criterion) and scripts/cluster_failover.py (runs for BENCHMARKS.md). Every wait has a deadline.
+master's conversations has reused again. On Sentinel (``run_sentinel``) the one master is killed: every
+conversation is the failed master's, until Sentinel promotes the replica. Used by
+tests/integration/test_cluster_failover.py (one run: the criterion) and scripts/cluster_failover.py (runs
+for BENCHMARKS.md). Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 import openai
 
 from tests.integration.cluster import Cluster, Dialogue
-from tests.integration.redis_topologies import ClusterSetup
+from tests.integration.redis_topologies import ClusterSetup, SentinelSetup
 from turnkv.bench.redis_server import RedisServer
 
 REUSED = frozenset({"full", "partial", "decode_local"})  # outcomes that used the record's KV
@@ -173,6 +175,44 @@ def run(
 
             wait_until(done, "the failed master's conversations reusing again", timeout_s)
         return Failover(victim, master_of, killed_at, failed_at - killed_at, samples)
+    finally:
+        for d in dialogues:
+            d.__exit__()
+
+
+def run_sentinel(
+    gw: Cluster,
+    sentinel: SentinelSetup,
+    *,
+    conversations: int = 8,
+    turns_before: int = 3,
+    max_tokens: int = 16,
+    timeout_s: float = 60.0,
+) -> Failover:
+    """The scenario on Sentinel: one master serves every conversation, so its crash costs them all until
+    Sentinel promotes the replica; then each reuses again (the records the replica had)."""
+    dialogues = [Dialogue(gw, session=f"failover-{i}", max_tokens=max_tokens) for i in range(conversations)]
+    try:
+        victim = sentinel.master.port
+        samples: list[Sample] = []
+
+        def count(pred: Callable[[Sample], bool]) -> dict[int, int]:
+            out = dict.fromkeys(range(conversations), 0)
+            for s in list(samples):
+                out[s.conversation] += pred(s)
+            return out
+
+        with _driven(dialogues, samples):
+            wait_until(lambda: min(count(lambda s: True).values()) >= turns_before, "turns before the kill", timeout_s)
+            killed_at = time.monotonic()
+            sentinel.kill_master(timeout_s)
+            failed_at = time.monotonic()
+            wait_until(
+                lambda: min(count(lambda s: s.started >= failed_at and s.reused).values()) >= 1,
+                "every conversation reusing again",
+                timeout_s,
+            )
+        return Failover(victim, dict.fromkeys(range(conversations), victim), killed_at, failed_at - killed_at, samples)
     finally:
         for d in dialogues:
             d.__exit__()

@@ -241,6 +241,18 @@ class SentinelSetup:
         wait_until(lambda: _role(new) == "master" and _role(old) == "slave", "old master demoted")
         self.master, self.replica = new, old
 
+    def kill_master(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """SIGKILL the master (a crash, nothing said to anyone), and wait until Sentinel names the replica
+        and the replica serves as master."""
+        old, new = self.master, self.replica
+        assert old.proc is not None
+        old.proc.kill()
+        old.proc.wait(READY_TIMEOUT_S)
+        old.proc = None
+        wait_until(lambda: self.master_port() == new.port, "Sentinel names the replica as master", timeout_s)
+        wait_until(lambda: _role(new) == "master", "the replica serving as master", timeout_s)
+        self.master, self.replica = new, old
+
 
 def _role(server: RedisServer) -> str:
     c = server.client()
@@ -251,8 +263,9 @@ def _role(server: RedisServer) -> str:
 
 
 @contextlib.contextmanager
-def redis_sentinel(workdir: Path) -> Iterator[SentinelSetup]:
-    """A master, a replica and one Sentinel (quorum 1) watching them."""
+def redis_sentinel(workdir: Path, *, down_after_ms: int = 5000) -> Iterator[SentinelSetup]:
+    """A master, a replica and one Sentinel (quorum 1) watching them; Sentinel counts the master down
+    after ``down_after_ms`` without an answer."""
     mp, rp, sp = free_port(), free_port(), free_port()
     master = _server(plain_args(mp, workdir), workdir, mp)
     replica = _server([*plain_args(rp, workdir), "--replicaof", "127.0.0.1", str(mp)], workdir, rp)
@@ -260,7 +273,7 @@ def redis_sentinel(workdir: Path) -> Iterator[SentinelSetup]:
     conf.write_text(
         f"port {sp}\nbind 127.0.0.1\ndir {workdir}\n"
         f"sentinel monitor turnkv-test 127.0.0.1 {mp} 1\n"
-        "sentinel down-after-milliseconds turnkv-test 5000\n"
+        f"sentinel down-after-milliseconds turnkv-test {down_after_ms}\n"
         "sentinel failover-timeout turnkv-test 10000\n"
     )
     sentinel = _server([str(conf), "--sentinel"], workdir, sp)

@@ -200,7 +200,7 @@ class GatewayMetrics:
         self.store_breaker_open = Gauge(
             "turnkv_store_breaker_open",
             "1 while the breaker of this node of the store is open: its conversations run without their "
-            "records (node: host:port of one Redis or of a Cluster master, sentinel/<service>, memory)",
+            "records (node: host:port of one Redis, of a Cluster master or of the master Sentinel names; memory)",
             ["node"],
             registry=r,
             multiprocess_mode="livemax",

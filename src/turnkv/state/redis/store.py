@@ -4,12 +4,14 @@ server or Sentinel's master is one node, a Cluster has one per master."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis, RedisCluster
 
+from turnkv.errors import StoreError
 from turnkv.state.base import Gate, Nodes, OneNode
 from turnkv.state.redis.clients import ConnectGate, TLSOptions, build_client
 from turnkv.state.redis.connection import RedisConnection
@@ -47,6 +49,42 @@ class ClusterNodes:
         await self._conn.refresh()
 
 
+class SentinelNodes:
+    """Sentinel's master, one node at a time, named by its address (``host:port``) as Sentinel gave it when
+    the store last asked (at start, and when a call found the node down; ``sentinel/<service>`` before
+    the first answer). After a failover the new master is a new node with a breaker of its own: the calls
+    that the old master's open breaker skips go to the new one as soon as Sentinel names it, without
+    waiting for the old node's next probe."""
+
+    def __init__(self, conn: RedisConnection, sentinel: Any, service: str, within_s: float) -> None:
+        self._conn = conn
+        self._sentinel = sentinel
+        self._service = service
+        self._within_s = within_s
+        self.name = f"sentinel/{service}"
+
+    def of_conversation(self, key: str) -> str:
+        return self.name
+
+    def of_document(self, key: str) -> str:
+        return self.name
+
+    def of_index(self, decode_url: str) -> str:
+        return self.name
+
+    def serving(self) -> frozenset[str]:
+        return frozenset({self.name})
+
+    async def refresh(self) -> None:
+        with self._conn.errors("refresh"):
+            async with asyncio.timeout(self._within_s):
+                host, port = await self._sentinel.discover_master(self._service)
+        name = f"{host}:{port}"
+        if name != self.name:
+            log.info("store.master service=%s node=%s was=%s", self._service, name, self.name)
+            self.name = name
+
+
 class RedisStore:
     def __init__(
         self,
@@ -59,11 +97,13 @@ class RedisStore:
         closers: Sequence[Any] = (),
         node: str = "redis",
         refresh_within_s: float = 1.0,
+        sentinel: tuple[Any, str] | None = None,
     ) -> None:
         """``client`` must decode responses to str; its pools should allow ``max_connections``.
         ``closers``: more objects with ``aclose()`` that the store owns (a Sentinel's clients). ``node``:
         the name of the one node of a client that is not a Cluster's (metrics, logs);
-        ``refresh_within_s``: the longest a Cluster's slots take to learn again."""
+        ``refresh_within_s``: the longest a Cluster's slots (or Sentinel's master) take to learn again;
+        ``sentinel``: the Sentinel client and service of a master Sentinel names."""
         self.conn = RedisConnection(
             client,
             namespace=namespace,
@@ -76,7 +116,11 @@ class RedisStore:
         self.records = RedisRecords(self.conn, in_flight_ttl_s=in_flight_ttl_s)
         self.pins = RedisPins(self.conn)
         self.documents = RedisDocuments(self.conn)
-        self.nodes: Nodes = ClusterNodes(self.conn) if self.conn.cluster else OneNode(node)
+        self.nodes: Nodes = OneNode(node)
+        if self.conn.cluster:
+            self.nodes = ClusterNodes(self.conn)
+        elif sentinel is not None:
+            self.nodes = SentinelNodes(self.conn, *sentinel, within_s=refresh_within_s)
 
     def steps_through(self, gate: Gate) -> None:
         self.conn.gate = gate
@@ -125,10 +169,17 @@ class RedisStore:
             closers=closers,
             node=node_name(target),
             refresh_within_s=connect_s + command_timeout_s,
+            sentinel=(closers[0], target.service) if target.topology is Topology.SENTINEL and target.service else None,
         )
 
     async def warm(self, connections: int, *, within_s: float) -> int:
-        """Open the pool's connections before traffic comes (``RedisConnection.warm``); how many opened."""
+        """Open the pool's connections before traffic comes (``RedisConnection.warm``); how many opened.
+        Sentinel is asked for its master first (``SentinelNodes``; a failure is met by the first calls)."""
+        if isinstance(self.nodes, SentinelNodes):
+            try:
+                await self.nodes.refresh()
+            except StoreError as exc:
+                log.warning("store.master_unknown kind=%s error=%s", exc.kind, exc)
         return await self.conn.warm(connections, within_s=within_s)
 
     async def ping(self) -> None:
@@ -140,7 +191,8 @@ class RedisStore:
 
 def node_name(target: RedisTarget) -> str:
     """How metrics and logs name the one node of a deployment that is not a Cluster: ``host:port`` (or the
-    socket's path) of one server, ``sentinel/<service>`` for the master Sentinel names (wherever it is)."""
+    socket's path) of one server; ``sentinel/<service>`` for the master Sentinel names, until Sentinel says
+    where it is (``SentinelNodes``)."""
     if target.topology is Topology.SENTINEL:
         return f"sentinel/{target.service}"
     if target.path is not None:
