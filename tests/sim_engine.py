@@ -77,6 +77,7 @@ class Faults:
     stall: int = 0  # the next streams open, then never show output
     drop: int = 0  # the next streams end, without their end, after ``drop_after`` events with output
     drop_after: int = 0
+    freeze: int = 0  # the next streams stop after ``drop_after`` events with output, left open, silent
     error: int = 0  # the next streams report an error before any output
     no_handle_in_stream: bool = False  # streams end without D's handle (vLLM < 0.33 without the plugin)
     no_handle: bool = False  # D answers without a handle at all
@@ -89,6 +90,7 @@ class StreamFaults:
     stall: bool = False
     busy: bool = False
     drop_after: int | None = None
+    freeze_after: int | None = None
     error: bool = False
 
 
@@ -304,9 +306,12 @@ class SimEngine(EngineDefaults):
             stall=f.stall > 0,
             busy=f.busy > 0,
             drop_after=f.drop_after if f.drop > 0 else None,
+            freeze_after=f.drop_after if f.freeze > 0 else None,
             error=f.error > 0,
         )
-        f.stall, f.busy, f.drop, f.error = (max(n - 1, 0) for n in (f.stall, f.busy, f.drop, f.error))
+        f.stall, f.busy, f.drop, f.freeze, f.error = (
+            max(n - 1, 0) for n in (f.stall, f.busy, f.drop, f.freeze, f.error)
+        )
         return FakeStream(d, call, g, collected, handle, _usage(len(prompt), g, cached, call), faults)
 
     async def decode_json(self, base: str, call: DecodeCall, meta: CallMeta, timeout_s: float) -> DecodeAnswer:
@@ -564,6 +569,7 @@ class FakeStream(DecodeStream):
         self._events = self._plan(g, call, usage)
         self._shown = 0
         self._dropped = False
+        self._frozen = False
         self._reading = False
         self._queued = faults.busy  # its first output is still behind the engine's other work
         self._closing = asyncio.Event()
@@ -605,7 +611,7 @@ class FakeStream(DecodeStream):
         f, c = self._faults, self._collected
         if self.done or self.closed or self._dropped:
             return None
-        if f.stall:  # until the reader gives up, or the stream is closed under it (then it ends)
+        if f.stall or self._frozen:  # until the reader gives up, or the stream is closed under it (then it ends)
             try:
                 await asyncio.wait_for(self._closing.wait(), NEVER_S)
             except TimeoutError:
@@ -627,6 +633,9 @@ class FakeStream(DecodeStream):
             if f.drop_after is not None and self._shown >= f.drop_after:
                 self._dropped = True  # the connection ends without the end marker
                 return pieces or None
+            if f.freeze_after is not None and self._shown >= f.freeze_after and not self._frozen:
+                self._frozen = True  # nothing more, the connection left open
+                return pieces or await self._read()
             payload, visible, delta, token = self._events.pop(0)
             if token is not None:
                 c.token_ids.append(token)

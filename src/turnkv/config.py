@@ -33,7 +33,16 @@ class Timeouts(BaseModel):
     connect_s: float = Field(2.0, gt=0, description="TCP connect to an engine")
     render_s: float = Field(30.0, gt=0, description="whole render call")
     prefill_s: float = Field(300.0, gt=0, description="whole prefill call, KV pull included")
-    decode_read_s: float = Field(300.0, gt=0, description="longest silence between two decode chunks")
+    decode_read_s: float = Field(
+        300.0, gt=0, description="longest silence between two decode chunks, whatever D's engine is doing"
+    )
+    decode_idle_s: float = Field(
+        30.0,
+        gt=0,
+        description="a decode stream that has shown output and then says nothing for this long is ended with an "
+        "error event, unless D's engine computed something since it fell silent (busy: it waits on, up to "
+        "decode_read_s) or, lost (health probes failing), at once",
+    )
     health_s: float = Field(1.0, gt=0, description="one health probe of an engine")
     redis_s: float = Field(0.25, gt=0, description="one Redis command; past it that call runs without state")
     redis_connect_s: float = Field(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.asgi import chat_scope
-from tests.pipeline.harness import D0, P0, Answer, Chat, Gateway, gateway
+from tests.pipeline.harness import D0, D1, P0, Answer, Chat, Gateway, gateway
 from tests.sim_engine import MODEL
 
 
@@ -123,3 +123,64 @@ async def test_a_client_that_leaves_before_the_first_token_is_settled_cleanly(fa
         assert (t["capture"], t.get("retries")) == ("failed_kept_unpinned", None)  # P had pulled the handle
         await gw.wait_for("D's handles to be freed", lambda: not gw.engine[D0].pins)
         assert gw.engine[D0].behind == 0
+
+
+async def test_progress_seen_before_the_wait_does_not_renew_its_deadline() -> None:
+    # D computed the last turn's answer just before it takes the next turn and hangs: that is no sign it is busy
+    # with this turn (an engine that froze, or went unreachable, had moved its counters just before)
+    async with gateway(timeouts={"decode_first_token_s": 1.0}) as gw:
+        chat = await conversation(gw, stream=True)
+        d = gw.engine.instances[D0]
+        await gw.wait_for("D's metrics read", lambda: d.reads > 0)
+        assert (await chat.say("and?")).done  # D computes more: its counters move from one reading to the next
+        read = d.reads
+        await gw.wait_for("D's progress read, and read again", lambda: d.reads >= read + 2)
+        assert (v := gw.svc.fleet.view(D0)) is not None and v.progressed_at > 0
+        gw.engine.faults(D0, hang=1, leg="decode")  # takes the request, computes nothing, never answers
+        a = await chat.say("go on")
+        assert a.done and a.error is None and gw.turns[-1]["reason"] == "first_token_deadline"
+        assert gw.metric("turnkv_first_token_deadline_renewals_total", leg="decode") == 0
+        assert gw.metric("turnkv_first_token_deadline_misses_total", leg="decode") == 1
+
+
+@pytest.mark.parametrize("decode", [[D0, D1], [D0]], ids=["another_d", "one_d"])
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_wait_on_an_engine_that_stops_answering_is_given_up_at_once(decode: list[str], stream: bool) -> None:
+    # D takes the turn and goes silent, its health probes failing (a host gone, a blackholed network): the
+    # turn gives up as soon as the fleet finds D lost, not at a deadline minutes away, and runs on another D
+    async with gateway(decode=decode, timeouts={"decode_first_token_s": 600.0, "decode_per_token_s": 10.0}) as gw:
+        chat = await conversation(gw, stream=stream)
+        lost = gw.turns[-1]["decode"]
+        gw.engine.faults(lost, hang=1, leg="decode")
+        turn = asyncio.create_task(chat.say("go on"))
+        await gw.wait_for("the turn to wait on D", lambda: gw.engine.instances[lost].calls.count("decode") == 2)
+        gw.engine.faults(lost, unreachable=True)
+        a = await asyncio.wait_for(turn, 10)
+        if len(decode) == 2:
+            assert (a.status, a.error) == (200, None) and gw.turns[-1]["decode"] != lost
+        else:
+            assert a.error is not None and a.error["code"] in ("first_token_deadline", "upstream_unavailable")
+        assert "decode_first_token_deadline" in gw.turns[-1]["retries"]
+
+
+async def test_a_stream_that_falls_silent_ends_with_an_error_event_and_the_conversation_goes_on() -> None:
+    async with gateway(timeouts={"decode_idle_s": 0.2}) as gw:
+        chat = await conversation(gw, stream=True)
+        gw.engine.faults(D0, freeze=1, drop_after=2)  # two events with output, then nothing, the stream open
+        a = await chat.say("go on")
+        assert a.status == 200 and a.done and a.error is not None
+        assert "sent nothing" in a.error["message"]
+        b = await chat.say("and then?")
+        assert b.done and b.error is None
+
+
+@pytest.mark.parametrize("session", ["c1", None], ids=["conversation", "stateless"])
+@pytest.mark.parametrize(("failures", "served"), [(1, True), (2, False)])
+async def test_a_single_prefill_engine_that_fails_is_asked_once_more(
+    session: str | None, failures: int, served: bool
+) -> None:
+    async with gateway() as gw:
+        gw.engine.faults(P0, fail=failures, leg="prefill")
+        a = await Chat(gw, session=session).say("what is the weather like")
+        assert (a.status == 200) is served, a.body
+        assert gw.engine.instances[P0].calls.count("prefill") == min(failures + 1, 2)

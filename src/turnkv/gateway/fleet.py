@@ -31,6 +31,7 @@ log = logging.getLogger("turnkv.fleet")
 MIN_EXPECTED_HITS = 256  # tokens of expected cache hits before the observed ones are compared with them
 MISSES_TO_SUSPEND = 3  # first-token deadlines missed in a row before an engine is taken out of routing
 SUSPEND_S = 30.0  # how long; then one more miss takes it out again
+PROBES_TO_LOSE = 2  # health probes failed in a row before the waits on an engine are given up (``lost_since``)
 
 
 @dataclass
@@ -60,6 +61,8 @@ class _Engine:
     pinned_tokens: int = 0
     pin_budget_tokens: int | None = None
     progressed_at: float = 0.0  # monotonic; when its token counters last moved
+    failed_probes: int = 0  # health probes failed in a row
+    unreachable_since: float = 0.0  # monotonic; when the first of them was sent (0: its last probe passed)
     scraped: bool = False
     # ours while its metrics were last read (``_Reading``): what its counts may include of this gateway's
     in_flight_scraped: int = 0
@@ -234,6 +237,7 @@ class Fleet:
         self._engines = {u: _Engine(u, "prefill") for u in prefill} | {u: _Engine(u, "decode") for u in decode}
         self._roles = {r: [e for e in self._engines.values() if e.role == r] for r in ("prefill", "decode")}
         self.on_restart: Callable[[InstanceView], None] = lambda view: None
+        self._watchers: dict[str, set[Callable[[], None]]] = {}  # by url: told when it is found lost
         self.on_scraped: Callable[[InstanceView], None] = lambda view: None  # after each read of its metrics
         # (role of the engine that read, mean bytes, mean seconds, transfers)
         self.on_link_sample: Callable[[str, float, float, float], None] = lambda r, b, s, c: None
@@ -275,6 +279,19 @@ class Fleet:
             yield slot
         finally:
             slot.release()
+
+    def watch(self, url: str, told: Callable[[], None]) -> Callable[[], None]:
+        """Have ``told`` called each time ``url`` fails a health probe once lost (``lost_since``): a wait on it
+        may give up. Returns the call that ends the watch."""
+        watchers = self._watchers.setdefault(url, set())
+        watchers.add(told)
+        return lambda: watchers.discard(told)
+
+    def lost_since(self, url: str) -> float | None:
+        """When ``url`` stopped answering (the fleet's clock), once it failed ``PROBES_TO_LOSE`` health probes
+        in a row; None while it answers."""
+        e = self._engines.get(url)
+        return e.unreachable_since if e is not None and e.failed_probes >= PROBES_TO_LOSE else None
 
     def mark_failed(self, url: str) -> None:
         e = self._engines.get(url)
@@ -325,10 +342,19 @@ class Fleet:
     # -- background refresh ------------------------------------------------------------------
     async def probe(self, engine: EngineProbes, url: str) -> None:
         e = self._engines[url]
+        sent = self._clock()
         ok = await engine.health(url)
         if ok != e.healthy:
             log.warning("instance.healthy url=%s" if ok else "instance.unhealthy url=%s", url)
         e.healthy = ok
+        if ok:
+            e.failed_probes, e.unreachable_since = 0, 0.0
+        else:
+            e.unreachable_since = e.unreachable_since or sent
+            e.failed_probes += 1
+            if e.failed_probes >= PROBES_TO_LOSE:
+                for told in list(self._watchers.get(url, ())):
+                    told()
         if ok and e.version is None:
             info = await engine.info(url, e.role)
             if info is not None:

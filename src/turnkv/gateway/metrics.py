@@ -96,6 +96,7 @@ class Vocabulary:
         "connection_cap_per_ip",
         "slow_reader",
         "header_timeout",
+        "header_too_large",
     )
     releases: tuple[str, ...] = (
         "unused",

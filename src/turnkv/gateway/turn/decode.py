@@ -88,8 +88,9 @@ async def _open(run: TurnRun, inst: InstanceView, call: DecodeCall, slot: Slot) 
         pending = svc.engine.open_decode(inst.url, call, turn.meta)
         wait: Deadline | None = deadline
     else:
-        pending = svc.engine.decode_json(inst.url, call, turn.meta, _timeout_s(run))
-        wait = None
+        whole_s = _timeout_s(run)
+        pending = svc.engine.decode_json(inst.url, call, turn.meta, whole_s)
+        wait = Deadline("decode", inst.url, whole_s, whole_s)  # never renewed; given up on once D is lost
     try:
         result = await run.until_aborted(pending, wait, started=sent)
     except UpstreamTimeout as exc:

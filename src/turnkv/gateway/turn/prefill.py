@@ -2,27 +2,32 @@
 
 With token ids from RENDER, P gets exactly those ids; otherwise the client's request, as plain P/D sends it
 (salted, for a pull sent ahead of the token check, and asked to return the prompt ids it computed from, which
-that check runs on: ``turn.ahead``). A failed pull (P answers 5xx: expired
-handle, restarted D, broken link), or one that stalls past the first-token deadline (renewed while P is
-busy: ``turn.deadline``), falls back (``TurnRun.fall_back``) and is tried again on the same P without the
-handle; an unreachable or failing P is replaced by the next healthy one (a single P whose connection failed
-is tried once more). While it runs, the prefill counts in P's queue at its estimated work (``queued_work``).
-Transition: PREFILL → DECODE.
+that check runs on: ``turn.ahead``). A failed pull (P answers 5xx: expired handle, restarted D, broken link),
+or one that stalls past the first-token deadline (renewed while P is busy: ``turn.deadline``), falls back
+(``TurnRun.fall_back``) and is tried again on the same P without the handle; an unreachable or failing P is
+replaced by the next healthy one, or, none being left, tried once more after ``RETRY_SAME_AFTER_S`` (a 5xx or a
+failed connection, whatever the turn; not one that stalled). A wait on a P the fleet finds lost is given up
+at once (``turn.deadline``). While it runs, the prefill counts in P's queue at its estimated work
+(``queued_work``). Transition: PREFILL → DECODE.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
 from turnkv.engine.base import HandleUse, PrefillCall
 from turnkv.errors import UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
+from turnkv.gateway.services import Services
 from turnkv.gateway.turn.deadline import Deadline
 from turnkv.gateway.turn.direct import size_guess
 from turnkv.gateway.turn.results import Fallback, Prefilled
 from turnkv.gateway.turn.run import TurnRun
 from turnkv.gateway.turn.salt import salted
 from turnkv.reuse.cost import prefill_s, transfer_s
+
+RETRY_SAME_AFTER_S = 0.25  # before a failed P is asked again, no other P being left
 
 
 def queued_work(run: TurnRun) -> tuple[float, int]:
@@ -39,10 +44,11 @@ def queued_work(run: TurnRun) -> tuple[float, int]:
 
 @dataclass
 class _Tries:
-    """The prefill engines this leg gave up on, and whether a single P's failed connection was tried again."""
+    """The prefill engines this leg gave up on, and whether a failed P was tried again (no other being left)."""
 
     given_up: set[str] = field(default_factory=set)
     retried_same: bool = False
+    pause_s: float = 0.0  # to wait before the next attempt (the same P again)
 
 
 async def run(run: TurnRun) -> Prefilled:
@@ -57,6 +63,9 @@ async def run(run: TurnRun) -> Prefilled:
         inst = fleet.view(url) if url and url not in tried else svc.router.pick("prefill", exclude=frozenset(tried))
         if inst is None:
             break
+        if tries.pause_s:
+            await run.until_aborted(asyncio.sleep(tries.pause_s))
+            tries.pause_s = 0.0
         call = _call(run)
         t0 = time.perf_counter()
         run.journal.handle_spent = run.journal.handle_spent or call.handle is not None
@@ -112,11 +121,17 @@ def _after_failure(run: TurnRun, url: str, exc: UpstreamError, send: HandleUse |
     if isinstance(exc, UpstreamStatus) and exc.upstream_status < 500:
         raise exc  # P refused the request itself (a prompt too long for the model...): so would every P
     run.retrying("prefill", exc.kind)
-    if svc.fleet.size("prefill") == 1 and isinstance(exc, UpstreamUnavailable) and not tries.retried_same:
-        tries.retried_same = True  # a single P's connection failed: once more, the same
+    if not tries.retried_same and not timed_out and _no_other(svc, url, tries):
+        # P failed (a 5xx, a refused or broken connection) and no other P is left: once more, the same, after a
+        # moment (a restart, a request P dropped). One that stalled is not asked again
+        tries.retried_same, tries.pause_s = True, RETRY_SAME_AFTER_S
         return url
     tries.given_up.add(url)
     return None
+
+
+def _no_other(svc: Services, url: str, tries: _Tries) -> bool:
+    return svc.router.pick("prefill", exclude=frozenset({*tries.given_up, url})) is None
 
 
 def _observe(run: TurnRun, done: Prefilled) -> None:

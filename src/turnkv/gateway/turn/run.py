@@ -37,8 +37,10 @@ class _Wait:
     task: asyncio.Task[Any]
     deadline: Deadline | None
     started: float  # loop time the deadline counts from
+    seen_from: float = 0.0  # the fleet's clock when it began: progress before it does not renew the deadline
     timer: asyncio.TimerHandle | None = None
-    why: str | None = None  # "aborted" | "deadline" once given up on
+    unwatch: Callable[[], None] | None = None  # ends the fleet's watch of the engine waited for
+    why: str | None = None  # "aborted" | "deadline" | "lost" once given up on
 
 
 @dataclass
@@ -179,9 +181,12 @@ class TurnRun:
         task = asyncio.current_task()
         assert task is not None, "a turn runs in a task"
         loop = asyncio.get_running_loop()
-        wait = _Wait(task, deadline, loop.time() if started is None else started)
+        fleet = self.svc.fleet
+        wait = _Wait(task, deadline, loop.time() if started is None else started, fleet.now())
         if deadline is not None:
+            wait.seen_from -= loop.time() - wait.started  # counted from ``started``, as the deadline is
             wait.timer = loop.call_at(wait.started + deadline.first_s, self._deadline_passed, wait)
+            wait.unwatch = fleet.watch(deadline.url, lambda: self._engine_lost(wait))
         self._waits.add(wait)
         if then is not None:
             loop.call_soon(then)  # after the call's first step, which runs before this task's next one
@@ -199,6 +204,8 @@ class TurnRun:
             self._waits.discard(wait)
             if wait.timer is not None:
                 wait.timer.cancel()
+            if wait.unwatch is not None:
+                wait.unwatch()
         if wait.why is not None:  # given up on, but the call took the cancellation itself and returned
             if task.uncancel() > 0:
                 _close_answer(result)
@@ -215,21 +222,31 @@ class TurnRun:
         now = asyncio.get_running_loop().time()
         if wait.why is not None:
             return
-        if deadline.renews(self.svc.fleet.view(deadline.url), wait.started, now):
+        fleet = self.svc.fleet
+        since = max(wait.seen_from, fleet.now() - deadline.first_s)
+        if deadline.renews(fleet.view(deadline.url), wait.started, now, since):
             self.svc.metrics.deadline_renewals.labels(deadline.leg).inc()  # busy, not stuck: wait on
             wait.timer = asyncio.get_running_loop().call_at(now + deadline.first_s, self._deadline_passed, wait)
             return
         wait.why = "deadline"
         wait.task.cancel()
 
+    def _engine_lost(self, wait: _Wait) -> None:
+        """The engine waited for failed its health probes again: the call is given up on unless the engine
+        computed something since it stopped answering, or since the wait began."""
+        deadline, fleet = wait.deadline, self.svc.fleet
+        assert deadline is not None, "only a wait with a deadline watches its engine"
+        if wait.why is None and deadline.lost(fleet.view(deadline.url), fleet.lost_since(deadline.url), wait.seen_from):
+            wait.why = "lost"
+            wait.task.cancel()
+
     def _given_up(self, wait: _Wait) -> Exception:
         if wait.why == "aborted":
             return ShuttingDown("the gateway is shutting down; send the turn again")
         deadline = wait.deadline
         assert deadline is not None, "only a wait with a deadline misses it"
-        return FirstTokenDeadline(
-            f"the {deadline.leg} engine missed its first-token deadline", leg=deadline.leg, instance=deadline.url
-        )
+        what = "stopped answering its health checks" if wait.why == "lost" else "missed its first-token deadline"
+        return FirstTokenDeadline(f"the {deadline.leg} engine {what}", leg=deadline.leg, instance=deadline.url)
 
     def close_answer(self) -> None:
         """Give D's answer up and its in-flight place back: its connection back to the pool when it was read

@@ -16,6 +16,7 @@ Transition: the relay → CAPTURE, before the stream's ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -28,10 +29,12 @@ from turnkv.engine.base import DecodeStream, StreamBroken
 from turnkv.errors import FirstTokenDeadline, GatewayError, ShuttingDown, UpstreamProtocolError, UpstreamTimeout
 from turnkv.gateway.error_responses import sse_error_event
 from turnkv.gateway.turn import capture
+from turnkv.gateway.turn.deadline import Deadline
 from turnkv.gateway.turn.results import Opened
 from turnkv.gateway.turn.run import TurnRun
 from turnkv.openai.sse import DONE, frame
 
+log = logging.getLogger("turnkv.stream")
 DRAIN_TIMEOUT_S = 1.0
 DONE_FRAME = frame(DONE)  # the relay's last yield: RelayResponse ends the HTTP body with it, in one write
 SALVAGE_S = 0.5
@@ -68,10 +71,65 @@ async def _head(run: TurnRun, stream: DecodeStream) -> bytes | None:
     return None
 
 
-async def _tail(stream: DecodeStream) -> AsyncIterator[bytes]:
+class _Silence:
+    """Ends D's stream once it has shown output and then said nothing for ``timeouts.decode_idle_s``, unless
+    D's engine computed something since it fell silent (busy, as for a first-token deadline: ``deadline``;
+    then up to ``decode_read_s`` of silence in all); at once when the fleet finds D lost and it has said
+    nothing since. One timer a stream, moved on only when it fires (a read just notes the time)."""
+
+    def __init__(self, run: TurnRun, url: str, stream: DecodeStream) -> None:
+        t = run.svc.settings.timeouts
+        self.fleet, self.url, self.stream = run.svc.fleet, url, stream
+        self.idle_s, self.cap_s = t.decode_idle_s, max(t.decode_idle_s, t.decode_read_s)
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()  # when D last sent something
+        self.timer: asyncio.TimerHandle | None = self.loop.call_at(self.last + self.idle_s, self._check)
+        self.unwatch = self.fleet.watch(url, self._lost)
+
+    def heard(self) -> None:
+        self.last = self.loop.time()
+
+    def _silent_since(self) -> float:
+        """When D fell silent, on the fleet's clock."""
+        return self.fleet.now() - (self.loop.time() - self.last)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if now < self.last + self.idle_s:
+            self.timer = self.loop.call_at(self.last + self.idle_s, self._check)
+            return
+        since = max(self._silent_since(), self.fleet.now() - self.idle_s)
+        view = self.fleet.view(self.url)
+        busy = view is not None and view.healthy and view.progressed_at > since
+        if busy and now - self.last + self.idle_s <= self.cap_s:
+            self.timer = self.loop.call_at(now + self.idle_s, self._check)
+            return
+        self.timer = None
+        self._end()
+
+    def _lost(self) -> None:
+        if Deadline.lost(self.fleet.view(self.url), self.fleet.lost_since(self.url), self._silent_since()):
+            self._end()
+
+    def _end(self) -> None:
+        silent_s = self.loop.time() - self.last
+        log.warning("decode.silent decode=%s silent_s=%.1f", self.url, silent_s)
+        self.stream.collected.error = {"message": f"the decode engine sent nothing for {silent_s:.0f} s"}
+        self.stream.abort()  # the read waiting on it ends; the relay sends the error event
+        self.stop()
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.unwatch()
+
+
+async def _tail(stream: DecodeStream, silence: _Silence) -> AsyncIterator[bytes]:
     """The rest of D's answer; everything one network read brought is written at once (under load D's
     events arrive in batches, and one write per batch instead of per event is most of a relay's cost)."""
     while (out := await stream.read_relayed()) is not None:
+        silence.heard()
         if out:
             yield out
     if not stream.done:
@@ -186,15 +244,17 @@ async def relay(run: TurnRun, restart: Restart, started: Callable[[], None]) -> 
             run.svc.fleet.met_deadline(opened.url)
             yield start.head
             engine_error = stream.collected.error is not None
+            silence = _Silence(run, opened.url, stream)
             try:
-                async for out in _tail(stream):
+                async for out in _tail(stream, silence):
                     yield out
                     engine_error = stream.collected.error is not None
                 if stream.done:
                     await stream.drain(DRAIN_TIMEOUT_S)
             except StreamBroken as exc:
-                stream.collected.error = {"message": f"decode stream broke: {exc.cause}"}
+                stream.collected.error = stream.collected.error or {"message": f"decode stream broke: {exc.cause}"}
             finally:
+                silence.stop()
                 run.close_answer()
             end = _ended_badly(run, opened, stream, engine_error)
         else:
