@@ -172,6 +172,8 @@ async def test_a_stream_that_falls_silent_ends_with_an_error_event_and_the_conve
         assert "sent nothing" in a.error["message"]
         b = await chat.say("and then?")
         assert b.done and b.error is None
+        # the silent turn put back the record it claimed (P had taken its handle): the next turn still finds it
+        assert gw.turns[-2]["capture"] == "failed_kept_unpinned" and gw.turns[-1]["reason"] == "handle_spent"
 
 
 @pytest.mark.parametrize("session", ["c1", None], ids=["conversation", "stateless"])
