@@ -122,4 +122,4 @@ def test_the_first_failure_of_each_kind_shows_in_increase(
     assert all(isinstance(e, dict) and "event" in e for e in events)
     down = next(e for e in events if e["event"] == "store.down")
     assert down["level"] == "warning" and down["logger"] == "turnkv.store" and {"op", "why", "kind"} <= set(down)
-    assert {"upstream.error", "instance.restarted", "turn"} <= {e["event"] for e in events}
+    assert {"upstream.failed", "instance.restarted", "turn"} <= {e["event"] for e in events}

@@ -12,13 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from turnkv.engine.base import Collected, DecodeStream, NothingCollected
-from turnkv.errors import FirstTokenDeadline, ShuttingDown, UpstreamError, UpstreamUnavailable, retryable
+from turnkv.errors import (
+    FirstTokenDeadline,
+    ShuttingDown,
+    UpstreamError,
+    UpstreamStatus,
+    UpstreamUnavailable,
+    retryable,
+)
 from turnkv.gateway.decode_admission import Ticket
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.deadline import Deadline
@@ -26,6 +34,7 @@ from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Claimed, Fallback, Opened, Plan, Prefilled, Rendered
 from turnkv.reuse.assess import Assessment, Reason
 
+log = logging.getLogger("turnkv.turn")
 T = TypeVar("T")
 STOP_WAIT_S = 1.0  # how long a leg given up on (a task of its own: ``ahead``) may take to stop
 
@@ -138,8 +147,16 @@ class TurnRun:
         self.journal.retries.append(f"{leg}_{why}")
 
     def failed(self, leg: str, url: str, exc: UpstreamError) -> None:
-        """Count an engine call's failure; raise it again when no other attempt can help."""
+        """Count and log an engine call's failure; raise it again when no other attempt can help."""
         self.svc.metrics.upstream_error(leg, exc.kind, exc.instance or url)
+        log.warning(
+            "upstream.failed leg=%s instance=%s kind=%s status=%s message=%s",
+            leg,
+            exc.instance or url,
+            exc.kind,
+            exc.upstream_status if isinstance(exc, UpstreamStatus) else None,
+            exc.message,
+        )
         if not retryable(exc):
             raise exc
         if isinstance(exc, UpstreamUnavailable):
