@@ -34,7 +34,7 @@ from turnkv.gateway.turn.request import Turn
 from turnkv.gateway.turn.results import Claimed, Fallback, Opened, Plan, Prefilled, Rendered
 from turnkv.reuse.assess import Assessment, Reason
 
-log = logging.getLogger("turnkv.turn")
+log = logging.getLogger("turnkv.upstream")  # ("turnkv.turn" is the turn events' own logger)
 T = TypeVar("T")
 STOP_WAIT_S = 1.0  # how long a leg given up on (a task of its own: ``ahead``) may take to stop
 
