@@ -331,6 +331,16 @@ class DocumentsContract:
         assert await s.documents.get("resp_2") is None
         assert await s.documents.get("resp_1") == '{"id": "resp_1"}'
 
+    async def test_a_deleted_document_is_gone(self, backend: Backend) -> None:
+        s = backend.store
+        await s.documents.put("resp_1", "one", LONG_TTL_S)
+        await s.documents.put("resp_2", "two", SHORT_TTL_S)
+        assert await backend.other.documents.delete("resp_1") is True
+        assert await s.documents.get("resp_1") is None
+        assert await s.documents.delete("resp_1") is False  # once
+        await backend.elapse(SHORT_TTL_S * 4)
+        assert await s.documents.delete("resp_2") is False  # expired: there was none
+
 
 class StoreContract(RecordsContract, PoolsContract, PinsContract, DocumentsContract):
     """The whole contract: the three parts on one backing store."""

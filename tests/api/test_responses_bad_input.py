@@ -74,5 +74,14 @@ def test_unknown_previous_response(client: TestClient) -> None:
     assert err["code"] == "previous_response_not_found"
 
 
-def test_unknown_response_is_not_found(client: TestClient) -> None:
-    assert_openai_error(client.get("/v1/responses/resp_nope"), 404, "response_id")
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/responses/resp_nope"),
+        ("DELETE", "/v1/responses/resp_nope"),
+        ("POST", "/v1/responses/resp_nope/cancel"),
+        ("GET", "/v1/responses/resp_nope/input_items"),
+    ],
+)
+def test_unknown_response_is_not_found(client: TestClient, method: str, path: str) -> None:
+    assert_openai_error(client.request(method, path), 404, "response_id")

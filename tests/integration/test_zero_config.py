@@ -193,8 +193,10 @@ def test_responses_are_kept_per_tenant_and_store_false_keeps_none(procs: list[la
     mine, theirs = cluster.client("key-a"), cluster.client("key-b")
     kept, _ = _respond(mine, False, input="Plan a short trip.")
     assert mine.responses.retrieve(kept.id).output_text == kept.output_text
-    with pytest.raises(openai.NotFoundError):
-        theirs.responses.retrieve(kept.id)
+    for other_tenants_call in (theirs.responses.retrieve, theirs.responses.delete, theirs.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError):
+            other_tenants_call(kept.id)
+    assert mine.responses.retrieve(kept.id).id == kept.id  # another tenant's delete found nothing
     with pytest.raises(openai.BadRequestError) as e:
         _respond(theirs, False, input="more", previous_response_id=kept.id)
     assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]

@@ -64,6 +64,7 @@ class Vocabulary:
         "prune",
         "put_doc",
         "get_doc",
+        "delete_doc",
         "ping",
         "index",
         "unpin",

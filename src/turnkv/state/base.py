@@ -135,6 +135,10 @@ class Documents(Protocol):
 
     async def get(self, key: str) -> str | None: ...
 
+    async def delete(self, key: str) -> bool:
+        """Drop the document; whether there was one."""
+        ...
+
 
 class Nodes(Protocol):
     """Which node of the backing store serves a key, as far as the store knows now."""

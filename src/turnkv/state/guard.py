@@ -254,3 +254,6 @@ class GuardedDocuments:
 
     async def get(self, key: str) -> str | None:
         return await self._call("get_doc", lambda: self._documents.get(key), lambda: self._node(key))
+
+    async def delete(self, key: str) -> bool:
+        return await self._call("delete_doc", lambda: self._documents.delete(key), lambda: self._node(key))

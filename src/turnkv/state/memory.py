@@ -199,6 +199,10 @@ class MemoryDocuments:
             return None
         return item[1]
 
+    async def delete(self, key: str) -> bool:
+        item = self._docs.pop(key, None)
+        return item is not None and item[0] > self._clock()
+
     def clear(self) -> None:
         self._docs.clear()
 

@@ -61,13 +61,19 @@ async def _previous(svc: Services, tenant: str, resp_id: str) -> dict[str, Any]:
 
 
 async def _store(
-    svc: Services, tenant: str, response: dict[str, Any], history: list[dict[str, Any]], key: str | None
+    svc: Services,
+    req: models.ResponsesBody,
+    tenant: str,
+    response: dict[str, Any],
+    history: list[dict[str, Any]],
+    key: str | None,
 ) -> None:
-    """Keep the response for previous_response_id and GET; a failure only costs those."""
+    """Keep the response for previous_response_id, GET and input_items; a failure only costs those."""
     doc = {
         "tenant": tenant,
         "response": response,
         "key": key,
+        "input": translate.input_items(req.input),
         "messages": history + translate.input_messages(response["output"], where="output"),
     }
     try:
@@ -130,7 +136,7 @@ async def _whole(
         model=chat.get("model"),
     )
     if req.store is not False:
-        await _store(svc, tenant, r, history, key)
+        await _store(svc, req, tenant, r, history, key)
     return JSONResponse(r, headers=_turnkv_headers(answer, turn))
 
 
@@ -154,7 +160,7 @@ async def _translated(
                     if not stream.done:
                         last, r = stream.finish()
                         if req.store is not False:
-                            await _store(svc, tenant, r, history, key)
+                            await _store(svc, req, tenant, r, history, key)
                         out += last
                     continue
                 try:
@@ -171,15 +177,54 @@ async def _translated(
             await aclose()
 
 
-async def retrieve(request: Request) -> Response:
+async def _stored(request: Request) -> tuple[Services, str, dict[str, Any]]:
+    """The stored response the path names (tenant-scoped: another tenant's id is not found), with its key."""
     svc = services(request)
     resp_id = request.path_params["response_id"]
-    tenant = principal(request).tenant
+    key = _doc_key(principal(request).tenant, resp_id)
     try:
-        raw = await svc.store.documents.get(_doc_key(tenant, resp_id))
+        raw = await svc.store.documents.get(key)
     except StoreError as exc:
         raise StoreUnavailable("the response store is unavailable") from exc
     doc = json.loads(raw) if raw else None
-    if not isinstance(doc, dict) or doc.get("tenant") != tenant:
+    if not isinstance(doc, dict) or doc.get("tenant") != principal(request).tenant:
         raise ResponseNotFound(f"Response with id '{shown(resp_id)}' not found.", param="response_id")
+    return svc, key, doc
+
+
+async def retrieve(request: Request) -> Response:
+    """``GET /v1/responses/{id}``: the Response object as it was created."""
+    _, _, doc = await _stored(request)
     return JSONResponse(doc["response"])
+
+
+async def delete(request: Request) -> Response:
+    """``DELETE /v1/responses/{id}``: the response is forgotten; ``previous_response_id`` naming it is then a
+    404. The conversation's record (D's KV) is left to its own TTL: identical conversations may share it."""
+    svc, key, doc = await _stored(request)
+    try:
+        await svc.store.documents.delete(key)
+    except StoreError as exc:
+        raise StoreUnavailable("the response store is unavailable: the response was not deleted") from exc
+    return JSONResponse({"id": doc["response"]["id"], "object": "response", "deleted": True})
+
+
+async def cancel(request: Request) -> Response:
+    """``POST /v1/responses/{id}/cancel``: only a background response can be cancelled, and turnkv runs none
+    (``background`` is refused): every stored response is complete. A 400 that says so (a 404 for none)."""
+    _, _, doc = await _stored(request)
+    raise ClientError(
+        f"Response '{shown(doc['response']['id'])}' cannot be cancelled: only responses created with "
+        "background=true can be, and turnkv does not run background responses (this one is complete)",
+        param="response_id",
+    )
+
+
+async def input_items(request: Request) -> Response:
+    """``GET /v1/responses/{id}/input_items``: the items the request that created it sent as ``input`` (not
+    those of the responses before it), paged as OpenAI pages lists (``limit``, ``order``, ``after``)."""
+    _, _, doc = await _stored(request)
+    items = doc.get("input")
+    if not isinstance(items, list):  # kept by a gateway that did not keep its input items
+        items = []
+    return JSONResponse(translate.item_page(items, request.query_params))

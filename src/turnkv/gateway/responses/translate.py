@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnkv.errors import ClientError
+from turnkv.gateway.fields import shown
 from turnkv.gateway.responses.models import NOT_FORWARDED, ResponsesBody
 from turnkv.openai.answer import reasoning_of
 
@@ -168,6 +169,61 @@ def input_messages(items: str | Sequence[Any], *, where: str = "input") -> list[
             )
     close()
     return out
+
+
+_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+LIST_LIMITS = (1, 100, 20)  # a list page's least, most and default length (OpenAI's)
+
+
+def input_items(items: str | Sequence[Any]) -> list[dict[str, Any]]:
+    """A request's input (checked by ``input_messages``) as the items ``input_items`` lists: a string is one
+    user message, a message's string content one text part, and each item has an id (its own, or a new one)."""
+    given: Sequence[Any] = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
+    out: list[dict[str, Any]] = []
+    for item in given:
+        d: dict[str, Any] = dict(item)
+        kind = d.setdefault("type", "message")
+        if kind == "message":
+            if isinstance(d.get("content"), str):
+                part = "output_text" if d.get("role") == "assistant" else "input_text"
+                d["content"] = [{"type": part, "text": d["content"]}]
+            d.setdefault("status", "completed")
+        if not isinstance(d.get("id"), str):
+            d["id"] = new_id(_ITEM_IDS.get(str(kind), "item"))
+        out.append(d)
+    return out
+
+
+def item_page(items: Sequence[Mapping[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """One page of ``items`` as OpenAI lists them: ``limit`` (1-100, default 20), ``order`` (``desc``, the
+    default: the last item first; or ``asc``), ``after`` (an item id: the items that follow it in that order).
+    A bad value is a 400 naming it."""
+    least, most, default = LIST_LIMITS
+    raw = query.get("limit")
+    try:
+        limit = default if raw is None else int(raw)
+    except ValueError:
+        limit = 0
+    if not least <= limit <= most:
+        raise ClientError(f"Invalid 'limit': expected an integer from {least} to {most}.", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ClientError(f"Invalid 'order': {shown(order)!r}; expected 'asc' or 'desc'.", param="order")
+    ordered = list(items) if order == "asc" else list(reversed(items))
+    after = query.get("after")
+    if after is not None:
+        at = next((i for i, item in enumerate(ordered) if item.get("id") == after), None)
+        if at is None:
+            raise ClientError(f"Invalid 'after': no input item '{shown(after)}' in this response.", param="after")
+        ordered = ordered[at + 1 :]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
+    }
 
 
 def _tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:

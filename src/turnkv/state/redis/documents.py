@@ -1,5 +1,6 @@
 """Documents on Redis (``state.base.Documents``): a string with a TTL each (``ns:d:{key}``); a put or a get
-that timed out is run again once (both are harmless twice)."""
+that timed out is run again once (both are harmless twice), and so is a delete (a second finds none: the
+first one's answer is the one lost, so such a delete says it found none)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,9 @@ class RedisDocuments:
 
         value = await self._conn.twice_on_timeout("get_doc", run)
         return None if value is None else str(value)
+
+    async def delete(self, key: str) -> bool:
+        async def run() -> Any:
+            return await self._conn.client.delete(self._conn.doc_key(key))
+
+        return bool(await self._conn.twice_on_timeout("delete_doc", run))
