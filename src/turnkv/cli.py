@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     settings.set_defaults(func=_settings)
 
     from turnkv.bench.cli import add_bench_parser
-    from turnkv.doctor.command import add_parser as add_doctor_parser
+    from turnkv.doctor.parser import add_parser as add_doctor_parser
 
     add_bench_parser(sub)
     add_doctor_parser(sub)

@@ -291,6 +291,24 @@ def add_bench_parser(sub: Any) -> None:
     rep.add_argument("--out", required=True)
     rep.set_defaults(func=_report)
 
+    _render_layer_parser(bsub)
+
+
+def _render_layer_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser("render-layer", help="the render layer's cost on the simulator")
+    p.add_argument("what", choices=["derender", "capacity"])
+    p.add_argument("--compat", choices=["0.26", "0.33"], default="0.33")
+    p.add_argument("--prompt-tokens", type=int, default=9000)
+    p.add_argument("--output-tokens", type=int, default=1600)
+    p.add_argument("--itl-ms", type=float, default=8.0, help="D's inter-token latency as the stream is replayed")
+    p.add_argument("--prompts", type=int, nargs="+", default=[2000, 9000, 30000])
+    p.add_argument("--rates", type=float, nargs="+", default=[10, 50, 100], help="request rates to size for")
+    p.add_argument("--utilisation", type=float, default=0.7, help="the busy share a render core is sized for")
+    p.add_argument("--out", default="results/render-layer")
+    p.set_defaults(func=_render_layer)
+
+
+def _render_layer(a: argparse.Namespace) -> int:
     from turnkv.bench import render_layer
 
-    render_layer.add_parser(bsub)
+    return render_layer.run(a)
