@@ -22,6 +22,12 @@ async def conversation(gw: Gateway, *, stream: bool = False) -> Chat:
     return chat
 
 
+# A busy engine's deadline is renewed only if the gateway read its counters moving within the last deadline:
+# one long enough that a pause of the whole test process on a loaded machine (a garbage collection, a busy core)
+# cannot outlast it between two readings.
+BUSY_DEADLINE_S = 1.0
+
+
 async def waited_for(gw: Gateway, url: str, leg: str, turn: asyncio.Task[Answer]) -> Answer:
     """The turn waits behind ``url``'s other work past its deadline (renewed twice), then the work ends."""
     renewals = "turnkv_first_token_deadline_renewals_total"
@@ -32,7 +38,7 @@ async def waited_for(gw: Gateway, url: str, leg: str, turn: asyncio.Task[Answer]
 
 
 async def test_a_busy_decode_engine_is_waited_for_past_its_deadline() -> None:
-    async with gateway(timeouts={"decode_first_token_s": 0.25}) as gw:
+    async with gateway(timeouts={"decode_first_token_s": BUSY_DEADLINE_S}) as gw:
         chat = await conversation(gw, stream=True)
         gw.engine.faults(D0, busy=1)  # the stream opens; its first token waits behind D's other work
         a = await waited_for(gw, D0, "decode", asyncio.create_task(chat.say("go on")))
@@ -43,7 +49,7 @@ async def test_a_busy_decode_engine_is_waited_for_past_its_deadline() -> None:
 
 
 async def test_a_busy_prefill_engine_is_waited_for_past_its_deadline() -> None:
-    async with gateway(timeouts={"prefill_first_token_s": 0.25}) as gw:
+    async with gateway(timeouts={"prefill_first_token_s": BUSY_DEADLINE_S}) as gw:
         chat = await conversation(gw)
         gw.engine.faults(P0, busy=1, leg="prefill")
         a = await waited_for(gw, P0, "prefill", asyncio.create_task(chat.say("go on")))

@@ -172,7 +172,11 @@ async def test_an_engine_restarted_on_another_gpu_is_read_again() -> None:
     engine = SimEngine([P0], [D0])
     engine[P0].gpus = engine[D0].gpus = frozenset({"GPU-0"})
     async with gateway(engine) as gw:
-        await gw.wait_for("the fleet to read both engines' GPUs", lambda: view(gw, D0).gpus == {"GPU-0"})
+        # the fleet must know D's process (its epoch, from a metrics reading) before it can see it restart
+        known = engine[D0].epoch
+        await gw.wait_for(
+            "D's GPU and process read", lambda: view(gw, D0).gpus == {"GPU-0"} and view(gw, D0).epoch == known
+        )
         engine[D0].gpus = frozenset({"GPU-1"})
         engine.restart(D0)
         await gw.wait_for("D's GPU read again after its restart", lambda: view(gw, D0).gpus == {"GPU-1"})
