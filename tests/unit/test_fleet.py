@@ -240,3 +240,18 @@ def test_decode_local_prefills_count_until_their_first_token() -> None:
     a.release()
     v = f.view("http://d")
     assert v is not None and (v.local_prefills, v.local_prefill_tokens, v.in_flight) == (0, 0, 0)
+
+
+def test_kv_in_use_now_counts_handles_given_up_on_until_d_frees_them() -> None:
+    # D's KV 50% of 16,000 tokens at the read: 8,000, of which 2,000 a handle let go and 3,000 our stream's
+    # context. The stream ends: its blocks stay pinned on D until its handle is released, so they still count
+    f = fleet()
+    f.let_go("http://d0", 2_000)
+    stream = f.hold("http://d0", kv_tokens=3_000)
+    apply(f, "http://d0", text().replace('engine=""', 'num_gpu_blocks="1000",engine=""'))
+    stream.release()
+    f.let_go("http://d0", 3_000)
+    v = view(f, "http://d0")
+    assert (v.others_kv_tokens, v.kv_usage_now) == (3_000, 8_000 / 16_000)
+    f.let_go("http://d0", -5_000)  # both released: D freed them
+    assert view(f, "http://d0").kv_usage_now == 3_000 / 16_000

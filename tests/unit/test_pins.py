@@ -3,6 +3,7 @@ back, in which order, and what their records keep."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -57,6 +58,7 @@ class Rig:
     store: MemoryStore
     fleet: Fleet
     metrics: GatewayMetrics
+    releaser: Releaser
 
     def released(self, why: str) -> float:
         return self.metrics.registry.get_sample_value("turnkv_handle_releases_total", {"why": why}) or 0.0
@@ -73,8 +75,9 @@ def rig() -> Rig:
     router = Router(build_profile("affinity"), fleet.views)
     # only submit() runs here (the releases are queued, and counted)
     releaser = Releaser(MockEngine(lambda call: None), router, metrics, lambda: None)
+    releaser.on_held = fleet.let_go  # as the gateway wires it
     keeper = PinKeeper(settings, fleet, guard.pins, releaser, metrics, make_logger("test", json=True))
-    return Rig(keeper, store, fleet, metrics)
+    return Rig(keeper, store, fleet, metrics, releaser)
 
 
 async def put(rig: Rig, i: int, tokens: int = 1000, stored_at: float = 0.0) -> None:
@@ -186,3 +189,24 @@ async def test_a_pin_index_that_cannot_be_asked_lets_the_pin_in_over_the_budget(
     assert keeper.pinned(D) == 7000
     assert rig.metrics.registry.get_sample_value("turnkv_pins_over_budget_total") == 2
     assert rig.released("budget") == 0
+
+
+async def test_handles_nobody_will_pull_are_d_kv_in_use_until_their_release_is_sent(rig: Rig) -> None:
+    # unused handles may pin a tenth of D's 10,000 tokens: a second of 600 releases the first. Both still pin
+    # D's blocks (one left for its TTL, one waiting for its release), until the release has been sent
+    def held() -> int:
+        v = rig.fleet.view(D)
+        assert v is not None
+        return v.let_go_tokens
+
+    rig.keeper.unused(D, {"pin": "req-1"}, 600, "not_needed")
+    assert held() == 600
+    rig.keeper.unused(D, {"pin": "req-2"}, 600, "not_needed")
+    assert rig.released("not_needed") == 1 and held() == 1_200
+    task = asyncio.create_task(rig.releaser.run())
+    try:
+        assert await rig.releaser.drain(5)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert held() == 600 and rig.keeper.unused_tokens(D) == 600

@@ -37,7 +37,7 @@ class Rig:
             self.fleet,
             self.metrics,
             WriteBackSettings(**settings),
-            lambda h, why: self.released.append((h["pin"], why)),
+            lambda h, why, url, tokens: self.released.append((h["pin"], why)),
             lambda: "m",
         )
 
@@ -92,6 +92,41 @@ async def test_p_without_room_defers_it_and_the_handle_is_released(running: list
     await asyncio.wait_for(rig.wb.drain(5), 5)
     assert rig.sent() == ["b"]
     assert rig.released == [("a", "write_back_deferred")] and rig.count("deferred") == 1
+
+
+def held(rig: Rig) -> int:
+    v = rig.fleet.view(D)
+    assert v is not None
+    return v.let_go_tokens
+
+
+async def test_d_counts_a_write_backs_blocks_in_use_until_p_has_read_them(running: list[Any]) -> None:
+    # D frees a written-back handle's blocks only when P's read tells it: until then they are D's KV in use
+    gate = asyncio.Event()
+
+    async def slow(call: Call) -> None:
+        await gate.wait()
+
+    rig = Rig(handler=slow)
+    rig.wb.submit(rig.job("a"))
+    rig.wb.submit(rig.job("b", key="other"))
+    assert held(rig) == 1_200
+    assert rig.wb.reclaim("other") is not None and held(rig) == 600  # a record pins it again
+    running.append(asyncio.create_task(rig.wb.run()))
+    await until(lambda: len(rig.sent()) == 1)
+    assert held(rig) == 600  # being read
+    gate.set()
+    await asyncio.wait_for(rig.wb.drain(5), 5)
+    assert held(rig) == 0 and rig.count("cached") == 1
+
+
+async def test_a_write_back_given_up_hands_its_blocks_to_the_release(running: list[Any]) -> None:
+    rig = Rig(max_wait_s=0.0)
+    rig.fleet.apply_load(P, LoadSample(kv_usage=0.99, capacity_tokens=10_000))
+    running.append(asyncio.create_task(rig.wb.run()))
+    rig.wb.submit(rig.job("a"))
+    await asyncio.wait_for(rig.wb.drain(5), 5)
+    assert rig.released == [("a", "write_back_deferred")] and held(rig) == 0  # the releaser counts them now
 
 
 async def test_at_most_max_in_flight_run_at_once_on_one_p(running: list[Any]) -> None:

@@ -320,6 +320,7 @@ def create_app(
             fleet.on_restart = lambda view: metrics.engine_restarts.labels(view.role).inc()
             catalog = Catalog()
             releaser = Releaser(eng, router, metrics, lambda: next(iter(settings.models or catalog.models), None))
+            releaser.on_held = fleet.let_go  # released handles count in D's KV in use until sent
             pins = PinKeeper(settings, fleet, guard.pins, releaser, metrics, log)
             write_backs = WriteBacks(eng, fleet, metrics, settings.write_back, releaser.submit, releaser.model)
             fleet.on_scraped = pins.on_scraped

@@ -60,6 +60,7 @@ class _Engine:
     block_size_warned: bool = False
     pinned_tokens: int = 0
     pin_budget_tokens: int | None = None
+    let_go: int = 0  # KV the gateway's handles still hold there that no record pins (``Fleet.let_go``)
     progressed_at: float = 0.0  # monotonic; when its token counters last moved
     failed_probes: int = 0  # health probes failed in a row
     unreachable_since: float = 0.0  # monotonic; when the first of them was sent (0: its last probe passed)
@@ -69,6 +70,7 @@ class _Engine:
     unstarted_scraped: int = 0
     own_kv_scraped: int = 0
     pinned_scraped: int = 0
+    let_go_scraped: int = 0
     unstarted: int = 0  # our requests there with no first output yet
     own_kv: int = 0  # the KV our requests' contexts hold there (tokens)
     holds: int = 0  # our requests sent there, ever: those sent while a reading was under way count in it
@@ -129,6 +131,8 @@ class _Engine:
             unstarted_scraped=self.unstarted_scraped,
             own_kv_scraped=self.own_kv_scraped,
             pinned_scraped=self.pinned_scraped,
+            let_go_tokens=self.let_go,
+            let_go_scraped=self.let_go_scraped,
             unstarted=self.unstarted,
             own_kv_tokens=self.own_kv,
             local_prefills=len(self.prefilling),
@@ -149,12 +153,13 @@ class _Reading:
     unstarted: int
     own_kv: int
     pinned: int
+    let_go: int
     holds: int
     kv_held: int
 
     @classmethod
     def start(cls, e: _Engine) -> _Reading:
-        return cls(e.in_flight, e.unstarted, e.own_kv, e.pinned_tokens, e.holds, e.kv_held)
+        return cls(e.in_flight, e.unstarted, e.own_kv, e.pinned_tokens, e.let_go, e.holds, e.kv_held)
 
     def settle(self, e: _Engine) -> None:
         """At the reading's end: what the engine's counts may include of this gateway's, kept with them."""
@@ -163,6 +168,7 @@ class _Reading:
         e.unstarted_scraped = self.unstarted + sent
         e.own_kv_scraped = self.own_kv + (e.kv_held - self.kv_held)
         e.pinned_scraped = max(self.pinned, e.pinned_tokens)
+        e.let_go_scraped = max(self.let_go, e.let_go)
 
 
 class Slot:
@@ -338,6 +344,14 @@ class Fleet:
         e = self._engines.get(url)
         if e is not None:
             e.pinned_tokens, e.pin_budget_tokens = tokens, budget
+
+    def let_go(self, url: str | None, tokens: int) -> None:
+        """``tokens`` more (or, negative, fewer) of KV on ``url`` held by handles the gateway gave up on that D
+        has not freed yet: left for its TTL, waiting to be released, or being written back. A finished
+        stream's blocks stay pinned until then, so they count in its KV in use now (``kv_usage_now``)."""
+        e = self._engines.get(url) if url else None
+        if e is not None and tokens:
+            e.let_go = max(0, e.let_go + tokens)
 
     # -- background refresh ------------------------------------------------------------------
     async def probe(self, engine: EngineProbes, url: str) -> None:

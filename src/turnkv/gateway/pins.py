@@ -135,7 +135,7 @@ class PinKeeper:
 
     def release(self, entries: Iterable[PinEntry], why: str) -> None:
         for e in entries:
-            self._releaser.submit(e.handle, why)
+            self._releaser.submit(e.handle, why, e.decode_url, e.tokens)
             self._set(e.decode_url, max(0, self._estimate.get(e.decode_url, 0) - e.tokens))
 
     # -- handles nobody will pull -------------------------------------------------------------
@@ -146,12 +146,13 @@ class PinKeeper:
         cap = self.capacity(url)
         budget = int(cap * self._dm.unused_share) if cap is not None else 0
         if tokens > budget:
-            self._releaser.submit(handle, why)
+            self._releaser.submit(handle, why, url, tokens)
             return
         now = time.monotonic()
         q = self._unused.setdefault(url, deque())
         q.append(_Unused(now + self._s.decoder_kv_blocks_ttl, tokens, handle, why))
         self._unused_tokens[url] = self._unused_tokens.get(url, 0) + tokens
+        self._fleet.let_go(url, tokens)  # still D's KV in use, until released or past its TTL
         self._metrics.unused_left.labels(why).inc()
         self._trim_unused(url, budget, now)
 
@@ -166,8 +167,9 @@ class PinKeeper:
         while q and (held > keep_tokens or q[0].expires <= now):
             e = q.popleft()
             held -= e.tokens
+            self._fleet.let_go(url, -e.tokens)
             if e.expires > now:
-                self._releaser.submit(e.handle, e.why)
+                self._releaser.submit(e.handle, e.why, url, e.tokens)  # held until the release is sent
                 released += 1
         self._unused_tokens[url] = held
         return released

@@ -69,6 +69,7 @@ class Job:
     queued_at: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     reclaimed: bool = False  # the conversation's next turn took the handle back: nothing to release
+    held: bool = False  # counted in D's KV held by handles given up on (``Fleet.let_go``)
 
 
 class ThinkTimes:
@@ -96,14 +97,14 @@ class WriteBacks:
         fleet: Fleet,
         metrics: GatewayMetrics,
         settings: WriteBackSettings,
-        release: Callable[[Handle, str], None],
+        release: Callable[[Handle, str, str | None, int], None],
         model: Callable[[], str | None],
     ) -> None:
         self._engine = engine
         self._fleet = fleet
         self._metrics = metrics
         self.s = settings
-        self._release = release  # a handle given up on: released through the releaser, counted by why
+        self._release = release  # a handle given up on: released through the releaser (why, D, its KV)
         self._model = model
         self._queue: asyncio.Queue[Job] = asyncio.Queue(QUEUE_SIZE)
         self._pending: dict[str, Job] = {}  # by conversation key, not yet sent
@@ -116,8 +117,11 @@ class WriteBacks:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:
             self._metrics.write_backs.labels("dropped").inc()
-            self._release(job.handle, "write_back_dropped")
+            self._release(job.handle, "write_back_dropped", job.decode_url, len(job.token_ids))
             return
+        # D's blocks stay pinned until P has read them (or a release tells D): D's KV in use until then
+        job.held = True
+        self._fleet.let_go(job.decode_url, len(job.token_ids))
         old = self._pending.pop(job.key, None)
         if old is not None:
             old.cancelled = True
@@ -131,6 +135,7 @@ class WriteBacks:
         if job is None:
             return None
         job.cancelled = job.reclaimed = True
+        self._settle(job)  # a record pins it again
         self._metrics.write_backs.labels("reclaimed").inc()
         return job.handle
 
@@ -199,6 +204,7 @@ class WriteBacks:
         finally:
             slot.release()
             self._in_flight[url] -= 1
+            self._settle(job)  # P read the blocks and told D, or it failed: given up on below
         self._metrics.write_backs.labels(result.value).inc()
         self._metrics.write_back_seconds.observe(time.monotonic() - job.queued_at)
         log.info(
@@ -215,8 +221,15 @@ class WriteBacks:
     def _give_up(self, job: Job, why: str) -> None:
         if self._pending.get(job.key) is job:
             del self._pending[job.key]
+        self._settle(job)
         self._metrics.write_backs.labels(why).inc()
-        self._release(job.handle, f"write_back_{why}")
+        self._release(job.handle, f"write_back_{why}", job.decode_url, len(job.token_ids))
+
+    def _settle(self, job: Job) -> None:
+        """The job no longer holds D's blocks as a write-back (read by P, reclaimed, or handed to a release)."""
+        if job.held:
+            job.held = False
+            self._fleet.let_go(job.decode_url, -len(job.token_ids))
 
 
 def room_for(p: InstanceView, tokens: int) -> float:

@@ -12,7 +12,9 @@ ended since, such as a conversation's previous turn when an agent sends the next
 ends, counts nowhere.
 
 * ``decode_running``, ``decode_waiting``, ``decode_kv_usage``: D's streams running now, requests waiting
-  there, and the share of its KV in use (``InstanceView.busy``, ``waiting_now``, ``kv_usage_now``).
+  there, and the share of its KV in use (``InstanceView.busy``, ``waiting_now``, ``kv_usage_now``). A
+  stream's blocks stay pinned on D after it ends until its handle is released or written back: handles the
+  gateway gave up on count in D's KV in use until then (``InstanceView.let_go_tokens``).
 
 * ``decode_step_ms``: the mean gap between D's streams' tokens since the fleet's last read but one
   (``vllm:inter_token_latency_seconds``: the difference of its sum over the difference of its count

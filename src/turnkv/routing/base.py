@@ -54,6 +54,10 @@ class InstanceView:
     unstarted_scraped: int = 0
     own_kv_scraped: int = 0
     pinned_scraped: int = 0
+    # KV its handles the gateway gave up on still hold there (left for D's TTL, being released or written back),
+    # now and while its metrics were last read: no record pins them, but D frees them only when told
+    let_go_tokens: int = 0
+    let_go_scraped: int = 0
     unstarted: int = 0  # this gateway's requests there with no first output yet, now
     own_kv_tokens: int = 0  # the KV their contexts hold there (prompt tokens), now
     local_prefills: int = 0  # this gateway's decode-local turns prefilling there (sent, no first token yet)
@@ -89,19 +93,23 @@ class InstanceView:
     @property
     def others_kv_tokens(self) -> int | None:
         """KV other clients' requests hold there, as its metrics last said (None: its KV size is not known):
-        its usage less this gateway's requests and pins of that moment."""
+        its usage less this gateway's requests, pins and handles given up on of that moment."""
         if not self.scraped or self.capacity_tokens is None:
             return None
-        return max(0, round(self.kv_usage * self.capacity_tokens) - self.own_kv_scraped - self.pinned_scraped)
+        ours = self.own_kv_scraped + self.pinned_scraped + self.let_go_scraped
+        return max(0, round(self.kv_usage * self.capacity_tokens) - ours)
 
     @property
     def kv_usage_now(self) -> float:
-        """Share of its KV cache in use now: other clients' as last read, and this gateway's requests and
-        pins as they are now (its usage as last read where its KV size is not known)."""
+        """Share of its KV cache in use now: other clients' as last read, and this gateway's requests, pins
+        and handles given up on that it still holds, as they are now (a stream that ended left its blocks
+        pinned until its handle is released or written back); its usage as last read where its KV size is not
+        known."""
         others = self.others_kv_tokens
         if others is None or not self.capacity_tokens:
             return self.kv_usage
-        return min(1.0, (others + self.own_kv_tokens + self.pinned_tokens) / self.capacity_tokens)
+        ours = self.own_kv_tokens + self.pinned_tokens + self.let_go_tokens
+        return min(1.0, (others + ours) / self.capacity_tokens)
 
 
 @dataclass(frozen=True)

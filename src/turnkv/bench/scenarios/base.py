@@ -42,6 +42,9 @@ GATEWAY_METRICS = (
     "turnkv_upstream_errors",
     "turnkv_render_mismatch",
     "turnkv_tokens",
+    "turnkv_write_backs",
+    "turnkv_handle_releases",
+    "turnkv_unused_handles_left",
 )
 
 

@@ -142,7 +142,7 @@ async def finish(run: TurnRun, *, ok: bool) -> Capture:
     old = run.claimed.record
     if old is not None and old.handle is not None and not run.journal.handle_spent and not result.put_back:
         # the claimed handle was not handed to P (decode-local, or the turn ended): it pins D for nothing
-        _release(run.svc, old.handle, "superseded")
+        _release(run.svc, old.handle, "superseded", old.decode_url, old.num_tokens)
     return result
 
 
@@ -153,7 +153,7 @@ def _carry_out(run: TurnRun, rec: ConversationRecord, after: AfterTurn) -> Conve
     if after is AfterTurn.WRITE_BACK:
         _write_back(run, rec)  # the write-back owns the handle now: no turn may pull what it reads
     elif after is AfterTurn.DECODE_CROWDED:
-        _release(svc, rec.handle, "decode_crowded")  # its blocks go to the turns waiting on D
+        _release(svc, rec.handle, "decode_crowded", rec.decode_url, rec.num_tokens)  # for the turns waiting on D
     elif after is AfterTurn.LET_GO:
         _leave(svc, rec.decode_url, rec.handle, rec.num_tokens, "not_needed")  # then in D's prefix cache
     else:
@@ -195,7 +195,8 @@ async def _store(run: TurnRun, built: ConversationRecord | Capture, after: After
         return built
     except StoreError:
         if isinstance(built, ConversationRecord) and built.handle is not None:
-            _release(run.svc, built.handle, "store_unavailable")  # nobody can use it: do not pin D for nothing
+            # nobody can use it: do not pin D for nothing
+            _release(run.svc, built.handle, "store_unavailable", built.decode_url, built.num_tokens)
         return Capture.STORE_UNAVAILABLE
 
 
@@ -277,6 +278,6 @@ def _leave(svc: Services, decode_url: str, handle: Handle, tokens: int, why: str
         svc.pins.unused(decode_url, handle, tokens, why)
 
 
-def _release(svc: Services, handle: Handle, why: str) -> None:
+def _release(svc: Services, handle: Handle, why: str, decode_url: str | None = None, tokens: int = 0) -> None:
     if svc.settings.release_unused:
-        svc.releaser.submit(handle, why)
+        svc.releaser.submit(handle, why, decode_url, tokens)
