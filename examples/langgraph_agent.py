@@ -3,8 +3,9 @@ a checkpointer keeping the thread's history.
 
 LangGraph sends the whole thread every call and no id turnkv could use; turnkv finds the
 conversation from it (``conversation=digest``). LangChain does not send the answer's reasoning back,
-so with a template that keeps earlier reasoning turnkv reuses the history up to that answer
-(``partial``, ``reasoning_stripped``). Run: ``python examples/run.py langgraph``.
+so with a template that keeps earlier reasoning turnkv reuses the history up to that answer (the
+divergence ``client_dropped_reasoning``; at the default policy D computes the rest itself:
+``decode_local``). Run: ``python examples/run.py langgraph``.
 """
 
 from __future__ import annotations

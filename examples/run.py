@@ -3,10 +3,11 @@
     python examples/run.py openai_chat       # or openai_responses, agents_sdk, langgraph, pydantic_ai,
                                              # smolagents, curl; --json for a machine-readable summary
 
-Starts a simulated prefill and decode engine (``turnkv sim``) and the gateway (``turnkv serve``) on
-free loopback ports, runs the example against the gateway ($TURNKV_URL) with no conversation id
-anywhere, then prints what turnkv decided for every model call, from the gateway's turn log.
-The frameworks come with ``pip install -e '.[examples]'``.
+Starts a simulated prefill and decode engine (``turnkv sim``, taking the time their work would take on a
+GPU: ``--time-scale 1``), a private redis-server where one is installed, and the gateway (``turnkv serve``)
+at its defaults (the ``adaptive`` policy), on free loopback ports; runs the example against the gateway
+($TURNKV_URL) with no conversation id anywhere, then prints what turnkv decided for every model call, from
+the gateway's turn log. The frameworks come with ``pip install -e '.[examples]'``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from turnkv import launch
+from turnkv.bench.redis_server import RedisNotInstalled, RedisServer
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = {
@@ -56,18 +58,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compat", default="0.33", choices=["0.26", "0.33"], help="vLLM wire shape the sims speak")
     ap.add_argument("--template", default="keep", choices=["keep", "strip"],
                     help="keep: the chat template keeps earlier reasoning; strip: drops it, as Qwen3's does")
-    ap.add_argument("--policy", default="always-pull", help="the gateway's reuse policy")
+    ap.add_argument("--policy", default=None, help="the gateway's reuse policy (default: the gateway's, adaptive)")
+    ap.add_argument("--time-scale", default="1", help="the sims' simulated durations x this (0: no simulated time)")
+    ap.add_argument("--no-redis", action="store_true", help="the gateway's in-process store instead of Redis")
     ap.add_argument("--json", action="store_true", help="end with one JSON line: the calls and turn events")
     args = ap.parse_args(argv)
     log_dir = Path(tempfile.mkdtemp(prefix="turnkv-example-"))
-    sim = ("--time-scale", "0", "--template", args.template, "--vllm-compat", args.compat)
+    sim = ("--time-scale", args.time_scale, "--template", args.template, "--vllm-compat", args.compat)
     procs: list[launch.Running] = []
+    redis = None if args.no_redis else _redis()
+    gateway_args = [*(["--policy", args.policy] if args.policy else []), *(["--redis-url", redis.url] if redis else [])]
     try:
         procs.append(launch.sim("prefill", "prefill", *sim, log_dir=log_dir))
         procs.append(launch.sim("decode", "decode", *sim, log_dir=log_dir))
-        gw = launch.gateway("gateway", [procs[0].url], [procs[1].url], "--policy", args.policy, log_dir=log_dir)
+        gw = launch.gateway("gateway", [procs[0].url], [procs[1].url], *gateway_args, log_dir=log_dir)
         procs.append(gw)
-        print(f"gateway {gw.url} (P {procs[0].url}, D {procs[1].url}); logs in {log_dir}", flush=True)
+        store = redis.url if redis else "in-process store"
+        print(f"gateway {gw.url} (P {procs[0].url}, D {procs[1].url}, {store}); logs in {log_dir}", flush=True)
         env = {**os.environ, "TURNKV_URL": gw.url, "OPENAI_API_KEY": "turnkv-example",
                "OPENAI_AGENTS_DISABLE_TRACING": "1", "PYTHONUNBUFFERED": "1"}
         run = subprocess.run(EXAMPLES[args.example], env=env, text=True, stdout=subprocess.PIPE,
@@ -89,6 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for p in reversed(procs):
             p.stop()
+        if redis is not None:
+            redis.close()
+
+
+def _redis() -> RedisServer | None:
+    """A private redis-server for the gateway's store, as a deployment has one; None where none is installed."""
+    try:
+        return RedisServer().start()
+    except RedisNotInstalled:
+        print("redis-server is not installed: the gateway keeps conversations in its own process", flush=True)
+        return None
 
 
 if __name__ == "__main__":

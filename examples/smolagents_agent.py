@@ -2,8 +2,9 @@
 
 smolagents sends its memory back as text (tool calls as "Calling tools: ...", results as
 "Observation: ..."), not as the answer the model gave; turnkv still finds the conversation, since
-the key is the request an answer was for, and reuses the history up to that answer (``partial``,
-``answer_edited``). Run: ``python examples/run.py smolagents``.
+the key is the request an answer was for, and reuses the history up to that answer (the divergence
+``answer_as_text``; at the default policy D computes the rest itself: ``decode_local``). Run:
+``python examples/run.py smolagents``.
 """
 
 from __future__ import annotations

@@ -15,18 +15,20 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 # example -> (the package it needs, where its conversation is found, the outcomes of later calls, how
 # many later calls may start a new history)
+# run.py runs the gateway at its defaults (the adaptive policy: a later call's few new tokens are computed on
+# D, decode_local, where that is the fastest), with Redis and simulated time
 EXAMPLES = {
-    "openai_chat": ("openai", {"digest"}, {"full"}, 0),
-    "openai_responses": ("openai", {"digest", "response"}, {"full"}, 0),
-    "curl": ("openai", {"digest", "response"}, {"full"}, 0),
-    "agents_sdk": ("agents", {"digest"}, {"full"}, 0),
-    "pydantic_ai": ("pydantic_ai", {"digest"}, {"full"}, 0),
+    "openai_chat": ("openai", {"digest"}, {"full", "decode_local"}, 0),
+    "openai_responses": ("openai", {"digest", "response"}, {"full", "decode_local"}, 0),
+    "curl": ("openai", {"digest", "response"}, {"full", "decode_local"}, 0),
+    "agents_sdk": ("agents", {"digest"}, {"full", "decode_local"}, 0),
+    "pydantic_ai": ("pydantic_ai", {"digest"}, {"full", "decode_local"}, 0),
     # these two do not send the answer back as the model gave it (reasoning dropped; tool calls as
     # text): the history up to that answer is reused
-    "langgraph": ("langgraph", {"digest"}, {"full", "partial"}, 0),
+    "langgraph": ("langgraph", {"digest"}, {"full", "partial", "decode_local"}, 0),
     # smolagents, when a task reaches max_steps, asks for a final answer under another system prompt:
     # a new history, once per task at most (3 tasks)
-    "smolagents": ("smolagents", {"digest"}, {"full", "partial"}, 3),
+    "smolagents": ("smolagents", {"digest"}, {"full", "partial", "decode_local"}, 3),
 }
 
 
