@@ -37,11 +37,12 @@ def rec(
     epoch: float | None = None,
     turn: int = 2,
     unpinned: str | None = None,
+    tenant: str = "t",
 ) -> ConversationRecord:
     # opaque to the store, and the same for every pin: the store tells pins apart by their pin id alone
     handle = None if pin is None else {"engine": "e", "blocks": [1, 2], "tokens": tokens}
     return ConversationRecord(
-        tenant="t",
+        tenant=tenant,
         decode_url=url,
         prefill_url=None,
         handle=handle,
@@ -275,6 +276,40 @@ class PinsContract:
             got = await backend.other.records.claim(k, owner="t")
             assert got.record == records[k].unpin("budget")
         assert (await s.records.claim("new", owner="t")).record == records["new"]
+
+    async def test_evict_leaves_a_tenant_within_its_share_its_pins(self, backend: Backend) -> None:
+        # b's one pin is the idle longest; a's three newer ones push the engine over: a's own go, idle longest
+        # first, while b holds no more than its share of what stays (25 / 2 tenants)
+        s = backend.store
+        await s.records.put("b1", rec("pb1", tokens=10, stored_at=1.0, tenant="b"), LONG_TTL_S)
+        for i in (2, 3, 4):
+            await s.records.put(f"a{i}", rec(f"pa{i}", tokens=10, stored_at=float(i), tenant="a"), LONG_TTL_S)
+        out = await s.pins.evict(D1, keep_tokens=25, why="budget")
+        assert keys(out) == ["a2", "a3"] and {e.tenant for e in out} == {"a"}
+        assert await s.pins.pinned([D1]) == {D1: Pinned(2, 20)}
+        assert (await s.records.claim("b1", owner="t")).record == rec("pb1", tokens=10, stored_at=1.0, tenant="b")
+
+    async def test_evict_takes_from_the_tenant_over_its_share_idle_longest_first(self, backend: Backend) -> None:
+        s = backend.store
+        for i in (1, 2, 3):
+            await s.records.put(f"b{i}", rec(f"pb{i}", tokens=10, stored_at=float(i), tenant="b"), LONG_TTL_S)
+        await s.records.put("a", rec("pa", tokens=10, stored_at=0.5, tenant="a"), LONG_TTL_S)
+        out = await s.pins.evict(D1, keep_tokens=20, why="pressure")
+        assert keys(out) == ["b1", "b2"]  # a's pin, idle longest of all, is within its share (10)
+        # down to nothing: everyone's go, idle longest first
+        assert keys(await s.pins.evict(D1, keep_tokens=0, why="shutdown")) == ["a", "b3"]
+
+    async def test_a_tenants_share_counts_only_what_it_still_pins(self, backend: Backend) -> None:
+        # b's claimed and replaced pins no longer count for b: b is within its share, a over it
+        s = backend.store
+        for i in (1, 2, 3):
+            await s.records.put(f"b{i}", rec(f"pb{i}", tokens=10, stored_at=float(i), tenant="b"), LONG_TTL_S)
+        await s.records.claim("b2", owner="turn")
+        await s.records.put("b3", rec("pb3-next", tokens=5, stored_at=3.0, tenant="b"), LONG_TTL_S)
+        for i in (4, 5):
+            await s.records.put(f"a{i}", rec(f"pa{i}", tokens=10, stored_at=float(i), tenant="a"), LONG_TTL_S)
+        assert await s.pins.pinned([D1]) == {D1: Pinned(4, 35)}
+        assert keys(await s.pins.evict(D1, keep_tokens=30, why="budget")) == ["a4"]
 
     async def test_evict_within_budget_takes_nothing(self, backend: Backend) -> None:
         s = backend.store

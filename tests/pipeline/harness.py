@@ -272,6 +272,7 @@ class Chat:
     stream: bool = False
     messages: list[dict[str, Any]] = field(default_factory=list)
     body: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every request (an API key)
 
     async def say(self, text: str, **over: Any) -> Answer:
         self.messages.append({"role": "user", "content": text})
@@ -281,7 +282,7 @@ class Chat:
         body = {**self.body, **over}
         stream = body.pop("stream", self.stream)
         truth = self.gw.engine.truth({"messages": self.messages, **body})
-        a = await self.gw.chat(list(self.messages), session=self.session, stream=stream, **body)
+        a = await self.gw.chat(list(self.messages), session=self.session, stream=stream, headers=self.headers, **body)
         if a.status == 200 and a.error is None:
             assert _without_ids(a.message) == _without_ids(truth), "the answer differs from a colocated engine's"
             self.messages.append(dict(a.message))

@@ -5,13 +5,14 @@ A handle D returns pins its blocks for ``decoder_kv_blocks_ttl`` (480 s) whether
 comes; at a few dozen conversations that fills D and new turns wait for blocks that nobody may ever
 use. The budget is a share of D's KV capacity (``vllm:cache_config_info``: num_gpu_blocks x
 block_size). Before a turn stores a handle that would cross it, the pins idle longest are released
-first: an agent's next turn follows within seconds of its last, so a conversation idle for long is
-the least likely to come back before its handle expires (which also happens in creation order);
-the saving a pull brings per byte grows only slowly with the history's length, so which handle is
-oldest matters more than which is largest. Under pressure (D's KV usage high, or requests waiting on
-D while pins hold memory) pins are released down to a low watermark at once, when the engine's
-metrics are read, not at the next turn. Every entry evicted from the store's index left its record
-without the handle, so no turn can pull a handle that is being released.
+first, among the tenants holding more than their share of the budget (``state.fair``: one tenant's many
+conversations cannot push out another's): an agent's next turn follows within seconds of its last, so a
+conversation idle for long is the least likely to come back before its handle expires (which also
+happens in creation order); the saving a pull brings per byte grows only slowly with the history's
+length, so which handle is oldest matters more than which is largest. Under pressure (D's KV usage
+high, or requests waiting on D while pins hold memory) pins are released down to a low watermark at
+once, when the engine's metrics are read, not at the next turn. Every entry evicted from the store's
+index left its record without the handle, so no turn can pull a handle that is being released.
 
 Handles nobody will pull (a stateless turn's, one the policy does not keep) are not released one by one
 as they come: each release is a request to a prefill engine, which plain P/D does not pay (it leaves

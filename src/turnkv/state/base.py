@@ -12,7 +12,8 @@ it or ``release`` (by that owner) drops it, or it times out.
 
 The pin index: a stored record whose ``handle`` is set pins ``num_tokens`` of KV on its decode
 engine until a turn claims it (the turn then owns the handle: it pulls it or releases it), the
-store evicts it, or it expires. ``evict`` takes pins off one engine, idle longest first, and leaves
+store evicts it, or it expires. ``evict`` takes pins off one engine, idle longest first among the tenants
+holding more than their share of what stays (``state.fair``), and leaves
 their records without a handle (``unpinned`` says why), so no turn can use a handle that is being
 released; it returns the entries whose handles the caller must release at the engine, and never
 one whose record a turn claimed meanwhile (that turn owns the handle).
@@ -87,6 +88,7 @@ class PinEntry:
     stored_at: float  # wall clock; idle since then
     expires_at: float  # wall clock; past it the handle is not used (D frees it soon after)
     engine_epoch: float | None  # the engine's process start time when it made the handle
+    tenant: str = ""  # whose conversation it is ("": an entry written before entries said)
 
 
 class Records(Protocol):
@@ -119,8 +121,10 @@ class PinIndex(Protocol):
         """What the index holds per engine (engines with nothing pinned are absent)."""
 
     async def evict(self, decode_url: str, *, keep_tokens: int, why: str) -> list[PinEntry]:
-        """Take pins off ``decode_url``, idle longest first, until at most ``keep_tokens`` stay pinned;
-        their records lose the handle (``unpinned = why``). Returns the entries to release."""
+        """Take pins off ``decode_url`` until at most ``keep_tokens`` stay pinned, in ``fair_evictions``'
+        order: idle longest first among the tenants holding more than an equal share of ``keep_tokens``,
+        so no tenant's pins go below its share for another's; their records lose the handle
+        (``unpinned = why``). Returns the entries to release."""
 
     async def prune(self, decode_url: str, *, now: float, epoch: float | None) -> list[PinEntry]:
         """Drop index entries that no longer pin anything: past ``expires_at``, of an engine epoch other

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from turnkv.state.base import IN_FLIGHT_TTL_S, Claim, ClaimStatus, Gate, OneNode, PinEntry, Pinned
+from turnkv.state.fair import fair_evictions
 from turnkv.state.record import ConversationRecord
 
 Clock = Callable[[], float]
@@ -58,6 +59,7 @@ class _Conversations:
                 stored_at=record.created_at,
                 expires_at=record.expires_at,
                 engine_epoch=record.engine_epoch,
+                tenant=record.tenant,
             )
 
     def unindex(self, key: str, record: ConversationRecord) -> None:
@@ -151,13 +153,9 @@ class MemoryPins:
 
     async def evict(self, decode_url: str, *, keep_tokens: int, why: str) -> list[PinEntry]:
         pins = self._t.pins.get(decode_url, {})
-        total = sum(e.tokens for e in pins.values())
         out: list[PinEntry] = []
-        for e in sorted(pins.values(), key=lambda e: e.stored_at):
-            if total <= keep_tokens:
-                break
+        for e in fair_evictions(list(pins.values()), keep_tokens):
             del pins[e.key]
-            total -= e.tokens
             held = self._t.holding(e.key, e.pin_id)
             if held is None:
                 continue  # claimed or replaced meanwhile: not ours to release

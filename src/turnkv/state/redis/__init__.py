@@ -12,10 +12,10 @@ Keys (``ns`` the namespace; ``{...}`` is the Redis Cluster hash tag: each group 
   claiming turn (the in-flight marker), with the in-flight TTL. A marker is never handed out, not
   even to its owner: a claim retried after a dropped reply sees ``in_flight`` (a recompute, never
   a handle used twice).
-* ``ns:pins:{<hash of the decode URL>}:z|e|t``: one decode engine's pin index: a sorted set of
+* ``ns:pins:{<hash of the decode URL>}:z|e|t|n``: one decode engine's pin index: a sorted set of
   conversation keys scored by ``stored_at`` (idle since), a hash of their entries (tokens, handle,
-  expiry, epoch, pin id, and a nonce that tells this put from an identical later one), and the
-  running token total.
+  expiry, epoch, pin id, tenant, and a nonce that tells this put from an identical later one), the
+  running token total, and a hash of the tokens each tenant pins (an evict's fair shares).
 * ``ns:d:{key}``: a document (a string with a TTL).
 
 Every script touches one slot. Operations that span a conversation and an index are separate

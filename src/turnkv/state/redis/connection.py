@@ -60,10 +60,11 @@ async def _direct(node: str, op: str, fn: Callable[[], Awaitable[T]]) -> T:
 
 @dataclasses.dataclass(frozen=True)
 class Index:
-    """One decode engine's pin index: its id and its keys (sorted set, entries, token total)."""
+    """One decode engine's pin index: its id and its keys (sorted set, entries, token total, tokens per
+    tenant)."""
 
     id: str
-    keys: tuple[str, str, str]
+    keys: tuple[str, str, str, str]
 
 
 class RedisConnection:
@@ -109,7 +110,7 @@ class RedisConnection:
 
     def index_by_id(self, index_id: str) -> Index:
         base = f"{self.namespace}:pins:{{{index_id}}}"
-        return Index(index_id, (f"{base}:z", f"{base}:e", f"{base}:t"))
+        return Index(index_id, (f"{base}:z", f"{base}:e", f"{base}:t", f"{base}:n"))
 
     # --- operations ---
 

@@ -40,16 +40,28 @@ if redis.call('TYPE', KEYS[1])['ok'] == 'hash' and redis.call('HGET', KEYS[1], '
 return 0
 """
 
-# --- scripts on an engine's index slot (KEYS = z, e, t) ---
+# --- scripts on an engine's index slot (KEYS = z, e, t, n) ---
 
+# n: tokens pinned per tenant (``state.fair``'s shares without reading every entry); an entry written
+# before entries named their tenant counts in none
 _INDEX_LIB = """
+local function tenant_of(d)
+  if type(d.tenant) == 'string' and d.tenant ~= '' then return d.tenant end
+  return nil
+end
+local function count(d, sign)
+  local t = tenant_of(d)
+  if t and redis.call('HINCRBY', KEYS[4], t, sign * d.tokens) <= 0 then redis.call('HDEL', KEYS[4], t) end
+end
 local function drop(member, value)
+  local d = cjson.decode(value)
   redis.call('ZREM', KEYS[1], member)
   redis.call('HDEL', KEYS[2], member)
-  redis.call('DECRBY', KEYS[3], cjson.decode(value).tokens)
+  redis.call('DECRBY', KEYS[3], d.tokens)
+  count(d, -1)
 end
 local function settle()
-  if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[3]) end
+  if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[3], KEYS[4]) end
 end
 """
 
@@ -62,6 +74,7 @@ if old then drop(ARGV[1], old) end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 redis.call('INCRBY', KEYS[3], ARGV[4])
+count(cjson.decode(ARGV[3]), 1)
 return 1
 """
 )
@@ -78,31 +91,56 @@ return 1
 """
 )
 
-# ARGV: tokens to keep, most entries to take. Returns {more, {key, entry, key, entry, ...}}.
+# ARGV: tokens to keep, most entries to take. Returns {more, {key, entry, key, entry, ...}}. The order of
+# ``state.fair.fair_evictions`` in one pass, idle longest first, over the entries of tenants holding more
+# than keep / (tenants holding any), from the per-tenant totals: a tenant passed over stays within its share
+# (what it holds only goes down, the share only up). An entry of no known tenant is always taken
 _EVICT_PICK = (
     _INDEX_LIB
     + """
 local total = tonumber(redis.call('GET', KEYS[3]) or '0')
 local keep = tonumber(ARGV[1])
+local limit = tonumber(ARGV[2])
 local out = {}
-local n = 0
-while total > keep and n < tonumber(ARGV[2]) do
-  local first = redis.call('ZPOPMIN', KEYS[1])
-  if #first == 0 then break end
-  local v = redis.call('HGET', KEYS[2], first[1])
-  if v then
-    redis.call('HDEL', KEYS[2], first[1])
-    local tokens = cjson.decode(v).tokens
-    redis.call('DECRBY', KEYS[3], tokens)
-    total = total - tokens
-    out[#out + 1] = first[1]
-    out[#out + 1] = v
+local held, tenants = {}, 0
+local per = redis.call('HGETALL', KEYS[4])
+for i = 1, #per, 2 do
+  held[per[i]] = tonumber(per[i + 1])
+  tenants = tenants + 1
+end
+local n, at = 0, 0
+while total > keep and n < limit do
+  local chunk = redis.call('ZRANGE', KEYS[1], at, at + 63)
+  if #chunk == 0 then break end
+  at = at + #chunk
+  for _, m in ipairs(chunk) do
+    if total <= keep or n >= limit then break end
+    local v = redis.call('HGET', KEYS[2], m)
+    if not v then
+      redis.call('ZREM', KEYS[1], m)
+      at = at - 1
+      n = n + 1
+    else
+      local d = cjson.decode(v)
+      local t = tenant_of(d)
+      if t == nil or (held[t] or 0) > keep / math.max(tenants, 1) then
+        drop(m, v)
+        at = at - 1
+        total = total - d.tokens
+        if t then
+          held[t] = held[t] - d.tokens
+          if held[t] <= 0 then tenants = tenants - 1 end
+        end
+        out[#out + 1] = m
+        out[#out + 1] = v
+        n = n + 1
+      end
+    end
   end
-  n = n + 1
 end
 settle()
 local more = 0
-if total > keep and redis.call('ZCARD', KEYS[1]) > 0 then more = 1 end
+if total > keep and n >= limit and redis.call('ZCARD', KEYS[1]) > 0 then more = 1 end
 return {more, out}
 """
 )
@@ -140,6 +178,7 @@ def index_entry(index: Index, key: str, record: ConversationRecord) -> Call:
             "stored_at": record.created_at,
             "expires_at": record.expires_at,
             "epoch": record.engine_epoch,
+            "tenant": record.tenant,
             "n": secrets.token_hex(4),
         }
     ).decode()
@@ -167,7 +206,7 @@ class RedisPins:
                 return list(await asyncio.gather(*reads))
             async with client.pipeline(transaction=False) as pipe:
                 for url in urls:
-                    z, _, t = self._conn.index(url).keys
+                    z, _, t, _ = self._conn.index(url).keys
                     pipe.zcard(z)
                     pipe.get(t)
                 return list(await pipe.execute())
@@ -191,7 +230,7 @@ class RedisPins:
         return out
 
     async def _pick(self, decode_url: str, keep_tokens: int) -> tuple[bool, list[PinEntry]]:
-        """Evict's first step: entries off the index, idle longest first (at most ``EVICT_BATCH``);
+        """Evict's first step: entries off the index in ``state.fair``'s order (at most ``EVICT_BATCH``);
         whether more must go."""
         more, flat = await self._conn.eval(EVICT_PICK, self._conn.index(decode_url).keys, [keep_tokens, EVICT_BATCH])
         return bool(int(more)), [_entry(decode_url, str(flat[i]), str(flat[i + 1])) for i in range(0, len(flat), 2)]
@@ -240,7 +279,7 @@ class RedisPins:
 
 def _totals(client: Any, index: Index) -> tuple[Awaitable[Any], Awaitable[Any]]:
     """One engine's pinned handles and tokens, as two reads."""
-    z, _, t = index.keys
+    z, _, t, _ = index.keys
     return client.zcard(z), client.get(t)
 
 
@@ -257,6 +296,7 @@ def _entry(decode_url: str, key: str, raw: str) -> PinEntry:
             stored_at=float(d["stored_at"]),
             expires_at=float(d["expires_at"]),
             engine_epoch=None if d["epoch"] is None else float(d["epoch"]),
+            tenant=str(d.get("tenant") or ""),
         )
     except (ValueError, TypeError, KeyError) as exc:
         raise StoreError(f"redis: unreadable pin index entry for {key!r}: {exc}") from exc
