@@ -28,4 +28,4 @@ async def test_a_busy_tenant_releases_its_own_pins_not_a_quiet_tenants() -> None
         assert (a.outcome, a.action, a.reason) == ("full", "pull", "full_match")
         b = await busy[0].say("and tomorrow?")  # the busy tenant's idle longest: released for its own turns
         assert (b.outcome, b.action, b.reason) == ("none", "recompute", "pin_released")
-        assert (await busy[-1].say("and tomorrow?")).reason == "full_match"
+        assert (await busy[-1].say("and tomorrow?")).reason != "pin_released"  # its newest: kept
