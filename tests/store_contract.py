@@ -183,7 +183,7 @@ class PoolsContract:
     async def test_a_pool_holds_one_record_per_conversation_that_stores_into_it(self, backend: Backend) -> None:
         s, slots = backend.store, pool("k", 4)
         stored = [await s.records.put_any(slots, rec(f"p{i}", turn=i), LONG_TTL_S, owner=f"t{i}") for i in range(3)]
-        assert stored == slots[:3]  # three at once: three slots, none overwritten
+        assert stored == [(k, None) for k in slots[:3]]  # three at once: three slots, none overwritten
         got = [await backend.other.records.claim_any(slots, owner=f"n{i}") for i in range(3)]
         assert sorted(c.record.turn for _, c in got if c.record is not None) == [0, 1, 2]
         assert (await s.records.claim_any(slots, owner="n3"))[1].status is ClaimStatus.IN_FLIGHT
@@ -208,12 +208,14 @@ class PoolsContract:
         await s.records.put_any(slots, rec("p1"), LONG_TTL_S, owner="x")
         await s.records.put_any(slots, rec("p2"), LONG_TTL_S, owner="y")
         key, _ = await s.records.claim_any(slots, owner="turn")  # claims slot 0
-        assert await s.records.put_any(slots, rec("p3"), LONG_TTL_S, owner="other") == slots[2]
+        assert await s.records.put_any(slots, rec("p3"), LONG_TTL_S, owner="other") == (slots[2], None)
         # the claiming turn stores its next record where its marker is
-        assert await s.records.put_any(slots, rec("p4"), LONG_TTL_S, owner="turn") == key == slots[0]
-        # full: over an unclaimed record, never a marker
+        assert await s.records.put_any(slots, rec("p4"), LONG_TTL_S, owner="turn") == (slots[0], None)
+        assert key == slots[0]
+        # full: over an unclaimed record, never a marker; the record replaced comes back, handle and all, for
+        # its handle to be released (nobody can claim it now)
         await s.records.claim_any(slots, owner="late")  # claims slot 0 again
-        assert await s.records.put_any(slots, rec("p5"), LONG_TTL_S, owner="new") == slots[1]
+        assert await s.records.put_any(slots, rec("p5"), LONG_TTL_S, owner="new") == (slots[1], rec("p2"))
         assert (await s.pins.pinned([D1]))[D1].handles == 2  # p3 and p5: p2's entry went with it
 
     async def test_a_pools_first_key_is_the_plain_key(self, backend: Backend) -> None:

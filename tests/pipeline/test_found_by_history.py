@@ -11,7 +11,7 @@ import fakeredis
 import pytest
 
 from tests.pipeline.harness import D0, Chat, Gateway, gateway
-from turnkv.state.base import ConversationStore
+from turnkv.state.base import POOL_SLOTS, ConversationStore
 from turnkv.state.memory import MemoryStore
 from turnkv.state.redis import RedisStore
 
@@ -57,3 +57,13 @@ async def test_a_regenerated_answer_reuses_the_history_up_to_the_last_message() 
         prompt, matched = int(again.headers["x-turnkv-prompt-tokens"]), int(again.headers["x-turnkv-matched-tokens"])
         assert prompt - gw.svc.settings.block_size <= matched < prompt  # all of it but its last block
         assert (await chat.say("Thanks, and the morning?")).outcome == "full"  # the regenerated answer's record
+
+
+async def test_a_full_pool_releases_the_handle_of_the_record_that_gives_way() -> None:
+    """More identical conversations at once than a pool has slots: the last to store replaces an unclaimed
+    record, whose handle nobody can claim now: it is released (``pool_full``), not left pinned on D."""
+    async with gateway(conversation_from_history=True) as gw:
+        chats = [Chat(gw) for _ in range(POOL_SLOTS + 1)]
+        assert await together(gw, chats, TASK) == ["none"] * len(chats)
+        await gw.wait_for("the release", lambda: gw.metric("turnkv_handle_releases_total", why="pool_full") == 1)
+        assert sorted(t["capture"] for t in gw.turns) == ["stored"] * len(chats)

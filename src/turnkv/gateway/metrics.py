@@ -102,6 +102,7 @@ class Vocabulary:
     releases: tuple[str, ...] = (
         "unused",
         "superseded",
+        "pool_full",
         "not_needed",
         "budget",
         "pressure",

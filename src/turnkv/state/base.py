@@ -109,9 +109,13 @@ class Records(Protocol):
         and the claim; when none holds an unclaimed record, the first key and ``IN_FLIGHT`` (some are
         claimed) or ``MISSING``."""
 
-    async def put_any(self, keys: Sequence[str], record: ConversationRecord, ttl_s: float, *, owner: str) -> str:
+    async def put_any(
+        self, keys: Sequence[str], record: ConversationRecord, ttl_s: float, *, owner: str
+    ) -> tuple[str, ConversationRecord | None]:
         """Store ``record`` in a pool: in the first of ``keys`` holding nothing or ``owner``'s own marker,
-        else over the first holding an unclaimed record, else over the first. Returns the key used."""
+        else over the first holding an unclaimed record, else over the first. Returns the key used and the
+        unclaimed record it replaced (a full pool), whose handle nobody will claim now: the caller releases
+        it."""
 
 
 class PinIndex(Protocol):

@@ -200,7 +200,9 @@ class GuardedRecords:
             "claim", lambda: self._records.claim_any(keys, owner=owner, prefer=prefer), lambda: self._node(keys[0])
         )
 
-    async def put_any(self, keys: Sequence[str], record: ConversationRecord, ttl_s: float, *, owner: str) -> str:
+    async def put_any(
+        self, keys: Sequence[str], record: ConversationRecord, ttl_s: float, *, owner: str
+    ) -> tuple[str, ConversationRecord | None]:
         return await self._call(
             "put", lambda: self._records.put_any(keys, record, ttl_s, owner=owner), lambda: self._node(keys[0])
         )

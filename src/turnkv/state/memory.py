@@ -123,10 +123,14 @@ class MemoryRecords:
         key = next((k for k, v in records if prefer is not None and v.answer_digest == prefer), records[0][0])
         return key, await self.claim(key, owner=owner)
 
-    async def put_any(self, keys: Sequence[str], record: ConversationRecord, ttl_s: float, *, owner: str) -> str:
-        key = _free(keys, {k: item[1] for k in keys if (item := self._t.live(k)) is not None}, owner)
+    async def put_any(
+        self, keys: Sequence[str], record: ConversationRecord, ttl_s: float, *, owner: str
+    ) -> tuple[str, ConversationRecord | None]:
+        held = {k: item[1] for k in keys if (item := self._t.live(k)) is not None}
+        key = _free(keys, held, owner)
+        replaced = held.get(key)
         await self.put(key, record, ttl_s)
-        return key
+        return key, replaced if isinstance(replaced, ConversationRecord) else None
 
 
 def _free(keys: Sequence[str], held: dict[str, ConversationRecord | _Marker], owner: str) -> str:

@@ -207,7 +207,10 @@ async def _put(run: TurnRun, conv: Conversation, rec: ConversationRecord, after:
     # a conversation found from its history moves on: stored under this request's digest, in its pool
     ttl_s, owner = svc.settings.handle_ttl_s + EXPIRED_GRACE_S, run.turn.request_id
     if conv.pooled:
-        stored = await svc.store.records.put_any(pool(conv.store_key), rec, ttl_s, owner=owner)
+        stored, replaced = await svc.store.records.put_any(pool(conv.store_key), rec, ttl_s, owner=owner)
+        if replaced is not None and replaced.handle is not None:
+            # a full pool (more identical conversations than slots): one of its records gave way
+            _release(svc, replaced.handle, "pool_full", replaced.decode_url, replaced.num_tokens)
     else:
         stored = conv.store_key
         await svc.store.records.put(stored, rec, ttl_s)

@@ -90,7 +90,8 @@ return {'found', v[1], v[2] or '', v[3] or '', v[4] or '', pick}
 """
 
 # ARGV: owner, then put's. The first slot holding nothing or the owner's marker, else the first holding an
-# unclaimed record, else the first; {slot, replaced pin id, its index id} ('' when none).
+# unclaimed record, else the first; {slot, replaced pin id, its index id ('' when none), and the unclaimed
+# record replaced: its JSON, handle, unpinned, pin id ('' when none)}.
 _PUT_ANY = (
     _PUT_IN
     + """
@@ -105,8 +106,12 @@ if pick == 0 then
   end
 end
 if pick == 0 then pick = 1 end
+local was = {}
+if redis.call('TYPE', KEYS[pick])['ok'] == 'hash' and redis.call('HEXISTS', KEYS[pick], 'm') == 0 then
+  was = redis.call('HMGET', KEYS[pick], 'r', 'h', 'u', 'p')
+end
 local old = put(KEYS[pick], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
-return {pick, old[1] or '', old[2] or ''}
+return {pick, old[1] or '', old[2] or '', was[1] or '', was[2] or '', was[3] or '', was[4] or ''}
 """
 )
 
@@ -201,7 +206,9 @@ class RedisRecords:
         handle = jsonwire.dumps(record.handle).decode()
         return [body, handle, record.pin_id, self._conn.index(record.decode_url).id, ttl_ms, record.answer_digest]
 
-    async def put_any(self, keys: Sequence[str], record: ConversationRecord, ttl_s: float, *, owner: str) -> str:
+    async def put_any(
+        self, keys: Sequence[str], record: ConversationRecord, ttl_s: float, *, owner: str
+    ) -> tuple[str, ConversationRecord | None]:
         """The record in the pool's slot first (the slot is known only then), then its index entry: as put's,
         a step whose failure leaves the pin unindexed (and one on another node of a Cluster, through its
         breaker)."""
@@ -217,7 +224,7 @@ class RedisRecords:
             if res[1]:  # a record holding another pin was overwritten: that pin's entry goes too
                 unpin = pins.unpin(conn.index_by_id(str(res[2])), key, str(res[1]))
                 await conn.aside(here, "unpin", unpin, leaves="orphan_entry")
-        return key
+        return key, _replaced(res[3:7])
 
     async def release(self, key: str, *, owner: str) -> None:
         conn = self._conn
@@ -240,6 +247,16 @@ def _claim_of(res: Sequence[Any]) -> Claim:
         except (ValueError, TypeError, KeyError):
             pass
     return Claim(ClaimStatus.CORRUPT)
+
+
+def _replaced(res: Sequence[Any]) -> ConversationRecord | None:
+    """The unclaimed record a pool's put replaced, as ``_PUT_ANY`` returns it (None: none, or unreadable)."""
+    if not res or not res[0]:
+        return None
+    try:
+        return _decode(str(res[0]), str(res[1]), str(res[2]), str(res[3]))
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def _decode(body: str, handle: str, unpinned: str, pin_id: str) -> ConversationRecord:
