@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.asgi import chat_scope
-from tests.pipeline.harness import D0, D1, P0, Answer, Chat, Gateway, gateway
+from tests.pipeline.harness import D0, D1, P0, P1, Answer, Chat, Gateway, gateway
 from tests.sim_engine import MODEL
 
 
@@ -192,3 +192,22 @@ async def test_a_single_prefill_engine_that_fails_is_asked_once_more(
         a = await Chat(gw, session=session).say("what is the weather like")
         assert (a.status == 200) is served, a.body
         assert gw.engine.instances[P0].calls.count("prefill") == min(failures + 1, 2)
+
+
+@pytest.mark.parametrize("prefill", [[P0, P1], [P0]], ids=["another_p", "one_p"])
+async def test_a_wait_on_a_prefill_engine_that_stops_answering_is_given_up_at_once(prefill: list[str]) -> None:
+    # P takes the prefill and goes silent, its health probes failing: the turn gives up on it as soon as the
+    # fleet finds P lost, not at its first-token deadline, and runs on the other P (or ends with an error)
+    async with gateway(prefill=prefill, timeouts={"prefill_first_token_s": 600.0}) as gw:
+        chat = await conversation(gw)
+        lost = gw.turns[-1]["prefill"]
+        gw.engine.faults(lost, hang=1, leg="prefill")
+        turn = asyncio.create_task(chat.say("go on"))
+        await gw.wait_for("the turn to wait on P", lambda: gw.engine.instances[lost].calls.count("prefill") == 2)
+        gw.engine.faults(lost, unreachable=True)
+        a = await asyncio.wait_for(turn, 10)
+        if len(prefill) == 2:
+            assert (a.status, a.error) == (200, None) and gw.turns[-1]["prefill"] != lost
+        else:
+            assert a.status >= 500 and a.error is not None
+        assert gw.metric("turnkv_first_token_deadline_misses_total", leg="prefill") == 1
