@@ -35,19 +35,31 @@ class OutOfBlocks(RuntimeError):
     """No free block is left: the request cannot be scheduled."""
 
 
+class _Blocks(dict[int, Block]):
+    """The pool's blocks by id (0 to ``n`` - 1), each made the first time it is looked up: an engine of tens
+    of thousands of blocks starts without making them all (most runs touch a few hundred)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def __missing__(self, bid: int) -> Block:
+        if not 0 <= bid < self.n:
+            raise IndexError(f"block {bid} is not one of the pool's {self.n}")
+        b = self[bid] = Block(bid)
+        return b
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.num_blocks = num_blocks
+        self.blocks = _Blocks(num_blocks)
         # Free blocks in eviction order: the least recently freed is handed out first.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}
         self.evictions = 0  # prefix-cache entries lost to reuse of their free blocks
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
 
     @property
     def num_free(self) -> int:
@@ -59,7 +71,7 @@ class BlockPool:
         return len(self._cached)
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / max(1, len(self.blocks))
+        return 1.0 - len(self._free) / max(1, self.num_blocks)
 
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """The longest run of cached blocks for these prefix keys (not yet referenced)."""
@@ -120,7 +132,7 @@ class BlockPool:
 
     def reset_cache(self) -> None:
         self._cached.clear()
-        for b in self.blocks:
+        for b in self.blocks.values():
             b.hash = None
 
     def write(self, block_id: int, offset: int, values: Sequence[int]) -> None:
