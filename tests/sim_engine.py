@@ -158,7 +158,7 @@ class SimEngine(EngineDefaults):
         model: str = MODEL,
         drift: bool = False,
     ) -> None:
-        self.tok = Tokenizer()
+        self.tok = Tokenizer.shared()
         self.drift = drift  # answers hold words that tokenize differently when sent back
         self.template = ChatTemplate.load(template)
         self.block_size = block_size

@@ -71,7 +71,7 @@ class SimServer:
 
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings
-        self.tok = Tokenizer()
+        self.tok = Tokenizer.shared()
         self.template = ChatTemplate.load(settings.template, settings.chat_template)
         self.metrics = EngineMetrics(settings.model)
         e = settings.engine

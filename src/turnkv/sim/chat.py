@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,7 @@ class ChatTemplate:
             return cls(Path(path).read_text(encoding="utf-8"), name=Path(path).stem)
         if template not in BUILTIN_TEMPLATES:
             raise ValueError(f"unknown template {template!r}; built-in: {', '.join(BUILTIN_TEMPLATES)}")
-        text = resources.files("turnkv.sim").joinpath("templates", f"{template}.jinja").read_text("utf-8")
-        return cls(text, name=template)
+        return _builtin(template)
 
     def render(
         self,
@@ -314,3 +314,10 @@ def count_reasoning_tokens(tok: Tokenizer, ids: Sequence[int]) -> int:
         elif depth:
             count += 1
     return count
+
+
+@cache
+def _builtin(template: str) -> ChatTemplate:
+    """A built-in template, compiled once per process (a compiled template is immutable)."""
+    text = resources.files("turnkv.sim").joinpath("templates", f"{template}.jinja").read_text("utf-8")
+    return ChatTemplate(text, name=template)

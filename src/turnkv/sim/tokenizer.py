@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from functools import cached_property
+from functools import cache, cached_property
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -96,6 +96,13 @@ class Tokenizer:
         self.words = words
         self.word_ids = [self._piece_to_id[" " + w] for w in words]
         self.start_word_ids = [self._piece_to_id[w.capitalize()] for w in words]
+
+    @staticmethod
+    @cache
+    def shared() -> Tokenizer:
+        """The default tokenizer, built once per process (building one takes tens of milliseconds; every
+        simulated engine uses the same)."""
+        return Tokenizer()
 
     @property
     def vocab_size(self) -> int:
