@@ -142,6 +142,7 @@ def spawn(
     except (ValueError, KeyError, TypeError):
         proc.kill()
         proc.wait(10)
+        proc.stdout.close()  # else its pipe is left to the garbage collector, which warns in whatever runs then
         tail = log.read_text()[-2000:] if log and log.exists() else ""
         raise RuntimeError(f"{name} did not start (exit {proc.returncode}): {line!r}\n{tail}") from None
     return Running(name, proc, url, log)
