@@ -49,4 +49,3 @@ def procs(tmp_path: Path) -> Iterator[list[launch.Running]]:
     yield started
     for p in reversed(started):
         p.stop()
-
