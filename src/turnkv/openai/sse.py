@@ -1,7 +1,7 @@
 """OpenAI's server-sent events: split a byte stream into event payloads, and frame payloads again.
 
 Used by the engine readers (``engine.vllm.stream``), the relay (``gateway.turn.stream``) and the front ends
-that translate a relayed chat stream (``gateway.responses``).
+that translate a relayed chat stream (``gateway.reframe``).
 """
 
 from __future__ import annotations

@@ -9,20 +9,13 @@ stream began is Anthropic's ``error`` event, the last one.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from turnkv.gateway.error_responses import anthropic_from_openai
 from turnkv.gateway.messages import translate
+from turnkv.gateway.reframe import Event
 from turnkv.openai.answer import reasoning_of
-
-Event = dict[str, Any]
-
-
-def frame(event: Event) -> bytes:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 class MessageStream:

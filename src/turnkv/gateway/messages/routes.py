@@ -20,8 +20,8 @@ from turnkv.engine.base import CallMeta
 from turnkv.gateway.auth import cache_salt
 from turnkv.gateway.intake import conversation_header, prepare_turn, receive
 from turnkv.gateway.messages import events, models, translate
+from turnkv.gateway.reframe import Event, reframed
 from turnkv.gateway.turn.driver import run_turn
-from turnkv.openai.sse import DONE, SSESplitter
 
 
 def _headers(answer: Response, request_id: str) -> dict[str, str]:
@@ -45,29 +45,13 @@ async def create(request: Request) -> Response:
     return conversation_header(turn, answer)
 
 
-async def _translated(chat: Any, stream: events.MessageStream) -> AsyncIterator[bytes]:
+def _translated(chat: Any, stream: events.MessageStream) -> AsyncIterator[bytes]:
     """The relayed chat stream as Anthropic's events."""
-    splitter = SSESplitter()
-    try:
-        yield b"".join(events.frame(e) for e in stream.start())
-        async for data in chat:
-            out: list[events.Event] = []
-            for payload in splitter.feed(data if isinstance(data, bytes) else str(data).encode()):
-                if payload == DONE:
-                    out += [] if stream.done else stream.finish()
-                    continue
-                try:
-                    obj = json.loads(payload)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict):
-                    out += stream.chunk(obj)
-            if out:
-                yield b"".join(events.frame(e) for e in out)
-    finally:
-        aclose = getattr(chat, "aclose", None)
-        if aclose is not None:
-            await aclose()
+
+    async def finish() -> list[Event]:
+        return [] if stream.done else stream.finish()
+
+    return reframed(chat, stream.start, stream.chunk, finish)
 
 
 async def count_tokens(request: Request) -> Response:

@@ -11,22 +11,15 @@ decode failed mid-stream) with the whole Response. Every event carries its ``seq
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnkv.gateway.reframe import Event
 from turnkv.gateway.responses import translate
 from turnkv.gateway.responses.models import ResponsesBody
 from turnkv.openai.answer import reasoning_of
-
-Event = dict[str, Any]
-
-
-def frame(event: Event) -> bytes:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
@@ -22,11 +23,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from turnkv.errors import ClientError, GatewayError, StoreError
 from turnkv.gateway.fields import shown
 from turnkv.gateway.intake import conversation_header, prepare_turn, principal, receive, services
+from turnkv.gateway.reframe import Event, reframed
 from turnkv.gateway.responses import events, models, translate
 from turnkv.gateway.services import Services
 from turnkv.gateway.turn.driver import run_turn
 from turnkv.gateway.turn.request import Turn
-from turnkv.openai.sse import DONE, SSESplitter
 
 log = logging.getLogger("turnkv.responses")
 
@@ -140,7 +141,7 @@ async def _whole(
     return JSONResponse(r, headers=_turnkv_headers(answer, turn))
 
 
-async def _translated(
+def _translated(
     svc: Services,
     req: models.ResponsesBody,
     chat: Any,
@@ -148,33 +149,18 @@ async def _translated(
     tenant: str,
     history: list[dict[str, Any]],
     key: str | None,
-) -> Any:
+) -> AsyncIterator[bytes]:
     """The relayed chat stream as Responses events; the response is stored before it completes."""
-    splitter = SSESplitter()
-    try:
-        yield b"".join(events.frame(e) for e in stream.start())
-        async for data in chat:
-            out: list[events.Event] = []
-            for payload in splitter.feed(data if isinstance(data, bytes) else str(data).encode()):
-                if payload == DONE:
-                    if not stream.done:
-                        last, r = stream.finish()
-                        if req.store is not False:
-                            await _store(svc, req, tenant, r, history, key)
-                        out += last
-                    continue
-                try:
-                    obj = json.loads(payload)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict):
-                    out += stream.chunk(obj)
-            if out:
-                yield b"".join(events.frame(e) for e in out)
-    finally:
-        aclose = getattr(chat, "aclose", None)
-        if aclose is not None:
-            await aclose()
+
+    async def finish() -> list[Event]:
+        if stream.done:
+            return []
+        last, r = stream.finish()
+        if req.store is not False:
+            await _store(svc, req, tenant, r, history, key)
+        return last
+
+    return reframed(chat, stream.start, stream.chunk, finish)
 
 
 async def _stored(request: Request) -> tuple[Services, str, dict[str, Any]]:
