@@ -50,17 +50,18 @@ from turnkv.engine.base import (
 from turnkv.engine.fourhop import wire
 from turnkv.engine.fourhop.stream import ChatChunks, FourHopDecodeStream, StreamTerms
 from turnkv.engine.vllm import handles
-from turnkv.engine.vllm.engine import (
-    RELEASE_MAX_TOKENS,
-    RELEASE_TIMEOUT_S,
-    RELEASE_WAIT_S,
-    WRITE_BACK_MAX_TOKENS,
-    VllmEngine,
-)
-from turnkv.engine.vllm.http import Upstream, map_aiohttp_errors
+from turnkv.engine.vllm.engine import VllmEngine
+from turnkv.engine.vllm.http import Upstream
 from turnkv.engine.vllm.info import PLUGIN_HEADER, plugin_lists, version_tuple
-from turnkv.engine.vllm.refusals import as_client_asked
-from turnkv.errors import ClientError, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
+from turnkv.engine.vllm.prefill import (
+    RELEASE_MAX_TOKENS,
+    WRITE_BACK_MAX_TOKENS,
+    ask_prefill,
+    prefill_result,
+    read_write_back,
+    send_release,
+)
+from turnkv.errors import ClientError, UpstreamError, UpstreamProtocolError, UpstreamStatus
 
 GENERATE = "/inference/v1/generate"
 KEPT_RENDERS = 4096  # renders kept for their turn's later calls (a turn uses its own within seconds)
@@ -168,22 +169,8 @@ class FourHopEngine:
         rendered = await self._rendered_for(call.body, meta, last=False)
         params = handles.prefill_params(call.handle, self.block_size)
         body = wire.prefill_body(rendered, params, self._placement(base), self._rid(meta))
-        try:
-            data = await self.upstream.post_json(
-                "prefill", base, GENERATE, body, self._headers(meta), timeout_s=call.timeout_s
-            )
-        except UpstreamStatus as exc:
-            raise as_client_asked(exc, call.body) from None  # the client's numbers, not the one-token prefill's
-        kv = data.get("kv_transfer_params")
-        usage = data.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        cached, prompt = details.get("cached_tokens"), usage.get("prompt_tokens")
-        return PrefillResult(
-            for_decode=kv if isinstance(kv, dict) else None,
-            cached_tokens=cached if isinstance(cached, int) else None,
-            prompt_tokens=prompt if isinstance(prompt, int) else None,
-            prompt_ids=list(rendered["token_ids"]) if call.return_ids else None,
-        )
+        data = await ask_prefill(self.upstream, base, GENERATE, body, self._headers(meta), call)
+        return prefill_result(data, rendered["token_ids"] if call.return_ids else None)
 
     # -- decode -------------------------------------------------------------------------------------
     def _generate_request(
@@ -289,17 +276,7 @@ class FourHopEngine:
         body = wire.tokens_body(
             [0], handles.release_request(handle), self._placement(base), max_tokens=RELEASE_MAX_TOKENS, model=model
         )
-        try:
-            async with asyncio.timeout(RELEASE_TIMEOUT_S):
-                resp = await self.upstream.open_stream("prefill", base, GENERATE, body, self._headers(CallMeta()))
-        except TimeoutError:
-            raise UpstreamTimeout("release: no answer from the prefill engine", leg="prefill", instance=base) from None
-        try:
-            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
-                async with asyncio.timeout(RELEASE_WAIT_S):
-                    await resp.content.readany()
-        finally:
-            resp.close()
+        await send_release(self.upstream, base, GENERATE, body, self._headers(CallMeta()))
 
     async def write_back(self, base: str, call: WriteBack) -> WriteBackResult:
         params = handles.write_back_request(call.handle, len(call.token_ids), self.block_size)
@@ -308,18 +285,9 @@ class FourHopEngine:
         )
         if call.priority is not None:
             body["priority"] = call.priority
-        try:
-            async with asyncio.timeout(call.timeout_s):
-                resp = await self.upstream.open_stream("prefill", base, GENERATE, body, self._headers(CallMeta()))
-                try:
-                    with map_aiohttp_errors("prefill", base):
-                        finished = await _first_tokens(resp, base)
-                finally:
-                    resp.close()
-        except TimeoutError:
-            raise UpstreamTimeout(
-                "write-back: the prefill engine did not pull in time", leg="prefill", instance=base
-            ) from None
+        finished = await read_write_back(
+            self.upstream, base, GENERATE, body, self._headers(CallMeta()), call.timeout_s, _first_tokens
+        )
         return WriteBackResult.PINNED if finished else WriteBackResult.CACHED
 
     # -- handles, probes and pass-through: as vLLM's ---------------------------------------------------

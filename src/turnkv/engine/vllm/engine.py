@@ -9,7 +9,6 @@ answer (the final SSE chunk from 0.33 on). A rendered prompt goes to P as token 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping
@@ -34,20 +33,20 @@ from turnkv.engine.base import (
     WriteBackResult,
 )
 from turnkv.engine.vllm import handles
-from turnkv.engine.vllm.http import Upstream, map_aiohttp_errors
+from turnkv.engine.vllm.http import Upstream
 from turnkv.engine.vllm.info import PLUGIN_HEADER, engine_info, load_sample
-from turnkv.engine.vllm.refusals import as_client_asked
+from turnkv.engine.vllm.prefill import (
+    RELEASE_MAX_TOKENS,
+    WRITE_BACK_MAX_TOKENS,
+    ask_prefill,
+    prefill_result,
+    read_write_back,
+    send_release,
+)
 from turnkv.engine.vllm.stream import DecodeCapture, VllmDecodeStream
-from turnkv.errors import ClientError, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
+from turnkv.errors import ClientError, UpstreamError, UpstreamProtocolError, UpstreamStatus
 
 RENDER_PATH = "/v1/chat/completions/render"
-RELEASE_TIMEOUT_S = 10.0  # a release's request until P answers its headers
-RELEASE_WAIT_S = 2.0  # then, until its first event: past it the release is aborted in P's queue (D is told)
-RELEASE_MAX_TOKENS = 16  # P decodes until the gateway closes the stream, not to a finish that would pin
-# a write-back too: a request that finishes with its params' do_remote_decode unset is a "D node" to vLLM's
-# connector, which pins its blocks for decoder_kv_blocks_ttl (pull_scheduler.py request_finished, 0.26); one
-# aborted after its first output frees them into P's prefix cache, where they were cached when the pull ended
-WRITE_BACK_MAX_TOKENS = 256
 # request fields that do not shape the prompt (vLLM's render refuses some of them)
 _NOT_FOR_RENDER = (
     "stream",
@@ -122,22 +121,8 @@ class VllmEngine:
 
     async def prefill(self, base: str, call: PrefillCall, meta: CallMeta) -> PrefillResult:
         path, body = self._prefill_request(call)
-        try:
-            data = await self.upstream.post_json(
-                "prefill", base, path, body, self._headers(meta), timeout_s=call.timeout_s
-            )
-        except UpstreamStatus as exc:
-            raise as_client_asked(exc, call.body) from None  # the client's numbers, not the one-token prefill's
-        params = data.get("kv_transfer_params")
-        usage = data.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        cached, prompt = details.get("cached_tokens"), usage.get("prompt_tokens")
-        return PrefillResult(
-            for_decode=params if isinstance(params, dict) else None,
-            cached_tokens=cached if isinstance(cached, int) else None,
-            prompt_tokens=prompt if isinstance(prompt, int) else None,
-            prompt_ids=_prompt_ids(data) if call.return_ids else None,
-        )
+        data = await ask_prefill(self.upstream, base, path, body, self._headers(meta), call)
+        return prefill_result(data, _prompt_ids(data) if call.return_ids else None)
 
     def _decode_request(self, call: DecodeCall) -> dict[str, Any]:
         body = dict(call.body)
@@ -184,19 +169,7 @@ class VllmEngine:
         }
         if model:
             body["model"] = model
-        try:
-            async with asyncio.timeout(RELEASE_TIMEOUT_S):
-                resp = await self.upstream.open_stream(
-                    "prefill", base, "/v1/completions", body, self._headers(CallMeta())
-                )
-        except TimeoutError:
-            raise UpstreamTimeout("release: no answer from the prefill engine", leg="prefill", instance=base) from None
-        try:
-            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
-                async with asyncio.timeout(RELEASE_WAIT_S):
-                    await resp.content.readany()
-        finally:
-            resp.close()  # P aborts the request: D has been told, or is told by the abort
+        await send_release(self.upstream, base, "/v1/completions", body, self._headers(CallMeta()))
 
     async def write_back(self, base: str, call: WriteBack) -> WriteBackResult:
         """Send P the handle's sequence as token ids with D's handle for a remote prefill
@@ -218,20 +191,9 @@ class VllmEngine:
             body["model"] = call.model
         if call.priority is not None:
             body["priority"] = call.priority
-        try:
-            async with asyncio.timeout(call.timeout_s):
-                resp = await self.upstream.open_stream(
-                    "prefill", base, "/v1/completions", body, self._headers(CallMeta())
-                )
-                try:
-                    with map_aiohttp_errors("prefill", base):
-                        finished, left = await _first_output(resp, base)
-                finally:
-                    resp.close()  # P aborts the request: its blocks go to its prefix cache, unpinned
-        except TimeoutError:
-            raise UpstreamTimeout(
-                "write-back: the prefill engine did not pull in time", leg="prefill", instance=base
-            ) from None
+        finished, left = await read_write_back(
+            self.upstream, base, "/v1/completions", body, self._headers(CallMeta()), call.timeout_s, _first_output
+        )
         if not finished:
             return WriteBackResult.CACHED
         if left is None or call.release_via is None:
