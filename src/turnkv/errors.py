@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from turnkv import jsonwire
+
 
 class GatewayError(Exception):
     status: int = 500
@@ -179,6 +181,18 @@ class UpstreamStatus(UpstreamError):
         if 400 <= self.upstream_status < 500 and isinstance(self.upstream_body, dict) and "error" in self.upstream_body:
             return self.upstream_body
         return super().body()
+
+
+def upstream_answer(status: int, raw: bytes, *, leg: str, instance: str) -> Any:
+    """An upstream's answer body read leniently (``None`` where empty or not JSON); a status >= 400 raises
+    ``UpstreamStatus`` carrying it."""
+    try:
+        data = jsonwire.loads_lenient(raw) if raw else None
+    except ValueError:
+        data = None
+    if status >= 400:
+        raise UpstreamStatus(status, data, leg=leg, instance=instance)
+    return data
 
 
 def retryable(exc: UpstreamError) -> bool:

@@ -20,10 +20,10 @@ from turnkv import jsonwire
 from turnkv.errors import (
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamStatus,
     UpstreamTimeout,
     UpstreamUnavailable,
     retryable,
+    upstream_answer,
 )
 
 RENDER_LEG = "render"
@@ -67,12 +67,7 @@ class AiohttpPoster:
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
-        try:
-            data = jsonwire.loads_lenient(raw) if raw else None
-        except ValueError:
-            data = None
-        if status >= 400:
-            raise UpstreamStatus(status, data, leg=leg, instance=base)
+        data = upstream_answer(status, raw, leg=leg, instance=base)
         if data is None:
             raise UpstreamProtocolError(f"{leg} service answered a body that is not JSON", leg=leg, instance=base)
         return data

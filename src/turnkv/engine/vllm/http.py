@@ -15,7 +15,7 @@ import aiohttp
 
 from turnkv import jsonwire
 from turnkv.config import Timeouts
-from turnkv.errors import UpstreamProtocolError, UpstreamStatus, UpstreamTimeout, UpstreamUnavailable
+from turnkv.errors import UpstreamProtocolError, UpstreamTimeout, UpstreamUnavailable, upstream_answer
 
 
 @contextlib.contextmanager
@@ -33,6 +33,15 @@ def map_aiohttp_errors(leg: str, instance: str) -> Iterator[None]:
         raise UpstreamProtocolError(
             f"{leg} engine answered unreadably: {type(exc).__name__}", leg=leg, instance=instance
         ) from exc
+
+
+def let_go(resp: aiohttp.ClientResponse, *, read_to_end: bool) -> None:
+    """End a streamed answer: its connection goes back to the pool where the stream was read to its end,
+    else it is closed (a connection mid-stream cannot carry another request; closing aborts the request)."""
+    if read_to_end and resp.content.at_eof():
+        resp.release()
+    else:
+        resp.close()
 
 
 def _dumps(body: Any) -> bytes:
@@ -83,12 +92,7 @@ class Upstream:
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
-        try:
-            data = jsonwire.loads_lenient(raw) if raw else None
-        except ValueError:
-            data = None
-        if status >= 400:
-            raise UpstreamStatus(status, data, leg=leg, instance=base)
+        data = upstream_answer(status, raw, leg=leg, instance=base)
         if not isinstance(data, dict):
             raise UpstreamProtocolError(f"{leg} engine answered a non-object body", leg=leg, instance=base)
         return data
@@ -111,11 +115,7 @@ class Upstream:
                     raw = await resp.read()
                 finally:
                     resp.release()
-                try:
-                    data = jsonwire.loads_lenient(raw) if raw else None
-                except ValueError:
-                    data = None
-                raise UpstreamStatus(resp.status, data, leg=leg, instance=base)
+                upstream_answer(resp.status, raw, leg=leg, instance=base)  # raises UpstreamStatus
         return resp
 
     async def get(self, base: str, path: str) -> tuple[int, bytes]:
