@@ -22,6 +22,7 @@ import aiohttp
 
 from turnkv.derender import Chunk, Delta, Ending, FlushPolicy, StreamDerenderer, relay
 from turnkv.engine.base import DecodeStream, Gathered, Piece, StreamBroken
+from turnkv.engine.vllm.http import let_go
 from turnkv.errors import UpstreamError
 from turnkv.openai.sse import DONE, SSESplitter
 
@@ -226,10 +227,7 @@ class FourHopDecodeStream(DecodeStream):
 
     def close(self) -> None:
         self.closed = True
-        if self._reader.done and self._resp.content.at_eof():
-            self._resp.release()
-        else:
-            self._resp.close()
+        let_go(self._resp, read_to_end=self._reader.done)
 
     def abort(self) -> None:
         self.closed = True

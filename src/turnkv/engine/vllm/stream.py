@@ -20,6 +20,7 @@ import orjson
 
 from turnkv import jsonwire
 from turnkv.engine.base import DecodeStream, Handle, Piece, StreamBroken, framed
+from turnkv.engine.vllm.http import let_go
 from turnkv.openai.answer import AnswerAccumulator
 from turnkv.openai.sse import DONE, SSESplitter
 
@@ -389,10 +390,7 @@ class VllmDecodeStream(DecodeStream):
 
     def close(self) -> None:
         self.closed = True
-        if self.done and self._resp.content.at_eof():
-            self._resp.release()
-        else:
-            self._resp.close()
+        let_go(self._resp, read_to_end=self.done)
 
     def abort(self) -> None:
         self.closed = True
