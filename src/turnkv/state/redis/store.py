@@ -49,30 +49,21 @@ class ClusterNodes:
         await self._conn.refresh()
 
 
-class SentinelNodes:
-    """Sentinel's master, one node at a time, named by its address (``host:port``) as Sentinel gave it when
-    the store last asked (at start, and when a call found the node down; ``sentinel/<service>`` before
-    the first answer). After a failover the new master is a new node with a breaker of its own: the calls
-    that the old master's open breaker skips go to the new one as soon as Sentinel names it, without
-    waiting for the old node's next probe."""
+class SentinelNodes(OneNode):
+    """Sentinel's master, one node at a time (every key on it, as ``OneNode``), named by its address
+    (``host:port``) as Sentinel gave it when the store last asked (at start, and when a call found the node
+    down; ``sentinel/<service>`` before the first answer). After a failover the new master is a new node with
+    a breaker of its own: the calls that the old master's open breaker skips go to the new one as soon as
+    Sentinel names it, without waiting for the old node's next probe."""
 
     def __init__(self, conn: RedisConnection, sentinel: Any, service: str, within_s: float) -> None:
+        super().__init__(f"sentinel/{service}")
         self._conn = conn
         self._sentinel = sentinel
         self._service = service
         self._within_s = within_s
-        self.name = f"sentinel/{service}"
 
-    def of_conversation(self, key: str) -> str:
-        return self.name
-
-    def of_document(self, key: str) -> str:
-        return self.name
-
-    def of_index(self, decode_url: str) -> str:
-        return self.name
-
-    def serving(self) -> frozenset[str]:
+    def serving(self) -> frozenset[str]:  # the name changes at a failover
         return frozenset({self.name})
 
     async def refresh(self) -> None:
