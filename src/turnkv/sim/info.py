@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from turnkv.sim.faults import FaultUpdate
-from turnkv.sim.requests import ApiError, ChatRequest, check_model, parse_body, validate
+from turnkv.sim.requests import ApiError, ChatRequest, check_model, json_body, parse_body, validate
 from turnkv.sim.responses import random_uuid
 
 PLUGIN_HEADER = "x-turnkv-plugin"  # as turnkv's vLLM plugin (plugins/vllm-turnkv) sets it on a real engine
@@ -136,10 +136,7 @@ class InfoRoutes:
     async def tokenize(self, request: Request) -> Response:
         s = self.s
         try:
-            body = await request.json()
-        except ValueError:
-            return ApiError(400, "1 validation error:\n  JSON decode error", "Bad Request").response()
-        try:
+            body = await json_body(request)
             if isinstance(body, dict) and "messages" in body:
                 req = validate({"add_generation_prompt": True, **body}, ChatRequest)
                 check_model(req.model, s.settings.model)
@@ -158,13 +155,10 @@ class InfoRoutes:
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            body = await request.json()
-        except ValueError:
-            return ApiError(400, "1 validation error:\n  JSON decode error", "Bad Request").response()
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            return ApiError(400, "detokenize takes 'tokens': a list of ids").response()
-        try:
+            body = await json_body(request)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise ApiError(400, "detokenize takes 'tokens': a list of ids")
             self.s.check_ids(tokens)
         except ApiError as exc:
             return exc.response()

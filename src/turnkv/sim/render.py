@@ -44,6 +44,7 @@ from turnkv.sim.requests import (
     CompletionRequest,
     check_model,
     internal_error,
+    json_object,
     max_tokens,
     parse_body,
     validate,
@@ -409,12 +410,7 @@ class RenderServer:
 
     async def render_responses(self, request: Request) -> Response:
         try:
-            body = await request.json()
-        except ValueError:
-            return ApiError(400, "1 validation error:\n  JSON decode error", "Bad Request").response()
-        try:
-            if not isinstance(body, dict):
-                raise ApiError(400, "1 validation error:\n  Input should be a valid dictionary", "Bad Request")
+            body = await json_object(request)
             if body.get("previous_response_id") is not None:
                 raise ApiError(
                     400,
@@ -468,12 +464,7 @@ class RenderServer:
     async def derender_chat(self, request: Request) -> Response:
         d = self.derenderer
         try:
-            body = await request.json()
-        except ValueError:
-            return ApiError(400, "1 validation error:\n  JSON decode error", "Bad Request").response()
-        try:
-            if not isinstance(body, dict):
-                raise ApiError(400, "1 validation error:\n  Input should be a valid dictionary", "Bad Request")
+            body = await json_object(request)
             if body.get("model") is not None:
                 check_model(body["model"], self.settings.model)
             await self._admit("derender")
@@ -492,9 +483,7 @@ class RenderServer:
 
     async def derender_completions(self, request: Request) -> Response:
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ApiError(400, "1 validation error:\n  Input should be a valid dictionary", "Bad Request")
+            body = await json_object(request)
             if body.get("model") is not None:
                 check_model(body["model"], self.settings.model)
             await self._admit("derender")

@@ -62,6 +62,22 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
 
 
+async def json_body(request: Request) -> Any:
+    """The request's JSON, any shape; unreadable JSON is vLLM's 400 (an ``ApiError``)."""
+    try:
+        return await request.json()
+    except ValueError:
+        raise ApiError(400, "1 validation error:\n  JSON decode error", "Bad Request") from None
+
+
+async def json_object(request: Request) -> dict[str, Any]:
+    """The request's JSON object; unreadable JSON or another shape is vLLM's 400 (an ``ApiError``)."""
+    body = await json_body(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "1 validation error:\n  Input should be a valid dictionary", "Bad Request")
+    return body
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
     try:
         body = await request.json()
