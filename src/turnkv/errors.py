@@ -25,13 +25,17 @@
   - StoreBusy                        no connection came free in time: this call fails, but the
                                      store is not down (the guard stays closed)
 
-Foreign exceptions are translated once, at the edge: aiohttp in ``engine.vllm.http``, redis in
-``state.redis``.
+Foreign exceptions are translated once, at the edge: aiohttp by ``aiohttp_errors`` (the engines' and the
+render services' calls), redis in ``state.redis``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
+
+import aiohttp
 
 from turnkv import jsonwire
 
@@ -181,6 +185,25 @@ class UpstreamStatus(UpstreamError):
         if 400 <= self.upstream_status < 500 and isinstance(self.upstream_body, dict) and "error" in self.upstream_body:
             return self.upstream_body
         return super().body()
+
+
+@contextlib.contextmanager
+def aiohttp_errors(leg: str, instance: str, *, peer: str = "engine") -> Iterator[None]:
+    """aiohttp's failures of a call to ``instance`` as the ``UpstreamError`` tree; the messages, which clients
+    may read, name the leg and the kind of ``peer`` (an engine, a render service), not the instance."""
+    try:
+        yield
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeout(f"{leg} {peer} timed out", leg=leg, instance=instance) from exc
+    except (aiohttp.ClientConnectionError, OSError) as exc:
+        raise UpstreamUnavailable(
+            f"{leg} {peer} unreachable: {type(exc).__name__}", leg=leg, instance=instance
+        ) from exc
+    except aiohttp.ClientError as exc:
+        # aiohttp's own text names the URL: the type is enough for a client
+        raise UpstreamProtocolError(
+            f"{leg} {peer} answered unreadably: {type(exc).__name__}", leg=leg, instance=instance
+        ) from exc
 
 
 def upstream_answer(status: int, raw: bytes, *, leg: str, instance: str) -> Any:

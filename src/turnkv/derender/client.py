@@ -9,9 +9,8 @@ service's OpenAI-shaped error body, which a client then gets as it is.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import aiohttp
@@ -20,8 +19,7 @@ from turnkv import jsonwire
 from turnkv.errors import (
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamTimeout,
-    UpstreamUnavailable,
+    aiohttp_errors,
     retryable,
     upstream_answer,
 )
@@ -36,20 +34,6 @@ class Poster(Protocol):
         ``UpstreamStatus`` with the body kept, a failed call another ``UpstreamError``."""
 
 
-@contextlib.contextmanager
-def _mapped(leg: str, base: str) -> Iterator[None]:
-    try:
-        yield
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(f"{leg} service timed out", leg=leg, instance=base) from exc
-    except (aiohttp.ClientConnectionError, OSError) as exc:
-        raise UpstreamUnavailable(f"{leg} service unreachable: {type(exc).__name__}", leg=leg, instance=base) from exc
-    except aiohttp.ClientError as exc:
-        raise UpstreamProtocolError(
-            f"{leg} service answered unreadably: {type(exc).__name__}", leg=leg, instance=base
-        ) from exc
-
-
 class AiohttpPoster:
     """A ``Poster`` over one aiohttp session, with one total timeout per call."""
 
@@ -58,7 +42,7 @@ class AiohttpPoster:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def __call__(self, leg: str, base: str, path: str, body: Any) -> Any:
-        with _mapped(leg, base):
+        with aiohttp_errors(leg, base, peer="service"):
             async with self.session.post(
                 base + path,
                 data=jsonwire.dumps(body),

@@ -1,4 +1,5 @@
-"""HTTP to vLLM's engines: one aiohttp session, per-leg timeouts, and the one place aiohttp errors are translated.
+"""HTTP to vLLM's engines: one aiohttp session, per-leg timeouts, aiohttp's errors translated
+(``errors.aiohttp_errors``).
 
 Every call names its leg (render, prefill, decode, probe) and the instance, so an error can be
 counted and retried without parsing messages. Messages, which clients may read, name the leg only:
@@ -7,32 +8,14 @@ the instance (an internal URL) rides on the exception, for logs.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 
 from turnkv import jsonwire
 from turnkv.config import Timeouts
-from turnkv.errors import UpstreamProtocolError, UpstreamTimeout, UpstreamUnavailable, upstream_answer
-
-
-@contextlib.contextmanager
-def map_aiohttp_errors(leg: str, instance: str) -> Iterator[None]:
-    try:
-        yield
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(f"{leg} engine timed out", leg=leg, instance=instance) from exc
-    except (aiohttp.ClientConnectionError, OSError) as exc:
-        raise UpstreamUnavailable(
-            f"{leg} engine unreachable: {type(exc).__name__}", leg=leg, instance=instance
-        ) from exc
-    except aiohttp.ClientError as exc:
-        # aiohttp's own text names the URL: the type is enough for a client
-        raise UpstreamProtocolError(
-            f"{leg} engine answered unreadably: {type(exc).__name__}", leg=leg, instance=instance
-        ) from exc
+from turnkv.errors import UpstreamProtocolError, aiohttp_errors, upstream_answer
 
 
 def let_go(resp: aiohttp.ClientResponse, *, read_to_end: bool) -> None:
@@ -86,7 +69,7 @@ class Upstream:
     ) -> dict[str, Any]:
         """POST and read a JSON body. Any status >= 400 raises ``UpstreamStatus`` with the body kept;
         ``timeout_s`` bounds the whole call instead of the leg's own timeouts."""
-        with map_aiohttp_errors(leg, base):
+        with aiohttp_errors(leg, base):
             async with self.session.post(
                 base + path, data=_dumps(body), headers=headers, timeout=self._timeout(leg, timeout_s)
             ) as resp:
@@ -106,7 +89,7 @@ class Upstream:
         headers: Mapping[str, str],
     ) -> aiohttp.ClientResponse:
         """POST and return the open response once its status is known (2xx), for streaming."""
-        with map_aiohttp_errors(leg, base):
+        with aiohttp_errors(leg, base):
             resp = await self.session.post(
                 base + path, data=_dumps(body), headers=headers, timeout=self._leg_timeouts[leg]
             )
@@ -124,6 +107,6 @@ class Upstream:
 
     async def probe(self, base: str, path: str) -> tuple[int, bytes, dict[str, str]]:
         """GET with the short probe timeout; status, body and (lower-cased) headers."""
-        with map_aiohttp_errors("probe", base):
+        with aiohttp_errors("probe", base):
             async with self.session.get(base + path, timeout=self._leg_timeouts["probe"]) as resp:
                 return resp.status, await resp.read(), {k.lower(): v for k, v in resp.headers.items()}

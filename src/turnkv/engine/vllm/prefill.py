@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 import aiohttp
 
 from turnkv.engine.base import PrefillCall, PrefillResult
-from turnkv.engine.vllm.http import Upstream, map_aiohttp_errors
+from turnkv.engine.vllm.http import Upstream
 from turnkv.engine.vllm.refusals import as_client_asked
-from turnkv.errors import UpstreamStatus, UpstreamTimeout
+from turnkv.errors import UpstreamStatus, UpstreamTimeout, aiohttp_errors
 
 RELEASE_TIMEOUT_S = 10.0  # a release's request until P answers its headers
 RELEASE_WAIT_S = 2.0  # then, until its first event: past it the release is aborted in P's queue (D is told)
@@ -82,7 +82,7 @@ async def read_write_back(
         async with asyncio.timeout(timeout_s):
             resp = await upstream.open_stream("prefill", base, path, body, headers)
             try:
-                with map_aiohttp_errors("prefill", base):
+                with aiohttp_errors("prefill", base):
                     return await first_output(resp, base)
             finally:
                 resp.close()
