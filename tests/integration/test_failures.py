@@ -77,6 +77,9 @@ def test_prefill_500_on_pull_is_retried_without_the_handle(procs: list[launch.Ru
         assert d.step().outcome == "full"
 
 
+# real engines in real time on a shared CPU: the engines' and the gateway's clocks race the load, so a
+# run on a busy machine may see another moment than the one the test sets up; a fault fails every run
+@pytest.mark.flaky(reruns=2)
 def test_decode_engine_restart(procs: list[launch.Running], tmp_path: Path) -> None:
     c = start_cluster(procs, tmp_path, prefill_flags=("--no-prefix-caching",))
     with Dialogue(c) as d:

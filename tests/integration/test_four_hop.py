@@ -176,10 +176,14 @@ def test_errors_on_the_four_hop_path_reach_the_client_in_openai_shape(
     assert r.json()["error"]["message"] == (
         "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
     )
-    # a render service that fails: an error status (with a second replica, the call goes there instead)
+    # a render service that fails once: asked once more (as a failed P is), and the client has its answer
     sim_control(render.url, fail_render_next=1)
+    assert post_chat(cluster).status_code == 200
+    # one that keeps failing: an error status (with a second replica, the call goes there instead)
+    sim_control(render.url, fail_render_next=10)
     r = post_chat(cluster)
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_status", r.text
+    sim_control(render.url, fail_render_next=0)
     # derender fails: not streamed, an error status; streamed, an error event after the role chunk, then [DONE]
     sim_control(render.url, fail_derender_next=1)
     r = post_chat(cluster)

@@ -37,6 +37,9 @@ def test_adaptive_path_follows_the_link(procs: list[launch.Running], tmp_path: P
         assert second.reason == "cheaper_to_recompute"
 
 
+# real engines in real time on a shared CPU: the engines' and the gateway's clocks race the load, so a
+# run on a busy machine may see another moment than the one the test sets up; a fault fails every run
+@pytest.mark.flaky(reruns=2)
 def test_a_link_fast_only_towards_decode_is_learnt_from_the_first_pull(
     procs: list[launch.Running], tmp_path: Path
 ) -> None:

@@ -185,6 +185,8 @@ def _deployment(topology: str, config: str, opts: SweepOptions) -> Deployment:
         env.append(("TURNKV_CONVERSATION_FROM_HISTORY", "false"))
     elif config == "vllm-multiturn":
         policy = "vllm-multiturn"
+        # vLLM's proxy keeps every handle until the next turn takes it: no write-back to P in its stead
+        env.append(("TURNKV_WRITE_BACK__MODE", "off"))
         if p > 1 or d > 1:
             env.append(("TURNKV_ROUTING", "round-robin"))  # the upstream proxy round-robins P and D
     elif config in ("adaptive", "adaptive-before", "adaptive-first"):
