@@ -536,7 +536,8 @@ class Settings(BaseSettings):
     store_retry_s: float = Field(
         1.0,
         gt=0,
-        description="once Redis counts as down (store_breaker), skip it this long, then let one call probe it",
+        description="once Redis counts as down (store_breaker), skip it this long, then let one call probe it; "
+        "meanwhile ping it this often (an answer brings it back without a call)",
     )
     store_breaker: StoreBreaker = Field(default_factory=StoreBreaker, description="when Redis counts as down")
     max_connections: int = Field(1024, ge=1, description="open connections to the engines, per gateway process")

@@ -10,13 +10,14 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.cluster import Dialogue, metric, sim_control, start_cluster
+from tests.integration.cluster import Dialogue, metric, sim_control, start_cluster, wait_for
 from turnkv import launch
 from turnkv.bench.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 ABORT_WAIT_S = 10.0
 RECOVERY_TURNS = 4
+READY_DEADLINE_S = 30.0  # the store's pings come every store_retry_s (1 s)
 
 
 def test_tenants_never_see_each_others_handles(procs: list[launch.Running], tmp_path: Path, redis_url: str) -> None:
@@ -112,6 +113,31 @@ def test_redis_down_and_back(procs: list[launch.Running], tmp_path: Path, own_re
         assert d.step().outcome == "full"
         assert metric(c.gateway.url, "turnkv_store_up") == 1
         assert metric(c.gateway.url, "turnkv_redis_errors_total") >= 1
+
+
+def test_the_store_is_up_again_without_a_turn_once_redis_is_back(
+    procs: list[launch.Running], tmp_path: Path, own_redis: RedisServer
+) -> None:
+    # the pin janitor is the only other caller of the store between turns: once an hour here, so nothing
+    # but the gateway's pings of the down node can find Redis back
+    env = {"TURNKV_DECODE_MEMORY__JANITOR_INTERVAL_S": "3600"}
+    c = start_cluster(procs, tmp_path, redis_url=own_redis.url, gateway_env=env)
+
+    def store() -> dict[str, object]:
+        got: dict[str, object] = httpx.get(c.gateway.url + "/ready", timeout=10).json()["store"]
+        return got
+
+    with Dialogue(c) as d:
+        assert d.step().correct
+        own_redis.stop()
+        assert d.step().reason == "store_unavailable"  # nothing listening: its breaker opens at once
+        assert store()["up"] is False and store()["nodes_down"] == [f"127.0.0.1:{own_redis.port}"]
+        own_redis.start()  # and no turn from here on
+        wait_for(lambda: store()["up"] is True, READY_DEADLINE_S, "the store up without a turn", state=store)
+        assert store()["nodes_down"] == [] and metric(c.gateway.url, "turnkv_store_up") == 1
+    lines = [json.loads(line) for line in (tmp_path / "gateway.log").read_text().splitlines() if line.startswith("{")]
+    ups = [e for e in lines if e.get("event") == "store.up"]
+    assert [(e["op"], e["why"]) for e in ups] == [("ping", "ping_answered")]
 
 
 def test_decode_failing_before_output_is_rerun(procs: list[launch.Running], tmp_path: Path) -> None:

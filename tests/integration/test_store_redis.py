@@ -22,6 +22,7 @@ from tests.integration.redis_topologies import (
     GatedRelay,
     SentinelSetup,
     redis_cluster,
+    redis_cluster_setup,
     redis_has_tls,
     redis_sentinel,
     redis_tls,
@@ -281,3 +282,75 @@ async def test_a_redis_that_stopped_answering_is_skipped_after_a_few_calls(own_r
     assert (await guard.records.claim("k0", owner="t2")).status in (ClaimStatus.FOUND, ClaimStatus.IN_FLIGHT)
     assert guard.up
     await store.close()
+
+
+BACK_DEADLINE_S = 30.0  # the guard pings a down node every open_s
+# one failure opens a breaker (no span): these tests are about coming back
+ONE_FAILURE_OPENS = BreakerPolicy(failures=1, span_s=0.0, open_s=0.2)
+
+
+async def found_back_without_a_call(
+    store: RedisStore, key: str, node: str, out: Callable[[], object], back: Callable[[], object]
+) -> None:
+    """A guard with its pings running (``watch``, as the app's lifespan runs it): ``out()`` takes ``node``
+    away and a call on ``key`` opens its breaker; ``back()`` brings it back, and then, with no call at
+    all, the breaker closes (within a deadline). The pings' task ends when cancelled."""
+    up = asyncio.Event()
+    guard = StoreGuard(store, policy=ONE_FAILURE_OPENS, on_state=lambda is_up: up.set() if is_up else up.clear())
+    await guard.records.put(key, rec("p0"), LONG_TTL_S)
+    pings = asyncio.create_task(guard.watch())
+    try:
+        out()
+        with pytest.raises(StoreError):
+            await guard.records.claim(key, owner="t")
+        assert not guard.up and guard.down() == [node]
+        back()
+        await asyncio.wait_for(up.wait(), BACK_DEADLINE_S)
+        assert guard.up and guard.down() == []
+    finally:
+        pings.cancel()
+        await asyncio.wait({pings}, timeout=READY_TIMEOUT_S)
+        await store.close()
+    assert pings.cancelled()
+
+
+def _signal(server: RedisServer, sig: signal.Signals) -> Callable[[], None]:
+    def send() -> None:
+        assert server.proc is not None
+        server.proc.send_signal(sig)
+
+    return send
+
+
+async def test_one_server_back_is_found_without_a_call(own_redis: RedisServer) -> None:
+    store = RedisStore.from_url(own_redis.url, command_timeout_s=0.2)
+    await found_back_without_a_call(store, "k0", f"127.0.0.1:{own_redis.port}", own_redis.stop, own_redis.start)
+
+
+async def test_a_paused_server_is_found_without_a_call_once_it_answers(own_redis: RedisServer) -> None:
+    store = RedisStore.from_url(own_redis.url, command_timeout_s=0.2)
+    node = f"127.0.0.1:{own_redis.port}"
+    await found_back_without_a_call(
+        store, "k0", node, _signal(own_redis, signal.SIGSTOP), _signal(own_redis, signal.SIGCONT)
+    )
+
+
+async def test_sentinels_master_back_is_found_without_a_call(tmp_path: Path) -> None:
+    # Sentinel must not fail over meanwhile: the master is paused for far less than it waits
+    with redis_sentinel(tmp_path, down_after_ms=600_000) as setup:
+        store = RedisStore.from_url(setup.url, command_timeout_s=0.2)
+        await store.warm(1, within_s=READY_TIMEOUT_S)  # asks Sentinel where the master is
+        node = f"127.0.0.1:{setup.master.port}"
+        await found_back_without_a_call(
+            store, "k0", node, _signal(setup.master, signal.SIGSTOP), _signal(setup.master, signal.SIGCONT)
+        )
+
+
+async def test_a_cluster_master_back_is_found_without_a_call_and_alone(tmp_path: Path) -> None:
+    with redis_cluster_setup(tmp_path, 3, full_coverage=False) as setup:
+        store = RedisStore.from_url(setup.url, command_timeout_s=0.2)
+        await store.warm(1, within_s=READY_TIMEOUT_S)  # learns the slots
+        server = next(s for s in setup.servers if s.port == setup.master_of(store.conn.conversation_key("k0")))
+        await found_back_without_a_call(
+            store, "k0", f"127.0.0.1:{server.port}", lambda: setup.kill(server), server.start
+        )

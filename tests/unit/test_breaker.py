@@ -121,6 +121,34 @@ def test_calls_admitted_before_it_opened_change_nothing_afterwards() -> None:
     assert b.state is State.OPEN and b.admit(0.5) is Admit.SKIP
 
 
+def test_a_ping_answered_closes_it_at_any_time_and_resets_the_open_time() -> None:
+    b = Breaker(POLICY)
+    assert b.answered() is None  # closed: nothing to say
+    call(b, 0.0, ok=False, kind="unreachable")
+    assert b.admit(1.0) is Admit.PROBE
+    b.failed(1.0, "timeout", Admit.PROBE)  # open for 2 s now
+    assert b.answered() == Transition(State.CLOSED, "ping_answered")  # long before the next probe
+    assert b.admit(1.1) is Admit.CALL
+    call(b, 2.0, ok=False, kind="unreachable")
+    assert b.admit(2.99) is Admit.SKIP and b.admit(3.0) is Admit.PROBE  # back to open_s
+
+
+def test_a_probe_in_flight_when_a_ping_closed_it_ends_as_a_call() -> None:
+    b = Breaker(POLICY)
+    call(b, 0.0, ok=False, kind="unreachable")
+    assert b.admit(1.0) is Admit.PROBE
+    assert b.answered() == Transition(State.CLOSED, "ping_answered")
+    assert b.succeeded(1.1, Admit.PROBE) is None  # closed once, reported once
+    assert b.state is State.CLOSED and b.admit(1.2) is Admit.CALL
+    late = Breaker(POLICY)
+    call(late, 0.0, ok=False, kind="unreachable")
+    assert late.admit(1.0) is Admit.PROBE
+    late.answered()
+    # its failure counts as a closed breaker's: a timeout alone does not open it again
+    assert late.failed(1.1, "timeout", Admit.PROBE) is None and late.state is State.CLOSED
+    assert call(late, 1.2, ok=False, kind="unreachable") == Transition(State.OPEN, "unreachable")
+
+
 def test_the_window_is_bounded() -> None:
     b = Breaker(BreakerPolicy(min_calls=10**9, window_s=10**9))
     for i in range(MAX_WINDOW_CALLS * 2):

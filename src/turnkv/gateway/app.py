@@ -2,8 +2,8 @@
 
 The lifespan owns the engine (``turnkv.engine``: for vLLM, one aiohttp session), one store (Redis pool
 or in-process), the engine registry and its background loops (engine health and metrics, the
-pinned-memory report, the releaser, the template audit), all cancelled, and waited for, when the app
-stops.
+pinned-memory report, the releaser, the template audit, the pings of store nodes that are down), all
+cancelled, and waited for, when the app stops.
 """
 
 from __future__ import annotations
@@ -359,6 +359,7 @@ def create_app(
                 releaser.run(),
                 write_backs.run(),
                 pins.run(),
+                guard.watch(),  # an open breaker's node pinged until it answers
                 *([] if audited else [_audit_until_done(svc)]),
             ]
             tasks = [asyncio.create_task(c) for c in loops]

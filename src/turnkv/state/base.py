@@ -214,6 +214,8 @@ class ConversationStore(Protocol):
     @property
     def documents(self) -> Documents: ...
 
-    async def ping(self) -> None: ...
+    async def ping(self, node: str | None = None) -> None:
+        """PING the store (``node``: that node only, once, as the guard's prober asks while its breaker
+        is open). Raises ``StoreError``."""
 
     async def close(self) -> None: ...

@@ -14,7 +14,9 @@ Closed: every call goes to the store. It opens on evidence of an outage, never o
 Open: calls are skipped (they fail at once, without waiting for a timeout) for ``open_s``; then one
 call probes the store (half-open) while the others are still skipped. The probe's success closes
 the breaker; its failure opens it again for twice as long, up to ``max_open_s``; a probe that ends
-without an outcome (cancelled) lets the next call probe. A busy pool (no connection free) is no
+without an outcome (cancelled) lets the next call probe. An answer to a ping outside the calls (the
+guard's prober) closes an open breaker as a probe's success would (``answered``); a ping without an
+answer says nothing new. A busy pool (no connection free) is no
 outcome at all: it says nothing about the store, and the caller reports nothing.
 
 Memory is bounded: the window keeps at most ``MAX_WINDOW_CALLS`` outcomes.
@@ -56,7 +58,7 @@ class State(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Transition:
     """A change of state, for logs and metrics: ``why`` is ``unreachable``, ``consecutive``, ``ratio``,
-    ``probe_failed`` (opened) or ``probe_succeeded`` (closed)."""
+    ``probe_failed`` (opened), ``probe_succeeded`` or ``ping_answered`` (closed)."""
 
     state: State
     why: str
@@ -87,6 +89,8 @@ class Breaker:
         self._run = 0
         if admitted is Admit.PROBE:
             self._probing = False
+            if self.state is State.CLOSED:  # a ping's answer closed it meanwhile
+                return None
             self._reset()
             return Transition(State.CLOSED, "probe_succeeded")
         if self.state is State.CLOSED:
@@ -96,8 +100,9 @@ class Breaker:
     def failed(self, now: float, kind: str, admitted: Admit) -> Transition | None:
         if admitted is Admit.PROBE:
             self._probing = False
-            self._open_for = min(self._open_for * 2, self.policy.max_open_s)
-            return self._open(now, "probe_failed")
+            if self.state is not State.CLOSED:  # else a ping's answer closed it meanwhile: a failure as any
+                self._open_for = min(self._open_for * 2, self.policy.max_open_s)
+                return self._open(now, "probe_failed")
         if self.state is not State.CLOSED:
             return None  # a call admitted before the breaker opened: already counted as down
         if self._run == 0:
@@ -114,6 +119,14 @@ class Breaker:
             if now - first >= p.span_s:  # failures of one instant are one stall, whatever their number
                 return self._open(now, "ratio")
         return None
+
+    def answered(self) -> Transition | None:
+        """A ping outside the calls got an answer: an open breaker closes. A probe still in flight ends
+        with its own outcome (counted as a closed breaker's call)."""
+        if self.state is State.CLOSED:
+            return None
+        self._reset()
+        return Transition(State.CLOSED, "ping_answered")
 
     def abandoned(self, admitted: Admit) -> None:
         """The admitted call ended without an outcome (cancelled, or a busy pool)."""

@@ -17,6 +17,14 @@ the store to learn its nodes again (``Nodes.refresh``; at most once per node eve
 slots moved, that call and the ones after it go to the new master, through its own breaker, without
 waiting for the old node's next probe; a node that serves no key any more has its breaker forgotten.
 
+A node is also back without a call (``watch``, a task of the app's lifespan): while some breaker is open,
+every ``open_s`` each open node gets one PING through the store's own connections (bounded by ``open_s``),
+and its answer closes that node's breaker. The calls' probes wait longer after each failed one (up to
+``max_open_s``) and come only with calls; the ping does not back off, so the store counts as up within
+about ``open_s`` of its return, with or without traffic. A ping without an answer also learns the nodes
+again (as a skipped call does), so a failed-over Cluster master or Sentinel's old master is forgotten
+without traffic too. While every breaker is closed nothing is pinged (the task waits).
+
 Reported: every failure by operation and kind (``on_error``: ``timeout``, ``connect_timeout``,
 ``unreachable``, ``error``), calls skipped while open (``on_skip``), each node's breaker (``on_node``:
 whether it is open) and whether every node is up (``on_state``), with a log line on each change.
@@ -58,6 +66,7 @@ class StoreGuard:
         self._breakers: dict[str, Breaker] = {}
         self._open: set[str] = set()
         self._refresh_after: dict[str, float] = {}  # node -> when a skipped call may learn the nodes again
+        self._opened = asyncio.Event()  # set while some breaker is open (``watch``)
         self.records = GuardedRecords(self, store.records)
         self.pins = GuardedPins(self, store.pins)
         self.documents = GuardedDocuments(self, store.documents)
@@ -139,6 +148,7 @@ class StoreGuard:
             log.warning("store.up op=%s node=%s why=%s", op, node, change.why)
         else:
             self._open.add(node)
+            self._opened.set()
             kind = error.kind if error is not None else None
             log.warning("store.down op=%s node=%s why=%s kind=%s error=%s", op, node, change.why, kind, error)
         self._on_node(node, node in self._open)
@@ -171,6 +181,29 @@ class StoreGuard:
                 log.warning("store.node_gone node=%s why=serves_no_keys", node)
                 self._on_node(node, False)
                 self._on_state(self.up)
+
+    async def watch(self) -> None:
+        """Until cancelled: while some node's breaker is open, ping each open node every ``open_s``; an
+        answer closes its breaker (logged ``store.up ... why=ping_answered``)."""
+        while True:
+            if not self._open:
+                self._opened.clear()
+                await self._opened.wait()
+            await asyncio.sleep(self.policy.open_s)  # the cadence: the breaker's shortest skip
+            await asyncio.gather(*(self._ping(node) for node in self.down()))
+
+    async def _ping(self, node: str) -> None:
+        breaker = self._breakers.get(node)
+        if breaker is None or breaker.state is State.CLOSED:
+            return
+        try:
+            async with asyncio.timeout(self.policy.open_s):
+                await self.store.ping(node)
+        except (StoreError, TimeoutError) as exc:  # still down (or a busy pool: tried again next time)
+            log.debug("store.ping_failed node=%s error=%s", node, exc)
+            await self._relearned(node)
+            return
+        self._changed(node, breaker, breaker.answered(), "ping", None)
 
     async def ping(self) -> None:
         await self.call("ping", self.store.ping, lambda: min(self.nodes.serving()))

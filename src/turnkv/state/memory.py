@@ -220,7 +220,7 @@ class MemoryStore:
     def steps_through(self, gate: Gate) -> None:
         return None  # one node: no step falls on another
 
-    async def ping(self) -> None:
+    async def ping(self, node: str | None = None) -> None:
         return None
 
     async def close(self) -> None:

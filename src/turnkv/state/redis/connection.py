@@ -316,6 +316,19 @@ class RedisConnection:
 
         await self.twice_on_timeout("ping", run)
 
+    async def ping_node(self, node: str) -> None:
+        """One PING, not retried, to ``node``: a Cluster's node by its name, else the one server (or the
+        master Sentinel names). Raises ``StoreError`` (kind ``error`` for a node the Cluster client does
+        not know)."""
+        async with self.op("ping"):
+            if not isinstance(self.client, RedisCluster):
+                await self.client.ping()
+                return
+            target = self.client.get_node(node_name=node)
+            if target is None:
+                raise StoreError(f"redis ping: the cluster client knows no node {node}")
+            await self.client.ping(target_nodes=target)
+
     async def warm(self, connections: int, *, within_s: float) -> int:
         """Open up to ``connections`` of the pool's connections now (at most ``max_connections``; at
         most ``connect_concurrency`` at a time), and give them back to the pool, within ``within_s``;

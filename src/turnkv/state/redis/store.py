@@ -173,8 +173,8 @@ class RedisStore:
                 log.warning("store.master_unknown kind=%s error=%s", exc.kind, exc)
         return await self.conn.warm(connections, within_s=within_s)
 
-    async def ping(self) -> None:
-        await self.conn.ping()
+    async def ping(self, node: str | None = None) -> None:
+        await (self.conn.ping() if node is None else self.conn.ping_node(node))
 
     async def close(self) -> None:
         await self.conn.close()
