@@ -38,14 +38,16 @@ async def run(svc: Services, turn: Turn) -> Claimed:
         return Claimed(None, Reason.STORE_BUSY, time.perf_counter() - t0)
     except StoreError:
         return Claimed(None, Reason.STORE_UNAVAILABLE, time.perf_counter() - t0)
-    if claim.status is ClaimStatus.FOUND and claim.record is not None:
-        # the conversation is back: how long it thought; and a write-back of its last turn not yet sent is
-        # dropped, its handle (still pinned on D) the record's again, for this turn to pull or release
-        svc.write_backs.think.observe(time.time() - claim.record.created_at)
-        # (found by the record's own sequence: of identical conversations in a pool, only its own handle)
-        handle = svc.write_backs.reclaim(job_key(base_of(key), claim.record))
-        if handle is not None and claim.record.unpinned == "write_back":
-            claim = replace(claim, record=claim.record.repin(handle, svc.engine.pin_id(handle)))
+    rec = claim.record if claim.status is ClaimStatus.FOUND else None
+    if rec is not None:
+        svc.write_backs.think.observe(time.time() - rec.created_at)  # the conversation is back: how long it thought
+    if rec is not None and rec.unpinned == "write_back":
+        # a write-back of its last turn not yet sent is dropped, its handle (still pinned on D) the record's
+        # again, for this turn to pull or release; found by the record's own sequence: of identical
+        # conversations in a pool, only its own handle
+        handle = svc.write_backs.reclaim(job_key(base_of(key), rec))
+        if handle is not None:
+            claim = replace(claim, record=rec.repin(handle, svc.engine.pin_id(handle)))
     return Claimed(claim, Reason.NO_SESSION, time.perf_counter() - t0, key)
 
 
