@@ -10,8 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 
 from turnkv import launch
+
+# real engines in real time on a shared CPU: the engines' and the gateway's clocks race the load, so a
+# run on a busy machine may see another moment than the one the test sets up; a fault fails every run
+REAL_TIME = pytest.mark.flaky(reruns=2)
 
 TOOLS = [
     {

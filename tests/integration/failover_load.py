@@ -131,6 +131,14 @@ def _driven(dialogues: Sequence[Dialogue], out: list[Sample]) -> Iterator[None]:
             t.join(JOIN_S)
 
 
+def _count(samples: list[Sample], conversations: int, pred: Callable[[Sample], bool]) -> dict[int, int]:
+    """Per conversation, the samples so far (the driving threads append to the list) that ``pred`` holds for."""
+    out = dict.fromkeys(range(conversations), 0)
+    for s in list(samples):
+        out[s.conversation] += pred(s)
+    return out
+
+
 def run(
     gw: Cluster,
     cluster: ClusterSetup,
@@ -154,10 +162,7 @@ def run(
         samples: list[Sample] = []
 
         def count(pred: Callable[[Sample], bool]) -> dict[int, int]:
-            out = dict.fromkeys(range(conversations), 0)
-            for s in list(samples):
-                out[s.conversation] += pred(s)
-            return out
+            return _count(samples, conversations, pred)
 
         with _driven(dialogues, samples):
             wait_until(lambda: min(count(lambda s: True).values()) >= turns_before, "turns before the kill", timeout_s)
@@ -197,10 +202,7 @@ def run_sentinel(
         samples: list[Sample] = []
 
         def count(pred: Callable[[Sample], bool]) -> dict[int, int]:
-            out = dict.fromkeys(range(conversations), 0)
-            for s in list(samples):
-                out[s.conversation] += pred(s)
-            return out
+            return _count(samples, conversations, pred)
 
         with _driven(dialogues, samples):
             wait_until(lambda: min(count(lambda s: True).values()) >= turns_before, "turns before the kill", timeout_s)

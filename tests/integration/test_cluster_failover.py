@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration import failover_load
-from tests.integration.cluster import metric, start_cluster
+from tests.integration.cluster import REAL_TIME, metric, start_cluster
 from tests.integration.redis_topologies import ClusterSetup, redis_cluster_setup, redis_sentinel
 from turnkv import launch
 
@@ -70,9 +70,7 @@ def test_a_master_failover_costs_only_its_own_conversations(
     )
 
 
-# real engines in real time on a shared CPU: the engines' and the gateway's clocks race the load, so a
-# run on a busy machine may see another moment than the one the test sets up; a fault fails every run
-@pytest.mark.flaky(reruns=2)
+@REAL_TIME
 def test_a_sentinel_master_killed_under_load_costs_reuse_until_the_replica_serves(
     procs: list[launch.Running], tmp_path: Path
 ) -> None:

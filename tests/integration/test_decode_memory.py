@@ -16,7 +16,17 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.cluster import Cluster, Dialogue, Turn, metric, sim_control, sim_state, start_cluster, wait_for
+from tests.integration.cluster import (
+    REAL_TIME,
+    Cluster,
+    Dialogue,
+    Turn,
+    metric,
+    sim_control,
+    sim_state,
+    start_cluster,
+    wait_for,
+)
 from turnkv import launch
 
 pytestmark = pytest.mark.integration
@@ -105,9 +115,7 @@ def test_many_conversations_on_a_decode_engine_too_small_to_pin_them_all(
     assert metric(c.gateway.url, "turnkv_pinned_kv_budget_bytes") > 0
 
 
-# real engines in real time on a shared CPU: the engines' and the gateway's clocks race the load, so a
-# run on a busy machine may see another moment than the one the test sets up; a fault fails every run
-@pytest.mark.flaky(reruns=2)
+@REAL_TIME
 def test_the_same_conversations_with_write_back_leave_d_nothing_pinned_at_rest(
     procs: list[launch.Running], tmp_path: Path
 ) -> None:
@@ -395,9 +403,7 @@ def _gateway_sees(c: Cluster, pred: Any) -> bool:
     return bool(pred(d))
 
 
-# real engines in real time on a shared CPU: the engines' and the gateway's clocks race the load, so a
-# run on a busy machine may see another moment than the one the test sets up; a fault fails every run
-@pytest.mark.flaky(reruns=2)
+@REAL_TIME
 def test_no_decode_local_turn_on_a_decode_engine_short_of_kv(procs: list[launch.Running], tmp_path: Path) -> None:
     # a D out of blocks has evicted idle conversations' freed blocks: decode-local there would compute
     # the whole history again, behind a queue. The turn goes through P, and says why.

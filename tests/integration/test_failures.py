@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.cluster import Dialogue, metric, sim_control, start_cluster, wait_for
+from tests.integration.cluster import REAL_TIME, Dialogue, metric, sim_control, start_cluster, wait_for
 from turnkv import launch
 from turnkv.bench.redis_server import RedisServer
 
@@ -78,9 +78,7 @@ def test_prefill_500_on_pull_is_retried_without_the_handle(procs: list[launch.Ru
         assert d.step().outcome == "full"
 
 
-# real engines in real time on a shared CPU: the engines' and the gateway's clocks race the load, so a
-# run on a busy machine may see another moment than the one the test sets up; a fault fails every run
-@pytest.mark.flaky(reruns=2)
+@REAL_TIME
 def test_decode_engine_restart(procs: list[launch.Running], tmp_path: Path) -> None:
     c = start_cluster(procs, tmp_path, prefill_flags=("--no-prefix-caching",))
     with Dialogue(c) as d:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cluster import Dialogue, metric, sim_state, start_cluster, wait_for
+from tests.integration.cluster import REAL_TIME, Dialogue, metric, sim_state, start_cluster, wait_for
 from turnkv import launch
 from turnkv.bench.redis_server import RedisServer
 
@@ -37,9 +37,7 @@ def test_adaptive_path_follows_the_link(procs: list[launch.Running], tmp_path: P
         assert second.reason == "cheaper_to_recompute"
 
 
-# real engines in real time on a shared CPU: the engines' and the gateway's clocks race the load, so a
-# run on a busy machine may see another moment than the one the test sets up; a fault fails every run
-@pytest.mark.flaky(reruns=2)
+@REAL_TIME
 def test_a_link_fast_only_towards_decode_is_learnt_from_the_first_pull(
     procs: list[launch.Running], tmp_path: Path
 ) -> None:

@@ -30,7 +30,7 @@ _POLICY = {"vllm-multiturn": "vllm-multiturn", "ahead": "always-pull", "beside":
 # every configuration pulls D's handle on every later turn: none writes it back to P instead (vLLM's proxy
 # keeps every handle until the next turn takes it, and the other two are measured against it)
 _NO_WRITE_BACK = ("TURNKV_WRITE_BACK__MODE", "off")
-_ENV = {"beside": (("TURNKV_AHEAD_CHECK", "render"), _NO_WRITE_BACK)}
+_ENV = {"beside": (("TURNKV_AHEAD_CHECK", "render"),)}
 
 
 def _conversations(history: int, link: str, conversations: int | None) -> int:
@@ -52,7 +52,7 @@ def _bench(history: int, link: str, config: str, conversations: int | None) -> B
         prefill_flags=("--no-prefix-caching",),
         decode_flags=("--link", d_link) if d_link else (),
         gateway_flags=("--policy", _POLICY[config]),
-        gateway_env=_ENV.get(config, (_NO_WRITE_BACK,)),
+        gateway_env=(*_ENV.get(config, ()), _NO_WRITE_BACK),
     )
     what = {
         "vllm-multiturn": "turnkv --policy vllm-multiturn (vLLM's multi-turn proxy: no render, no check)",
